@@ -1,0 +1,43 @@
+"""shardwise: chunk-based ZeRO (stages 1-3) for PyTorch.
+
+The public names below are configurations of one chunk engine: parameters live in flat chunks
+sharded over the data-parallel ranks, gradients are reduced per chunk, and a sharded fp32
+master copy is stepped by any elementwise torch optimizer.
+"""
+
+from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
+from shardwise.chunk import ChunkManager
+from shardwise.comm import CommOp, CommStats
+from shardwise.gemini import GeminiManager
+from shardwise.zero import (
+    GeminiDDP,
+    MixedPrecision,
+    ZeroConfig,
+    ZeroDDP,
+    ZeroModel,
+    ZeroOptimizer,
+    zero_model_wrapper,
+    zero_optim_wrapper,
+)
+from shardwise.zero.colo_ddp import ColoDDP
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChunkManager",
+    "ColoDDP",
+    "CommOp",
+    "CommStats",
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "GeminiDDP",
+    "GeminiManager",
+    "GradScaler",
+    "MixedPrecision",
+    "ZeroConfig",
+    "ZeroDDP",
+    "ZeroModel",
+    "ZeroOptimizer",
+    "zero_model_wrapper",
+    "zero_optim_wrapper",
+]

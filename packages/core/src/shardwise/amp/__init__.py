@@ -1,0 +1,5 @@
+"""Loss scaling for mixed-precision training."""
+
+from shardwise.amp.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+
+__all__ = ["ConstantGradScaler", "DynamicGradScaler", "GradScaler"]

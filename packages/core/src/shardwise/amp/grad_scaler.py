@@ -1,0 +1,227 @@
+"""Loss scalers: a constant one, and the dynamic one fp16 training needs."""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping
+from typing import Any
+
+_DYNAMIC_KEYS = (
+    "scale",
+    "growth_step",
+    "hysteresis_step",
+    "num_overflows",
+    "num_steps",
+    "initial_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+)
+
+
+class GradScaler(abc.ABC):
+    """What the ZeRO optimizers call: the current scale, and an update after every step."""
+
+    def __init__(self) -> None:
+        self.num_overflows = 0
+        self.num_steps = 0
+
+    @property
+    @abc.abstractmethod
+    def scale(self) -> float:
+        """The current loss scale."""
+
+    @abc.abstractmethod
+    def update(self, overflow: bool) -> None:
+        """Record one step, `overflow` telling whether any rank's gradient was inf or nan."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def _count(self, overflow: bool) -> None:
+        self.num_steps += 1
+        if overflow:
+            self.num_overflows += 1
+
+
+def _check_number(owner: str, name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}: {name} must be finite, got {value}")
+    return float(value)
+
+
+def _check_count(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{owner}: {name} must be >= 1, got {value}")
+    return value
+
+
+class ConstantGradScaler(GradScaler):
+    """A scale that never changes (fp32 and bf16 training use 1.0); overflows are counted.
+
+    Args:
+        scale: the loss scale, > 0.
+    """
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        value = _check_number("ConstantGradScaler", "scale", scale)
+        if value <= 0:
+            raise ValueError(f"ConstantGradScaler: scale must be > 0, got {scale}")
+        self._scale = value
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    def update(self, overflow: bool) -> None:
+        self._count(overflow)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "constant",
+            "scale": self._scale,
+            "num_overflows": self.num_overflows,
+            "num_steps": self.num_steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != "constant":
+            raise ValueError(f"not a ConstantGradScaler state: kind={state.get('kind')!r}")
+        for key in ("scale", "num_overflows", "num_steps"):
+            if key not in state:
+                raise ValueError(f"ConstantGradScaler state is missing {key!r}")
+        self._scale = float(state["scale"])
+        self.num_overflows = int(state["num_overflows"])
+        self.num_steps = int(state["num_steps"])
+
+    def __repr__(self) -> str:
+        return (
+            f"ConstantGradScaler(scale={self._scale}, steps={self.num_steps}, "
+            f"overflows={self.num_overflows})"
+        )
+
+
+class DynamicGradScaler(GradScaler):
+    """Loss scale that backs off on overflow and grows after a run of clean steps.
+
+    On an overflow the hysteresis counter rises and the growth counter resets; once the counter
+    reaches `hysteresis`, this and every further overflow multiply the scale by
+    `backoff_factor` (never below `min_scale`). After `growth_interval` clean steps in a row the
+    scale is multiplied by `growth_factor` (never above `max_scale`) and the hysteresis counter
+    resets.
+
+    Args:
+        initial_scale: starting scale.
+        growth_factor: factor > 1 applied after `growth_interval` clean steps.
+        backoff_factor: factor in (0, 1) applied on overflow once hysteresis is used up.
+        growth_interval: clean steps between growths, >= 1.
+        hysteresis: overflows tolerated before backing off, >= 1.
+        min_scale: lower bound, > 0.
+        max_scale: upper bound, >= initial_scale.
+    """
+
+    def __init__(
+        self,
+        initial_scale: float = 2**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        max_scale: float = 2**32,
+    ) -> None:
+        super().__init__()
+        owner = "DynamicGradScaler"
+        self.initial_scale = _check_number(owner, "initial_scale", initial_scale)
+        self.growth_factor = _check_number(owner, "growth_factor", growth_factor)
+        self.backoff_factor = _check_number(owner, "backoff_factor", backoff_factor)
+        self.growth_interval = _check_count(owner, "growth_interval", growth_interval)
+        self.hysteresis = _check_count(owner, "hysteresis", hysteresis)
+        self.min_scale = _check_number(owner, "min_scale", min_scale)
+        self.max_scale = _check_number(owner, "max_scale", max_scale)
+        if self.growth_factor <= 1:
+            raise ValueError(f"{owner}: growth_factor must be > 1, got {growth_factor}")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"{owner}: backoff_factor must be in (0, 1), got {backoff_factor}")
+        if self.min_scale <= 0:
+            raise ValueError(f"{owner}: min_scale must be > 0, got {min_scale}")
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise ValueError(
+                f"{owner}: need min_scale <= initial_scale <= max_scale, got {min_scale}, "
+                f"{initial_scale}, {max_scale}"
+            )
+        self._scale = self.initial_scale
+        self.growth_step = 0
+        self.hysteresis_step = 0
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    def update(self, overflow: bool) -> None:
+        self._count(overflow)
+        if overflow:
+            self.hysteresis_step += 1
+            self.growth_step = 0
+            if self.hysteresis_step >= self.hysteresis:
+                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+        else:
+            self.growth_step += 1
+            if self.growth_step == self.growth_interval:
+                self.growth_step = 0
+                self.hysteresis_step = 0
+                self._scale = min(self._scale * self.growth_factor, self.max_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "dynamic",
+            "scale": self._scale,
+            "growth_step": self.growth_step,
+            "hysteresis_step": self.hysteresis_step,
+            "num_overflows": self.num_overflows,
+            "num_steps": self.num_steps,
+            "initial_scale": self.initial_scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != "dynamic":
+            raise ValueError(f"not a DynamicGradScaler state: kind={state.get('kind')!r}")
+        for key in _DYNAMIC_KEYS:
+            if key not in state:
+                raise ValueError(f"DynamicGradScaler state is missing {key!r}")
+        self.initial_scale = float(state["initial_scale"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self.hysteresis = int(state["hysteresis"])
+        self.min_scale = float(state["min_scale"])
+        self.max_scale = float(state["max_scale"])
+        self._scale = float(state["scale"])
+        self.growth_step = int(state["growth_step"])
+        self.hysteresis_step = int(state["hysteresis_step"])
+        self.num_overflows = int(state["num_overflows"])
+        self.num_steps = int(state["num_steps"])
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicGradScaler(scale={self._scale}, growth_step={self.growth_step}, "
+            f"hysteresis_step={self.hysteresis_step}, overflows={self.num_overflows})"
+        )

@@ -1,0 +1,7 @@
+"""Chunks: flat, sharded buffers of parameters, and the manager that packs them."""
+
+from shardwise.chunk.chunk import Chunk, ChunkDtypes, TensorInfo
+from shardwise.chunk.manager import ChunkManager
+from shardwise.chunk.states import ChunkState, TensorState
+
+__all__ = ["Chunk", "ChunkDtypes", "ChunkManager", "ChunkState", "TensorInfo", "TensorState"]

@@ -1,0 +1,383 @@
+"""A chunk: one flat buffer holding many parameters, sharded evenly over the ranks.
+
+[Note: chunk buffers]
+- `full`: the whole payload (numel padded to a multiple of the world size). Parameters are
+  permanent views into the *compute* buffer (`full` itself, or `full_compute` when the compute
+  dtype differs from the payload dtype). Releasing a chunk resizes that storage to zero instead
+  of dropping it, so views that autograd saved during forward see the re-gathered data in
+  backward (the same trick torch's FSDP uses).
+- `shard`: this rank's slice of the payload, always resident (a view into `full` when the chunk
+  keeps its payload gathered, as in stages 1 and 2).
+- `master`: fp32 copy of `shard` for the optimizer; the same tensor as `shard` when the payload
+  is already fp32, so fp32 training keeps no second copy.
+- `grad_full`: gradients of the whole chunk, in the reduce dtype, filled by gradient hooks and
+  reduce-scattered into `grad_shard` (fp32), which the optimizer reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from shardwise import comm
+from shardwise.chunk.states import ChunkState, TensorState
+from shardwise.comm import CommStats
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    """Where one parameter lives inside its chunk."""
+
+    name: str
+    param: nn.Parameter
+    offset: int  # first element in the chunk's full buffer
+    numel: int
+    shape: torch.Size
+    state: TensorState
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDtypes:
+    """Dtypes of a chunk's buffers: storage and gathers, compute, gradient reduction."""
+
+    payload: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+
+
+class Chunk:
+    """Many parameters in one flat buffer; rank r owns the r-th of `world_size` equal slices.
+
+    Args:
+        chunk_id: position of the chunk in its manager, also its reduction order key.
+        capacity_numel: elements the chunk may hold before it is closed.
+        dtypes: payload, compute and reduce dtypes.
+        device: where the payload and gathered buffers live.
+        group: process group the chunk is sharded over.
+        stats: collective counters.
+        keep_gathered: keep the full payload resident (stages 1 and 2); only optimizer state
+            and reduced gradients are sharded then.
+        requires_grad: whether the chunk's parameters are trainable (frozen ones get a chunk of
+            their own, with no gradient or master buffers).
+    """
+
+    def __init__(
+        self,
+        *,
+        chunk_id: int,
+        capacity_numel: int,
+        dtypes: ChunkDtypes,
+        device: torch.device,
+        group: ProcessGroup | None,
+        stats: CommStats,
+        keep_gathered: bool,
+        requires_grad: bool,
+    ) -> None:
+        self.chunk_id = chunk_id
+        self.capacity_numel = capacity_numel
+        self.dtypes = dtypes
+        self.device = device
+        self.group = group
+        self.stats = stats
+        self.keep_gathered = keep_gathered
+        self.requires_grad = requires_grad
+        self.world_size = comm.world_size(group)
+        self.rank = comm.rank(group)
+        self.tensors: list[TensorInfo] = []
+        self.numel = 0
+        self.closed = False
+        self.state = ChunkState.GATHERED
+        self.num_grads_ready = 0
+        self.num_trainable = 0
+        # Buffers, allocated by close(); see [Note: chunk buffers].
+        self.full = torch.empty(0, dtype=dtypes.payload, device=device)
+        self.full_compute: torch.Tensor | None = None
+        self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
+        self.master = torch.empty(0, dtype=torch.float32, device=device)
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard = torch.empty(0, dtype=torch.float32, device=device)
+        self._pending_gather: tuple[torch.distributed.Work, torch.Tensor] | None = None
+        self._pending_reduce: tuple[torch.distributed.Work | None, torch.Tensor] | None = None
+
+    # ---- packing ---------------------------------------------------------------------------
+
+    def can_fit(self, numel: int) -> bool:
+        return not self.closed and self.numel + numel <= self.capacity_numel
+
+    def append(self, name: str, param: nn.Parameter) -> None:
+        """Reserve room for `param`; its data is copied in by close()."""
+        if not self.can_fit(param.numel()):
+            raise RuntimeError(
+                f"chunk {self.chunk_id} cannot fit {name} ({param.numel()} elements)"
+            )
+        self.tensors.append(
+            TensorInfo(name, param, self.numel, param.numel(), param.shape, TensorState.HOLD)
+        )
+        self.numel += param.numel()
+        if param.requires_grad:
+            self.num_trainable += 1
+
+    @property
+    def padded_numel(self) -> int:
+        return -(-self.numel // self.world_size) * self.world_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def shard_begin(self) -> int:
+        return self.rank * self.shard_numel
+
+    def close(self, src_rank: int = 0) -> None:
+        """Copy the parameters into the flat buffer, make every rank hold `src_rank`'s values,
+        point the parameters at the buffer, and keep this rank's shard."""
+        if self.closed:
+            raise RuntimeError(f"chunk {self.chunk_id} is already closed")
+        self.closed = True
+        self.full = torch.zeros(self.padded_numel, dtype=self.dtypes.payload, device=self.device)
+        for info in self.tensors:
+            self.full[info.offset : info.offset + info.numel].copy_(info.param.data.reshape(-1))
+        # Ranks may have built the model with different random states: rank 0's values win,
+        # as in DDP, so every rank starts from the same parameters.
+        comm.broadcast(self.full, src_rank, self.stats, self.group)
+        if self.dtypes.compute != self.dtypes.payload:
+            self.full_compute = self.full.to(self.dtypes.compute)
+        compute = self._compute_buffer()
+        for info in self.tensors:
+            info.param.data = compute[info.offset : info.offset + info.numel].view(info.shape)
+        begin, end = self.shard_begin, self.shard_begin + self.shard_numel
+        if self.keep_gathered:
+            self.shard = self.full[begin:end]
+        else:
+            self.shard = self.full[begin:end].clone()
+        if self.requires_grad:
+            if self.dtypes.payload == torch.float32:
+                self.master = self.shard
+            else:
+                self.master = self.shard.to(torch.float32)
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        if not self.keep_gathered:
+            self.release()
+
+    def _compute_buffer(self) -> torch.Tensor:
+        return self.full if self.full_compute is None else self.full_compute
+
+    # ---- gather / release ------------------------------------------------------------------
+
+    def start_gather(self) -> None:
+        """Launch the all-gather of the payload without waiting (a prefetch)."""
+        if self.state is ChunkState.GATHERED or self._pending_gather is not None:
+            return
+        self._materialise(self.full)
+        work = comm.all_gather(self.full, self.shard, self.stats, self.group, async_op=True)
+        if work is not None:
+            self._pending_gather = (work, self.full)
+        else:
+            self._finish_gather()
+
+    def gather(self) -> None:
+        """Make the full payload valid on this rank (waiting for a prefetch if one is running)."""
+        if self.state is ChunkState.GATHERED:
+            return
+        if self._pending_gather is None:
+            self._materialise(self.full)
+            comm.all_gather(self.full, self.shard, self.stats, self.group)
+        else:
+            work, _ = self._pending_gather
+            work.wait()
+            self._pending_gather = None
+        self._finish_gather()
+
+    def _finish_gather(self) -> None:
+        if self.full_compute is not None:
+            self._materialise(self.full_compute)
+            self.full_compute.copy_(self.full)
+            # The 16-bit payload is only a staging buffer once the compute copy exists.
+            self._free(self.full)
+        self.state = ChunkState.GATHERED
+        for info in self.tensors:
+            info.state = TensorState.HOLD
+
+    def release(self) -> None:
+        """Drop the full payload, keeping only this rank's shard."""
+        if self.keep_gathered:
+            raise RuntimeError(f"chunk {self.chunk_id} keeps its payload gathered")
+        if self.state is ChunkState.SHARDED:
+            return
+        for info in self.tensors:
+            if info.state is TensorState.COMPUTE:
+                raise RuntimeError(f"cannot release chunk {self.chunk_id}: {info.name} is in use")
+        self._free(self.full)
+        if self.full_compute is not None:
+            self._free(self.full_compute)
+        self.state = ChunkState.SHARDED
+        for info in self.tensors:
+            info.state = TensorState.FREE
+
+    def _materialise(self, buffer: torch.Tensor) -> None:
+        nbytes = buffer.numel() * buffer.element_size()
+        if buffer.untyped_storage().size() != nbytes:
+            buffer.untyped_storage().resize_(nbytes)
+
+    @staticmethod
+    def _free(buffer: torch.Tensor) -> None:
+        buffer.untyped_storage().resize_(0)
+
+    # ---- tensor states ---------------------------------------------------------------------
+
+    def set_compute(self, index: int) -> None:
+        info = self.tensors[index]
+        if info.state is TensorState.FREE:
+            raise RuntimeError(f"{info.name} used while chunk {self.chunk_id} is not gathered")
+        if info.state is TensorState.HOLD:
+            info.state = TensorState.COMPUTE
+
+    def set_hold(self, index: int) -> None:
+        info = self.tensors[index]
+        if info.state is TensorState.COMPUTE:
+            info.state = TensorState.HOLD
+
+    @property
+    def in_use(self) -> bool:
+        return any(info.state is TensorState.COMPUTE for info in self.tensors)
+
+    # ---- gradients -------------------------------------------------------------------------
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> bool:
+        """Accumulate one parameter's gradient into the chunk's gradient buffer.
+
+        Returns True when every trainable tensor of the chunk has its gradient for this pass.
+        """
+        info = self.tensors[index]
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(
+                self.padded_numel, dtype=self.dtypes.reduce, device=self.device
+            )
+        self.grad_full[info.offset : info.offset + info.numel].add_(grad.reshape(-1))
+        if info.state is not TensorState.READY_FOR_REDUCE:
+            info.state = TensorState.READY_FOR_REDUCE
+            self.num_grads_ready += 1
+        return self.num_grads_ready == self.num_trainable
+
+    @property
+    def has_grads(self) -> bool:
+        return self.grad_full is not None
+
+    def start_reduce(self) -> None:
+        """Launch the reduce-scatter of the gradient buffer without waiting. A chunk whose
+        parameters got no gradient on this rank contributes zeros, so every rank issues the
+        same collectives."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(
+                self.padded_numel, dtype=self.dtypes.reduce, device=self.device
+            )
+        reduced = torch.empty(self.shard_numel, dtype=self.dtypes.reduce, device=self.device)
+        work = comm.reduce_scatter(reduced, self.grad_full, self.stats, self.group, async_op=True)
+        self._pending_reduce = (work, reduced)
+
+    def finish_reduce(self, *, keep_full: bool) -> None:
+        """Wait for the reduce-scatter, average over ranks and add this rank's slice to
+        `grad_shard`.
+
+        Args:
+            keep_full: keep `grad_full` allocated (zeroed) for the next pass instead of freeing it.
+        """
+        assert self._pending_reduce is not None, "finish_reduce without start_reduce"
+        work, reduced = self._pending_reduce
+        self._pending_reduce = None
+        if work is not None:
+            work.wait()
+        if self.world_size > 1:
+            reduced.div_(self.world_size)
+        self.grad_shard.add_(reduced)
+        if keep_full:
+            assert self.grad_full is not None
+            self.grad_full.zero_()
+        else:
+            self.grad_full = None
+        self.end_pass_without_reduce()
+
+    def reduce_grads(self, *, keep_full: bool) -> None:
+        """Reduce-scatter the gradients and add this rank's averaged slice to `grad_shard`."""
+        self.start_reduce()
+        self.finish_reduce(keep_full=keep_full)
+
+    def end_pass_without_reduce(self) -> None:
+        """Close a backward pass whose gradients stay unreduced in `grad_full` (no_sync, or
+        stage 1), so the next pass counts its gradients afresh."""
+        self.num_grads_ready = 0
+        for info in self.tensors:
+            if info.state is TensorState.READY_FOR_REDUCE:
+                info.state = TensorState.HOLD
+
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+
+    # ---- after the optimizer step ----------------------------------------------------------
+
+    def publish_master(self) -> None:
+        """Copy the updated fp32 master into the payload; refresh the gathered copy if kept."""
+        if self.master is not self.shard:
+            self.shard.copy_(self.master)
+        if self.keep_gathered:
+            # The shard aliases this rank's slice of `full`; send a copy because a collective
+            # may not read and write the same memory.
+            comm.all_gather(self.full, self.shard.clone(), self.stats, self.group)
+            if self.full_compute is not None:
+                self.full_compute.copy_(self.full)
+
+    def write_tensor(self, index: int, values: torch.Tensor) -> None:
+        """Overwrite tensor `index` with `values` (any shape with the same numel) in every
+        buffer this rank holds: its shard, its master slice and, if gathered, the full copy."""
+        info = self.tensors[index]
+        flat = values.reshape(-1).to(device=self.device, dtype=torch.float32)
+        owned = self.tensor_shard_range(index)
+        if owned is not None:
+            begin, end = owned
+            source = flat[
+                begin + self.shard_begin - info.offset : end + self.shard_begin - info.offset
+            ]
+            self.shard[begin:end].copy_(source)
+            if self.requires_grad and self.master is not self.shard:
+                self.master[begin:end].copy_(source)
+        if self.state is ChunkState.GATHERED:
+            self.full[info.offset : info.offset + info.numel].copy_(flat)
+            if self.full_compute is not None:
+                self.full_compute[info.offset : info.offset + info.numel].copy_(flat)
+
+    def tensor_shard_range(self, index: int) -> tuple[int, int] | None:
+        """The part of tensor `index` this rank owns, as (begin, end) within the shard."""
+        info = self.tensors[index]
+        begin = max(info.offset, self.shard_begin)
+        end = min(info.offset + info.numel, self.shard_begin + self.shard_numel)
+        if begin >= end:
+            return None
+        return begin - self.shard_begin, end - self.shard_begin
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes this chunk holds now, per buffer kind."""
+
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.untyped_storage().size()
+
+        payload = nbytes(self.full) + nbytes(self.full_compute)
+        if not self.keep_gathered:
+            payload += nbytes(self.shard)
+        master = 0 if self.master is self.shard else nbytes(self.master)
+        return {
+            "params": payload,
+            "master": master,
+            "grads": nbytes(self.grad_full) + nbytes(self.grad_shard),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Chunk(id={self.chunk_id}, tensors={len(self.tensors)}, numel={self.numel}, "
+            f"padded={self.padded_numel}, state={self.state.value})"
+        )

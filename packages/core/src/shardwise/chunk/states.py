@@ -1,0 +1,30 @@
+"""The state machines of a chunk and of each tensor it holds."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ChunkState(Enum):
+    """Whether a chunk's whole payload is materialised on this rank."""
+
+    SHARDED = "sharded"
+    """Only this rank's shard of the payload is allocated; the full buffer's storage is
+    resized to zero and the parameters that view it must not be read."""
+    GATHERED = "gathered"
+    """The full payload is allocated and valid on this rank; parameters view it."""
+
+
+class TensorState(Enum):
+    """Where one tensor of a chunk is in the life of a training step."""
+
+    FREE = "free"
+    """The chunk is sharded: the tensor has no data on this rank."""
+    HOLD = "hold"
+    """The chunk is gathered and the tensor's data is valid, but no op is using it now."""
+    COMPUTE = "compute"
+    """A forward or backward op of the module owning the tensor is running; its chunk must
+    stay gathered."""
+    READY_FOR_REDUCE = "ready_for_reduce"
+    """This backward pass's gradient for the tensor is complete and has been copied into the
+    chunk's gradient buffer; the chunk is reduced once all its trainable tensors are here."""

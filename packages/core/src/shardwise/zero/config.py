@@ -1,0 +1,116 @@
+"""Frozen configuration objects of the ZeRO engine, validated once when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed import ProcessGroup
+
+from shardwise.chunk import ChunkDtypes
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEFAULT_CHUNK_SIZE_NUMEL = 32 * 1024 * 1024
+
+
+def default_device() -> torch.device:
+    """`cuda:<current>` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_dtype(name: str, value: object) -> None:
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, got {type(value).__name__} {value!r}")
+    if value not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"{name} must be one of torch.float32, torch.float16, torch.bfloat16, got {value}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MixedPrecision:
+    """Dtypes of the engine's tensors.
+
+    Args:
+        param_dtype: dtype parameters are stored and gathered in (the "16-bit copy" in mixed
+            precision). The fp32 master weights are always kept separately when this is not fp32.
+        compute_dtype: dtype forward and backward run in; defaults to `param_dtype`. Setting
+            fp32 with a 16-bit `param_dtype` stores and communicates 16-bit but computes in fp32
+            (useful on CPUs, where 16-bit matrix math is slow).
+        reduce_dtype: dtype gradients are reduced in; defaults to `param_dtype`
+            (`fp32_reduce_scatter=True` in the seeds' terms is `reduce_dtype=torch.float32`).
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        _check_dtype("param_dtype", self.param_dtype)
+        if self.compute_dtype is not None:
+            _check_dtype("compute_dtype", self.compute_dtype)
+        if self.reduce_dtype is not None:
+            _check_dtype("reduce_dtype", self.reduce_dtype)
+
+    def chunk_dtypes(self) -> ChunkDtypes:
+        return ChunkDtypes(
+            payload=self.param_dtype,
+            compute=self.compute_dtype or self.param_dtype,
+            reduce=self.reduce_dtype or self.param_dtype,
+        )
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        """fp16 gradients overflow without a dynamic loss scale; fp32 and bf16 do not need one."""
+        dtypes = self.chunk_dtypes()
+        return torch.float16 in (dtypes.payload, dtypes.compute, dtypes.reduce)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """How a model is sharded.
+
+    Args:
+        stage: 0 (replicated, gradients all-reduced), 1 (optimizer state sharded), 2 (also
+            gradients sharded) or 3 (also parameters sharded).
+        device: compute device; the chunks' payloads live there.
+        mixed_precision: parameter, compute and reduction dtypes.
+        chunk_size_numel: elements per chunk (stage 3) or gradient bucket (stages 0-2).
+        process_group: the data-parallel group; None means the default group.
+        overlap_communication: launch gradient reductions asynchronously during backward and
+            wait for them at its end (stages 2 and 3).
+        prefetch: gather the next chunk in recorded execution order while the current one
+            computes (stage 3).
+        force_outputs_fp32: cast floating-point outputs of the model to fp32.
+    """
+
+    stage: int
+    device: torch.device
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    chunk_size_numel: int = DEFAULT_CHUNK_SIZE_NUMEL
+    process_group: ProcessGroup | None = None
+    overlap_communication: bool = False
+    prefetch: bool = True
+    force_outputs_fp32: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int):
+            raise TypeError(
+                f"zero_stage must be an int 0-3, got {type(self.stage).__name__} {self.stage!r}"
+            )
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.stage}")
+        if not isinstance(self.device, torch.device):
+            raise TypeError(f"device must be a torch.device, got {self.device!r}")
+        if isinstance(self.chunk_size_numel, bool) or not isinstance(self.chunk_size_numel, int):
+            raise TypeError(
+                f"chunk size must be an int number of elements, got {self.chunk_size_numel!r}"
+            )
+        if self.chunk_size_numel < 1:
+            raise ValueError(f"chunk size must be at least 1 element, got {self.chunk_size_numel}")
+        if not isinstance(self.mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"mixed_precision must be a MixedPrecision, got {self.mixed_precision!r}"
+            )

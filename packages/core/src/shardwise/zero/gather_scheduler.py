@@ -1,0 +1,188 @@
+"""Stage 3: gather each chunk just before a module that uses it runs, release it after.
+
+[Note: recorded execution order]
+The first forward and backward of a model record which chunks each module call needs, in
+order. From then on that record drives two things: a chunk is released in forward right after
+the last module call that uses it (so a tied embedding used again by the head stays gathered),
+and the next chunk in the record is gathered asynchronously while the current module computes.
+The first pass releases only at the end of forward. If a later pass departs from the record
+(data-dependent control flow) the rest of that pass falls back to on-demand gathers and
+releases at the end of forward: slower, never wrong. Every rank must run the same modules in
+the same order, as with any ZeRO-3 engine, since gathers are collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from shardwise.chunk import Chunk, ChunkManager, ChunkState
+
+
+class _Trace:
+    """The chunk ids each module call needed, in order, with replay bookkeeping."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, ...]] = []
+        self.recorded = False
+        self.position = 0
+        self.on_track = True
+
+    def begin(self) -> None:
+        self.position = 0
+        self.on_track = self.recorded
+
+    def visit(self, chunk_ids: tuple[int, ...]) -> None:
+        if not self.recorded:
+            self.steps.append(chunk_ids)
+        elif self.on_track and (
+            self.position >= len(self.steps) or self.steps[self.position] != chunk_ids
+        ):
+            self.on_track = False
+        self.position += 1
+
+    def upcoming(self) -> tuple[int, ...]:
+        if self.on_track and self.position < len(self.steps):
+            return self.steps[self.position]
+        return ()
+
+    def finish(self) -> None:
+        if not self.recorded and self.steps:
+            self.recorded = True
+
+
+class GatherScheduler:
+    """Hooks on every module that directly owns managed parameters.
+
+    Args:
+        module: the user's model.
+        chunk_manager: its chunks (sharded, not kept gathered).
+        prefetch: gather the next chunk of the recorded order asynchronously.
+    """
+
+    def __init__(self, module: nn.Module, chunk_manager: ChunkManager, *, prefetch: bool) -> None:
+        self.chunk_manager = chunk_manager
+        self.prefetch = prefetch
+        self._forward = _Trace()
+        self._backward = _Trace()
+        self._last_forward_use: dict[int, int] = {}
+        self._in_backward = False
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        for submodule in module.modules():
+            places = [
+                chunk_manager.locate(p)
+                for p in submodule.parameters(recurse=False)
+                if chunk_manager.manages(p)
+            ]
+            if not places:
+                continue
+            self._handles.append(submodule.register_forward_pre_hook(self._pre_forward(places)))
+            self._handles.append(submodule.register_forward_hook(self._post_forward(places)))
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        self._forward.begin()
+
+    def end_forward(self) -> None:
+        """Release every chunk not in use; record the forward order after the first pass."""
+        if not self._forward.recorded:
+            self._forward.finish()
+            self._last_forward_use = {
+                chunk_id: position
+                for position, chunk_ids in enumerate(self._forward.steps)
+                for chunk_id in chunk_ids
+            }
+        self.release_all()
+
+    def _pre_forward(self, places: list[tuple[Chunk, int]]) -> Any:
+        chunks = _unique_chunks(places)
+        chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
+
+        def hook(module: nn.Module, args: Any) -> None:
+            trace = self._backward if self._in_backward else self._forward
+            trace.visit(chunk_ids)
+            for chunk in chunks:
+                chunk.gather()
+            for chunk, index in places:
+                chunk.set_compute(index)
+            self._prefetch(trace)
+
+        return hook
+
+    def _post_forward(self, places: list[tuple[Chunk, int]]) -> Any:
+        chunks = _unique_chunks(places)
+        needs_grad = any(chunk.tensors[index].param.requires_grad for chunk, index in places)
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            position = self._forward.position - 1
+            for chunk, index in places:
+                chunk.set_hold(index)
+            if not self._in_backward and self._forward.on_track:
+                for chunk in chunks:
+                    if self._last_forward_use.get(chunk.chunk_id) == position and not chunk.in_use:
+                        chunk.release()
+            if torch.is_grad_enabled():
+                self._register_pre_backward(output, chunks, needs_grad)
+
+        return hook
+
+    # ---- backward ----------------------------------------------------------------------------
+
+    def _register_pre_backward(self, output: Any, chunks: list[Chunk], needs_grad: bool) -> None:
+        chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
+
+        def hook(grad: torch.Tensor) -> None:
+            if not self._in_backward:
+                self._in_backward = True
+                self._backward.begin()
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._backward.visit(chunk_ids)
+            for chunk in chunks:
+                chunk.gather()
+            self._prefetch(self._backward)
+
+        leaves, _ = tree_flatten(output)
+        for tensor in leaves:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(hook)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        self._backward.finish()
+        self.release_all()
+
+    # ---- shared ------------------------------------------------------------------------------
+
+    def _prefetch(self, trace: _Trace) -> None:
+        if not self.prefetch:
+            return
+        for chunk_id in trace.upcoming():
+            chunk = self.chunk_manager.chunks[chunk_id]
+            if chunk.state is ChunkState.SHARDED:
+                chunk.start_gather()
+
+    def on_chunk_reduced(self, chunk: Chunk) -> None:
+        """A chunk's gradients are reduced: backward needs its parameters no more."""
+        if not chunk.in_use:
+            chunk.release()
+
+    def release_all(self) -> None:
+        for chunk in self.chunk_manager.chunks:
+            if chunk.state is ChunkState.GATHERED and not chunk.in_use:
+                chunk.release()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _unique_chunks(places: list[tuple[Chunk, int]]) -> list[Chunk]:
+    seen: dict[int, Chunk] = {}
+    for chunk, _ in places:
+        seen.setdefault(chunk.chunk_id, chunk)
+    return list(seen.values())

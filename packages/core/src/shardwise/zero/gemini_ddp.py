@@ -1,0 +1,149 @@
+"""Stage 3 under its seed names: GeminiDDP / ZeroDDP, and its construction from a config dict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.chunk import ChunkManager
+from shardwise.gemini import GeminiManager
+from shardwise.zero.config import (
+    DEFAULT_CHUNK_SIZE_NUMEL,
+    MixedPrecision,
+    ZeroConfig,
+    default_device,
+)
+from shardwise.zero.model import ZeroModel
+
+_GEMINI_CONFIG_KEYS = (
+    "device",
+    "placement_policy",
+    "pin_memory",
+    "force_outputs_fp32",
+    "strict_ddp_mode",
+    "chunk_size_numel",
+    "hidden_dim",
+    "mixed_precision",
+    "process_group",
+    "prefetch",
+)
+
+
+class GeminiDDP(ZeroModel):
+    """ZeRO stage 3: parameters, gradients and optimizer state sharded in chunks.
+
+    Each chunk is all-gathered just before the first module that uses it runs (forward and
+    backward), released after its last use, and its gradients are reduce-scattered as soon as
+    the chunk's last gradient is ready. The chunk after the current one, in the order recorded
+    during the first iteration, is prefetched.
+
+    Args:
+        module: the model to shard.
+        gemini_manager: placement policy and the (empty) chunk manager to pack into; the chunk
+            manager's device, dtypes, chunk size and process group apply.
+        pin_memory: pin host copies of chunks; only meaningful when chunks live in host memory
+            while computing on CUDA, which the "cuda" policy never does.
+        force_outputs_fp32: cast floating-point outputs to fp32.
+        strict_ddp_mode: replicate every tensor instead of sharding; refused here, since that
+            is plain data parallelism: use `ColoDDP` or `zero_model_wrapper(zero_stage=1)`.
+        prefetch: gather the next chunk of the recorded order ahead of its use.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        gemini_manager: GeminiManager,
+        pin_memory: bool = False,
+        force_outputs_fp32: bool = False,
+        strict_ddp_mode: bool = False,
+        *,
+        prefetch: bool = True,
+    ) -> None:
+        if not isinstance(gemini_manager, GeminiManager):
+            raise TypeError(
+                f"gemini_manager must be a GeminiManager, got {type(gemini_manager).__name__}"
+            )
+        for name, value in (
+            ("pin_memory", pin_memory),
+            ("force_outputs_fp32", force_outputs_fp32),
+            ("strict_ddp_mode", strict_ddp_mode),
+            ("prefetch", prefetch),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        if strict_ddp_mode:
+            raise ValueError(
+                "strict_ddp_mode=True replicates every tensor, which is plain data parallelism: "
+                "use ColoDDP(module) or zero_model_wrapper(model, zero_stage=1) instead"
+            )
+        chunk_manager = gemini_manager.chunk_manager
+        if chunk_manager.keep_gathered:
+            raise ValueError(
+                "GeminiDDP shards parameters: build its ChunkManager with keep_gathered=False"
+            )
+        dtypes = chunk_manager.dtypes
+        config = ZeroConfig(
+            stage=3,
+            device=chunk_manager.device,
+            mixed_precision=MixedPrecision(
+                param_dtype=dtypes.payload, compute_dtype=dtypes.compute, reduce_dtype=dtypes.reduce
+            ),
+            chunk_size_numel=chunk_manager.chunk_size_numel,
+            process_group=chunk_manager.group,
+            prefetch=prefetch,
+            force_outputs_fp32=force_outputs_fp32,
+        )
+        self.gemini_manager = gemini_manager
+        self.pin_memory = pin_memory
+        super().__init__(module, config, chunk_manager)
+
+
+ZeroDDP = GeminiDDP
+
+
+def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -> GeminiDDP:
+    """Build a GeminiDDP from `zero_model_wrapper`'s `gemini_config` dict.
+
+    Keys: device (default cuda:<current> or cpu), placement_policy ("cuda"/"device"),
+    pin_memory, force_outputs_fp32, strict_ddp_mode, chunk_size_numel (elements per chunk),
+    hidden_dim (chunk size rounded up to a multiple of it), mixed_precision (a
+    `MixedPrecision` or a torch dtype for parameters), process_group, prefetch.
+    """
+    config = dict(gemini_config)
+    unknown = sorted(set(config) - set(_GEMINI_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"gemini_config keys {unknown} are unknown; known keys: {list(_GEMINI_CONFIG_KEYS)}"
+        )
+    device = torch.device(config.get("device", default_device()))
+    mixed_precision = config.get("mixed_precision", MixedPrecision())
+    if isinstance(mixed_precision, torch.dtype):
+        mixed_precision = MixedPrecision(param_dtype=mixed_precision)
+    if not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be a MixedPrecision or torch.dtype, got {mixed_precision!r}"
+        )
+    chunk_size = config.get("chunk_size_numel", DEFAULT_CHUNK_SIZE_NUMEL)
+    hidden_dim = config.get("hidden_dim")
+    if hidden_dim is not None:
+        if isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1:
+            raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
+        chunk_size = -(-chunk_size // hidden_dim) * hidden_dim
+    chunk_manager = ChunkManager(
+        chunk_size_numel=chunk_size,
+        device=device,
+        dtypes=mixed_precision.chunk_dtypes(),
+        group=config.get("process_group"),
+    )
+    manager = GeminiManager(config.get("placement_policy", "cuda"), chunk_manager)
+    return GeminiDDP(
+        model,
+        manager,
+        pin_memory=config.get("pin_memory", False),
+        force_outputs_fp32=config.get("force_outputs_fp32", False),
+        strict_ddp_mode=config.get("strict_ddp_mode", False),
+        prefetch=config.get("prefetch", True),
+    )

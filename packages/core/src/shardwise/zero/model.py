@@ -1,0 +1,194 @@
+"""The user's module wrapped for ZeRO: chunks, gradient hooks and, at stage 3, gather hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils._pytree import tree_map
+
+from shardwise import comm
+from shardwise.chunk import ChunkManager
+from shardwise.comm import CommStats
+from shardwise.zero.config import ZeroConfig
+from shardwise.zero.gather_scheduler import GatherScheduler
+from shardwise.zero.grad_reducer import GradReducer
+from shardwise.zero.state_dict import gather_full_state_dict, load_full_state_dict
+
+
+class ZeroModel(nn.Module):
+    """A module whose parameters live in chunks, with gradients reduced over ranks.
+
+    Stage 1 keeps full gradients until the optimizer step; stage 2 reduce-scatters each chunk
+    of gradients during backward and keeps only this rank's slice; stage 3 also shards the
+    parameters, gathering each chunk just before the modules that use it run. Use it with a
+    `ZeroOptimizer` (see `zero_optim_wrapper`), which owns the sharded fp32 master weights.
+
+    Args:
+        module: the model; it is moved to `config.device`, and its parameters become views of
+            chunk buffers (the parameter objects stay the same, so an optimizer built over
+            `module.parameters()` can be wrapped afterwards).
+        config: stage, dtypes, chunk size and process group.
+        chunk_manager: an empty chunk manager to pack the parameters into (built from
+            `config` when not given).
+    """
+
+    def __init__(
+        self, module: nn.Module, config: ZeroConfig, chunk_manager: ChunkManager | None = None
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, ZeroModel):
+            raise ValueError("module is already wrapped by shardwise; wrap the inner module once")
+        if config.stage == 0:
+            raise ValueError("stage 0 (plain data parallel) is ColoDDP; use ColoDDP(module)")
+        super().__init__()
+        self.module = module.to(config.device)
+        self.config = config
+        self._dtypes = config.mixed_precision.chunk_dtypes()
+        if chunk_manager is None:
+            chunk_manager = self._new_chunk_manager(CommStats())
+        elif chunk_manager.chunks:
+            raise ValueError("chunk_manager already holds chunks; pass a fresh ChunkManager")
+        self.comm_stats = chunk_manager.stats
+        self._sync_buffers()
+        self._pack(chunk_manager)
+
+    def _new_chunk_manager(self, stats: CommStats) -> ChunkManager:
+        return ChunkManager(
+            chunk_size_numel=self.config.chunk_size_numel,
+            device=self.config.device,
+            dtypes=self._dtypes,
+            group=self.config.process_group,
+            stats=stats,
+            keep_gathered=self.config.stage < 3,
+        )
+
+    def _pack(self, chunk_manager: ChunkManager) -> None:
+        """Move the parameters into chunks and hook the module (stage 3) and gradients."""
+        self.chunk_manager = chunk_manager
+        chunk_manager.register(self.module.named_parameters())
+        self.scheduler: GatherScheduler | None = None
+        if self.config.stage == 3:
+            self.scheduler = GatherScheduler(
+                self.module, chunk_manager, prefetch=self.config.prefetch
+            )
+        self.reducer = GradReducer(
+            chunk_manager,
+            reduce_in_backward=self.config.stage >= 2,
+            overlap=self.config.overlap_communication,
+            on_reduced=self.scheduler.on_chunk_reduced if self.scheduler else None,
+        )
+
+    def rebuild(self, *, chunk_size_numel: int, overlap_communication: bool) -> None:
+        """Re-pack the parameters with a new chunk (bucket) size; stages 1 and 2 only, before
+        the first step, when the optimizer wrapper learns its bucket size."""
+        if self.stage == 3:
+            raise ValueError("stage 3 chunks are fixed at wrap time (gemini_config)")
+        self.reducer.remove()
+        self.config = replace(
+            self.config,
+            chunk_size_numel=chunk_size_numel,
+            overlap_communication=overlap_communication,
+        )
+        self._pack(self._new_chunk_manager(self.comm_stats))
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    def _sync_buffers(self) -> None:
+        """Start every rank from rank 0's buffers, in the compute dtype."""
+        compute = self._dtypes.compute
+        for buffer in self.module.buffers():
+            if buffer.is_floating_point() and buffer.dtype != compute:
+                buffer.data = buffer.data.to(compute)
+            comm.broadcast(buffer.data, 0, self.comm_stats, self.config.process_group)
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        compute = self._dtypes.compute
+        if compute != torch.float32:
+            args, kwargs = tree_map(lambda x: _cast_floating(x, compute), (args, kwargs))
+        if self.scheduler is not None:
+            self.scheduler.begin_forward()
+            try:
+                output = self.module(*args, **kwargs)
+            finally:
+                self.scheduler.end_forward()
+        else:
+            output = self.module(*args, **kwargs)
+        if self.config.force_outputs_fp32:
+            output = tree_map(lambda x: _cast_floating(x, torch.float32), output)
+        return output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward without loss scaling (the optimizer's `backward` scales)."""
+        loss.backward()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, unreduced, during the backward passes run inside; the
+        next backward outside (or the optimizer step) reduces the sum. Stage 1 never reduces
+        before the step, so this is free there."""
+        if self.stage == 3:
+            raise ValueError(
+                "no_sync() is not supported at stage 3: it would keep a full unsharded gradient "
+                "of every chunk; call backward several times before step() instead, and the "
+                "gradients accumulate in their shards"
+            )
+        previous = self.reducer.require_sync
+        self.reducer.require_sync = False
+        try:
+            yield
+        finally:
+            self.reducer.require_sync = previous
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def state_dict(  # type: ignore[override]
+        self,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        only_rank_0: bool = True,
+    ) -> dict[str, Any]:
+        """The whole, unpadded model state with the inner module's names and shapes, on CPU:
+        fp32 master weights for trainable parameters, buffers as they are. A collective: every
+        rank must call it. With `only_rank_0`, ranks other than 0 get an empty dict."""
+        if keep_vars:
+            raise ValueError("keep_vars=True cannot be honoured: parameters are sharded views")
+        state = gather_full_state_dict(self.module, self.chunk_manager, only_rank_0=only_rank_0)
+        if destination is None:
+            return {prefix + key: value for key, value in state.items()}
+        for key, value in state.items():
+            destination[prefix + key] = value
+        return destination
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load a full (unsharded) state dict, as `state_dict()` returns it; every rank passes
+        the same dict and keeps its own slice. Returns (missing_keys, unexpected_keys)."""
+        if assign:
+            raise ValueError("assign=True cannot be honoured: parameters are views of chunks")
+        return load_full_state_dict(self.module, self.chunk_manager, state_dict, strict=strict)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model state this rank holds now (parameters, master weights, gradients)."""
+        return self.chunk_manager.resident_bytes()
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage}, chunks={len(self.chunk_manager.chunks)}"
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value

@@ -1,0 +1,183 @@
+"""The optimizer side of ZeRO: a user's optimizer stepping this rank's fp32 master shards.
+
+[Note: the optimizer sees shard views]
+Every trainable parameter is replaced, in the wrapped optimizer's param_groups, by the part of
+it this rank owns: a 1-D view into its chunk's fp32 master shard, whose `.grad` is the matching
+view into the chunk's reduced fp32 gradient shard. Parameter groups (learning rates, weight
+decay) are therefore kept exactly, and any optimizer that updates elementwise (SGD, Adam,
+AdamW, fused or not) runs unchanged on 1/N of the state. Parameters with no element on this rank
+drop out of this rank's groups.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from shardwise.amp import GradScaler
+from shardwise.chunk import Chunk
+from shardwise.zero.grad_norm import global_grad_norm
+from shardwise.zero.model import ZeroModel
+
+
+class ZeroOptimizer:
+    """Mixed-precision, sharded optimizer step with loss scaling and clipping across shards.
+
+    Args:
+        model: the `ZeroModel` whose parameters `optimizer` was built over.
+        optimizer: any elementwise torch optimizer, not yet stepped.
+        grad_scaler: the loss scaler (dynamic for fp16, constant otherwise).
+        max_norm: clip the global gradient norm to this value; 0 disables clipping.
+        norm_type: the norm used for clipping (2.0, inf, or any p > 0).
+    """
+
+    def __init__(
+        self,
+        model: ZeroModel,
+        optimizer: torch.optim.Optimizer,
+        *,
+        grad_scaler: GradScaler,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+    ) -> None:
+        if not isinstance(model, ZeroModel):
+            raise TypeError(
+                f"model must be wrapped by zero_model_wrapper first, got {type(model).__name__}"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+            raise ValueError(
+                f"max_norm must be a number >= 0 (0 disables clipping), got {max_norm!r}"
+            )
+        if (
+            isinstance(norm_type, bool)
+            or not isinstance(norm_type, (int, float))
+            or not norm_type > 0
+        ):
+            raise ValueError(f"norm_type must be a number > 0 or math.inf, got {norm_type!r}")
+        if optimizer.state:
+            raise ValueError(
+                "optimizer already has state (it has stepped); wrap it before its first step"
+            )
+        self.model = model
+        self.optim = optimizer
+        self.grad_scaler = grad_scaler
+        self.max_norm = float(max_norm)
+        self.norm_type = float(norm_type)
+        self.last_grad_norm = 0.0
+        self.last_step_skipped = False
+        self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
+        self._grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._swap_params_for_shards()
+
+    def _swap_params_for_shards(self) -> None:
+        """See [Note: the optimizer sees shard views]."""
+        manager = self.model.chunk_manager
+        foreign = [
+            str(tuple(param.shape))
+            for group in self.optim.param_groups
+            for param in group["params"]
+            if not manager.manages(param)
+        ]
+        if foreign:
+            raise ValueError(
+                f"optimizer holds {len(foreign)} parameter(s) the model does not own (shapes "
+                f"{', '.join(foreign[:5])}); build the optimizer over model.parameters() of "
+                f"the model passed to zero_model_wrapper"
+            )
+        for group in self.optim.param_groups:
+            shards: list[torch.Tensor] = []
+            for param in group["params"]:
+                chunk, index = manager.locate(param)
+                if not param.requires_grad:
+                    continue
+                owned = chunk.tensor_shard_range(index)
+                if owned is None:
+                    continue
+                begin, end = owned
+                shard = chunk.master[begin:end]
+                self._grad_pairs.append((shard, chunk.grad_shard[begin:end]))
+                shards.append(shard)
+            group["params"] = shards
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.grad_scaler.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` times the current loss scale; gradients reach the shards."""
+        scale = self.grad_scaler.scale
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        scale = self.grad_scaler.scale
+        torch.autograd.backward(tensor, grad * scale if scale != 1.0 else grad)
+
+    def step(self) -> bool:
+        """Unscale, check for overflow on any rank, clip, step, and publish the new weights.
+
+        Returns False when the step was skipped because some rank's gradient overflowed (the
+        loss scale then backs off as its hysteresis says); True otherwise.
+        """
+        self.model.reducer.reduce_all()
+        grads = [chunk.grad_shard for chunk in self._chunks]
+        scale = self.grad_scaler.scale
+        norm = global_grad_norm(
+            grads, self.norm_type, self.model.comm_stats, self.model.config.process_group
+        )
+        norm /= scale
+        self.last_grad_norm = norm
+        overflow = not math.isfinite(norm)
+        self.grad_scaler.update(overflow)
+        self.last_step_skipped = overflow
+        if overflow:
+            self.zero_grad()
+            return False
+        coef = 1.0 / scale
+        if self.max_norm > 0:
+            # As torch.nn.utils.clip_grad_norm_: never scale up, epsilon against zero norms.
+            coef *= min(1.0, self.max_norm / (norm + 1e-6))
+        if coef != 1.0:
+            torch._foreach_mul_(grads, coef)
+        for shard, grad in self._grad_pairs:
+            shard.grad = grad
+        self.optim.step()
+        for chunk in self._chunks:
+            chunk.publish_master()
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient shards (they are kept allocated: `set_to_none` is accepted for
+        compatibility and zeroes all the same)."""
+        for chunk in self._chunks:
+            chunk.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (its shards) and the loss scaler's state."""
+        return {"optimizer": self.optim.state_dict(), "grad_scaler": self.grad_scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state["optimizer"])
+        self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (e.g. Adam moments) this rank holds."""
+        total = 0
+        for state in self.optim.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    total += value.numel() * value.element_size()
+        return total
+
+    def __repr__(self) -> str:
+        name = type(self.optim).__name__
+        return f"ZeroOptimizer(stage={self.model.stage}, optim={name}, scale={self.loss_scale})"

@@ -1,0 +1,84 @@
+"""Full (unsharded) state dicts of a chunked module: gathered on save, sliced on load."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from shardwise import comm
+from shardwise.chunk import ChunkManager
+
+
+def gather_full_state_dict(
+    module: nn.Module, chunk_manager: ChunkManager, *, only_rank_0: bool
+) -> dict[str, Any]:
+    """Gather every chunk's fp32 master (or payload, for frozen chunks) and return the module's
+    state dict on CPU with original names and shapes. A collective over the chunks' group."""
+    keep = not only_rank_0 or comm.rank(chunk_manager.group) == 0
+    values: dict[int, torch.Tensor] = {}
+    for chunk in chunk_manager.chunks:
+        source = chunk.master if chunk.requires_grad else chunk.shard
+        full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
+        comm.all_gather(full, source, chunk_manager.stats, chunk_manager.group)
+        if keep:
+            for info in chunk.tensors:
+                piece = full[info.offset : info.offset + info.numel].view(info.shape)
+                values[id(info.param)] = piece.to("cpu", torch.float32, copy=True)
+    if not keep:
+        return {}
+    state: dict[str, Any] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if id(value) in values:
+            state[key] = values[id(value)]
+        elif isinstance(value, torch.Tensor):
+            state[key] = value.detach().to("cpu", copy=True)
+        else:
+            state[key] = value
+    return state
+
+
+def load_full_state_dict(
+    module: nn.Module,
+    chunk_manager: ChunkManager,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool,
+) -> _IncompatibleKeys:
+    """Copy a full state dict into the chunks (each rank keeps its slice) and the buffers."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    expected = module.state_dict(keep_vars=True)
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"state_dict does not match the model: missing keys {missing}, unexpected keys "
+            f"{unexpected}; pass strict=False to load the keys that match"
+        )
+    for key, target in expected.items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor) or not isinstance(target, torch.Tensor):
+            continue
+        if chunk_manager.manages(target):
+            chunk, index = chunk_manager.locate(target)
+            shape = chunk.tensors[index].shape
+            if value.shape != shape:
+                raise ValueError(
+                    f"{key}: state_dict has shape {tuple(value.shape)}, model has {tuple(shape)}"
+                )
+            chunk.write_tensor(index, value)
+        else:
+            if value.shape != target.shape:
+                raise ValueError(
+                    f"{key}: state_dict has shape {tuple(value.shape)}, "
+                    f"model has {tuple(target.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(value)
+    return _IncompatibleKeys(missing, unexpected)
