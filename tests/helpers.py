@@ -1,0 +1,156 @@
+"""Reference training and sharded training on the same seed and global batch.
+
+The reference is one process that computes each rank's slice of the global batch separately
+and averages the slices' gradients, which is the data-parallel computation written out; with 2
+ranks every sum it does has the same operands as the engine's (a + b is commutative), so fp32
+results can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
+from shardwise.testing import GPT, GPTConfig, gpt_batch
+
+CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32)
+GLOBAL_BATCH = 8
+SEQ = 8
+CHUNK_NUMEL = 3001  # several chunks, none a multiple of the world size: padding is exercised
+
+
+class BranchyGPT(nn.Module):
+    """A GPT plus a branch that runs only for batches whose first token is even (so on some
+    ranks and not others) or never, and optionally a frozen layer."""
+
+    def __init__(self, branch: str = "never", frozen: bool = False) -> None:
+        super().__init__()
+        self.gpt = GPT(CONFIG)
+        self.branch = nn.Linear(CONFIG.vocab_size, CONFIG.vocab_size)
+        self.mode = branch
+        self.frozen = nn.Linear(CONFIG.vocab_size, CONFIG.vocab_size) if frozen else None
+        if self.frozen is not None:
+            self.frozen.requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.gpt(idx)
+        if self.frozen is not None:
+            logits = self.frozen(logits)
+        if self.mode == "some_ranks" and int(idx[0, 0]) % 2 == 0:
+            logits = logits + self.branch(logits)
+        return nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        )
+
+
+def make_model(branch: str = "never", frozen: bool = False) -> BranchyGPT:
+    torch.manual_seed(0)
+    return BranchyGPT(branch, frozen)
+
+
+def batch_slice(step: int, micro: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx, targets = gpt_batch(CONFIG, GLOBAL_BATCH, SEQ, step * 100 + micro)
+    # Make the branch decision differ between slices: even/odd first tokens alternate.
+    idx[:, 0] = torch.arange(GLOBAL_BATCH) % CONFIG.vocab_size
+    return idx.chunk(world)[rank], targets.chunk(world)[rank]
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+@dataclass
+class Run:
+    """One training run's settings, shared by the reference and the sharded run."""
+
+    stage: int = 2
+    world: int = 2
+    steps: int = 4
+    accum: int = 1
+    max_norm: float = 0.0
+    norm_type: float = 2.0
+    branch: str = "never"
+    frozen: bool = False
+    no_sync: bool = False
+    optim: Callable[[Any], torch.optim.Optimizer] = adamw
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+
+
+def reference(run: Run) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Unsharded training: each rank's slice in turn, gradients averaged over slices."""
+    model = make_model(run.branch, run.frozen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = run.optim(params)
+    losses = []
+    for step in range(run.steps):
+        total_grads = [torch.zeros_like(p) for p in params]
+        step_loss = torch.zeros(())
+        rank_losses = []
+        for rank in range(run.world):
+            rank_loss = torch.zeros(())
+            for micro in range(run.accum):
+                model.zero_grad()
+                loss = model(*batch_slice(step, micro, rank, run.world)) / run.accum
+                loss.backward()
+                rank_loss += loss.detach()
+                for total, p in zip(total_grads, params, strict=True):
+                    if p.grad is not None:
+                        total.add_(p.grad)
+            rank_losses.append(rank_loss)
+        for loss in rank_losses:
+            step_loss += loss
+        for p, total in zip(params, total_grads, strict=True):
+            p.grad = total / run.world
+        if run.max_norm:
+            torch.nn.utils.clip_grad_norm_(params, run.max_norm, run.norm_type)
+        optimizer.step()
+        losses.append(float(step_loss / run.world))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def sharded(run: Run) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
+    """The same training on this rank under shardwise (call inside run_ranks)."""
+    rank = dist.get_rank()
+    model = make_model(run.branch, run.frozen)
+    config: dict[str, Any] = {"device": torch.device("cpu"), "mixed_precision": run.mixed_precision}
+    optim_config = None
+    if run.stage == 3:
+        config["chunk_size_numel"] = CHUNK_NUMEL
+    else:
+        optim_config = {"reduce_bucket_size": CHUNK_NUMEL}
+    wrapped = zero_model_wrapper(model, run.stage, config)
+    optimizer = zero_optim_wrapper(
+        wrapped,
+        run.optim([p for p in model.parameters() if p.requires_grad]),
+        max_norm=run.max_norm,
+        norm_type=run.norm_type,
+        optim_config=optim_config,
+    )
+    losses = []
+    for step in range(run.steps):
+        optimizer.zero_grad()
+        step_loss = torch.zeros(())
+        for micro in range(run.accum):
+            loss = wrapped(*batch_slice(step, micro, rank, run.world)) / run.accum
+            if run.no_sync and micro < run.accum - 1:
+                with wrapped.no_sync():
+                    optimizer.backward(loss)
+            else:
+                optimizer.backward(loss)
+            step_loss += loss.detach().float()
+        dist.all_reduce(step_loss)
+        optimizer.step()
+        losses.append(float(step_loss / run.world))
+    info = {"scale": optimizer.loss_scale, "norm": optimizer.last_grad_norm}
+    return losses, wrapped.state_dict(only_rank_0=False), info
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
