@@ -1,11 +1,13 @@
 """A chunk: one flat buffer holding many parameters, sharded evenly over the ranks.
 
 [Note: chunk buffers]
-- `full`: the whole payload (numel padded to a multiple of the world size). Parameters are
-  permanent views into the *compute* buffer (`full` itself, or `full_compute` when the compute
-  dtype differs from the payload dtype). Releasing a chunk resizes that storage to zero instead
-  of dropping it, so views that autograd saved during forward see the re-gathered data in
-  backward (the same trick torch's FSDP uses).
+- `full`: the whole payload (numel padded to a multiple of the world size). While gathered,
+  parameters are views into the *compute* buffer (`full` itself, or `full_compute` when the
+  compute dtype differs from the payload dtype); while released they hold an empty tensor, so
+  reading one outside its module's forward gives an empty tensor, never freed memory.
+  Releasing resizes the buffer's storage to zero instead of dropping it, so views of it that
+  autograd saved during forward (a transposed weight, say) see the re-gathered data in backward
+  (the same trick torch's FSDP uses).
 - `shard`: this rank's slice of the payload, always resident (a view into `full` when the chunk
   keeps its payload gathered, as in stages 1 and 2).
 - `master`: fp32 copy of `shard` for the optimizer; the same tensor as `shard` when the payload
@@ -146,9 +148,7 @@ class Chunk:
         comm.broadcast(self.full, src_rank, self.stats, self.group)
         if self.dtypes.compute != self.dtypes.payload:
             self.full_compute = self.full.to(self.dtypes.compute)
-        compute = self._compute_buffer()
-        for info in self.tensors:
-            info.param.data = compute[info.offset : info.offset + info.numel].view(info.shape)
+        self._bind_params()
         begin, end = self.shard_begin, self.shard_begin + self.shard_numel
         if self.keep_gathered:
             self.shard = self.full[begin:end]
@@ -165,6 +165,16 @@ class Chunk:
 
     def _compute_buffer(self) -> torch.Tensor:
         return self.full if self.full_compute is None else self.full_compute
+
+    def _bind_params(self) -> None:
+        compute = self._compute_buffer()
+        for info in self.tensors:
+            info.param.data = compute[info.offset : info.offset + info.numel].view(info.shape)
+
+    def _unbind_params(self) -> None:
+        empty = torch.empty(0, dtype=self.dtypes.compute, device=self.device)
+        for info in self.tensors:
+            info.param.data = empty
 
     # ---- gather / release ------------------------------------------------------------------
 
@@ -198,6 +208,7 @@ class Chunk:
             self.full_compute.copy_(self.full)
             # The 16-bit payload is only a staging buffer once the compute copy exists.
             self._free(self.full)
+        self._bind_params()
         self.state = ChunkState.GATHERED
         for info in self.tensors:
             info.state = TensorState.HOLD
@@ -214,6 +225,7 @@ class Chunk:
         self._free(self.full)
         if self.full_compute is not None:
             self._free(self.full_compute)
+        self._unbind_params()
         self.state = ChunkState.SHARDED
         for info in self.tensors:
             info.state = TensorState.FREE

@@ -55,7 +55,8 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return out
 
 
 class Block(nn.Module):
@@ -69,7 +70,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
+        out: torch.Tensor = x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
+        return out
 
 
 class GPT(nn.Module):
@@ -80,7 +82,9 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks: list[Block] = nn.ModuleList(  # type: ignore[assignment]
+            Block(config) for _ in range(config.n_layer)
+        )
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:

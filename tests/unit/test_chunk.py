@@ -1,0 +1,100 @@
+"""Chunk packing, shard ranges, padding and state transitions on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise import ChunkManager, CommOp
+from shardwise.chunk import ChunkState, TensorState
+
+CPU = torch.device("cpu")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(3, 4))
+    model[2].weight = nn.Parameter(model[0].weight.detach().t().contiguous()[:4, :3].clone())
+    model[1].requires_grad_(False)
+    return model
+
+
+def test_packing_follows_order_separates_frozen_and_splits_at_capacity() -> None:
+    model = _model()
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    manager = ChunkManager(chunk_size_numel=40, device=CPU, keep_gathered=True)
+    manager.register(model.named_parameters())
+    trainable = [c for c in manager.chunks if c.requires_grad]
+    frozen = [c for c in manager.chunks if not c.requires_grad]
+    assert [t.name for c in frozen for t in c.tensors] == ["1.weight", "1.bias"]
+    assert [t.name for c in trainable for t in c.tensors] == [
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    ]
+    # 0.weight (32) + 0.bias (8) fill the first chunk; 2.weight (12) starts the next one.
+    assert [c.numel for c in trainable] == [40, 16]
+    # Parameters now view the chunk buffers and kept their values.
+    for name, param in model.named_parameters():
+        assert torch.equal(param, values[name])
+        chunk, index = manager.locate(param)
+        assert chunk.tensors[index].name == name
+
+
+def test_tied_parameter_is_stored_once() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    manager = ChunkManager(chunk_size_numel=1000, device=CPU)
+    manager.register(model.named_parameters(remove_duplicate=False))
+    assert sum(len(c.tensors) for c in manager.chunks) == 1
+    assert manager.locate(model[0].weight) == manager.locate(model[1].weight)
+
+
+def test_large_parameter_gets_its_own_chunk() -> None:
+    model = nn.Linear(10, 10)
+    manager = ChunkManager(chunk_size_numel=16, device=CPU)
+    manager.register(model.named_parameters())
+    assert [c.capacity_numel for c in manager.chunks] == [100, 16]
+
+
+def test_sharded_chunk_releases_and_gathers_and_counts_bytes() -> None:
+    model = nn.Linear(3, 3)
+    expected = model.weight.detach().clone()
+    manager = ChunkManager(chunk_size_numel=64, device=CPU, keep_gathered=False)
+    manager.register(model.named_parameters())
+    chunk = manager.chunks[0]
+    assert chunk.state is ChunkState.SHARDED
+    assert all(t.state is TensorState.FREE for t in chunk.tensors)
+    assert chunk.full.untyped_storage().size() == 0
+    assert model.weight.numel() == 0  # released parameters read as empty, never freed memory
+    chunk.gather()
+    assert chunk.state is ChunkState.GATHERED
+    assert torch.equal(model.weight, expected)
+    assert manager.stats.calls(CommOp.ALL_GATHER) == 1
+    chunk.set_compute(0)
+    with pytest.raises(RuntimeError, match="in use"):
+        chunk.release()
+    chunk.set_hold(0)
+    chunk.release()
+    with pytest.raises(RuntimeError, match="not gathered"):
+        chunk.set_compute(0)
+
+
+def test_shard_ranges_cover_each_tensor_once() -> None:
+    model = nn.Linear(5, 7)
+    manager = ChunkManager(chunk_size_numel=1000, device=CPU, keep_gathered=True)
+    manager.register(model.named_parameters())
+    chunk = manager.chunks[0]
+    # One process owns everything; padding rounds up to the world size (1 here).
+    assert chunk.padded_numel == chunk.numel == 42
+    assert chunk.tensor_shard_range(0) == (0, 35)
+    assert chunk.tensor_shard_range(1) == (35, 42)
+
+
+def test_bad_chunk_size_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"chunk_size_numel must be a positive int, got 0"):
+        ChunkManager(chunk_size_numel=0, device=CPU)
+    with pytest.raises(TypeError, match=r"device must be a torch\.device"):
+        ChunkManager(chunk_size_numel=4, device="cpu")  # type: ignore[arg-type]
