@@ -78,6 +78,7 @@ class Run:
     branch: str = "never"
     frozen: bool = False
     no_sync: bool = False
+    overlap: bool = False
     optim: Callable[[Any], torch.optim.Optimizer] = adamw
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
 
@@ -123,7 +124,7 @@ def sharded(run: Run) -> tuple[list[float], dict[str, torch.Tensor], dict[str, A
     if run.stage == 3:
         config["chunk_size_numel"] = CHUNK_NUMEL
     else:
-        optim_config = {"reduce_bucket_size": CHUNK_NUMEL}
+        optim_config = {"reduce_bucket_size": CHUNK_NUMEL, "overlap_communication": run.overlap}
     wrapped = zero_model_wrapper(model, run.stage, config)
     optimizer = zero_optim_wrapper(
         wrapped,

@@ -60,6 +60,10 @@ def test_gradient_accumulation(stage: int) -> None:
     check(Run(stage=stage, accum=3), exact=False)
 
 
+def test_overlapped_reduction_is_bit_exact() -> None:
+    check(Run(stage=2, overlap=True, branch="some_ranks"), exact=True)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_no_sync_accumulation(stage: int) -> None:
     check(Run(stage=stage, accum=3, no_sync=True), exact=False)
