@@ -189,3 +189,20 @@ def _errors() -> list[str]:
 def test_wrong_arguments_raise_clear_errors() -> None:
     messages = run_ranks(_errors, 2)[0]
     assert len(messages) == 14
+
+
+def _ignored_params_keep_local_values() -> tuple[float, float]:
+    rank = dist.get_rank()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    torch.nn.init.constant_(model[0].weight, float(rank))
+    torch.nn.init.constant_(model[1].weight, float(rank))
+    ColoDDP.set_params_to_ignore([model[0].weight])
+    ddp = ColoDDP(model)
+    ddp.backward(ddp(torch.full((1, 2), float(rank + 1))).sum())
+    return float(model[0].weight[0, 0]), float(model[1].weight[0, 0])
+
+
+def test_colo_ddp_ignored_parameters_are_not_synchronised() -> None:
+    results = run_ranks(_ignored_params_keep_local_values, 2)
+    # The ignored weight keeps each rank's own value; the other one is rank 0's everywhere.
+    assert results == [(0.0, 0.0), (1.0, 0.0)]

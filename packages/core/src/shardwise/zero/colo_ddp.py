@@ -4,7 +4,7 @@ in buckets at the end of backward."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +12,10 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.comm import CommStats
+
+# An attribute on the parameter itself, not a registry of ids: ids are reused after a tensor
+# is freed, and the mark must follow the parameter into whatever module holds it.
+_IGNORE_MARK = "_shardwise_ddp_ignore"
 
 
 class ColoDDP(nn.Module):
@@ -29,8 +33,6 @@ class ColoDDP(nn.Module):
         rebuild_bucket: after the first backward, order the buckets as gradients became ready
             then (so the first buckets reduced are the first ones complete).
     """
-
-    _params_to_ignore: ClassVar[set[int]] = set()
 
     def __init__(
         self,
@@ -56,7 +58,7 @@ class ColoDDP(nn.Module):
         self.rebuild_bucket = rebuild_bucket
         self.comm_stats = CommStats()
         self._params = [
-            p for p in dict.fromkeys(module.parameters()) if id(p) not in ColoDDP._params_to_ignore
+            p for p in dict.fromkeys(module.parameters()) if not getattr(p, _IGNORE_MARK, False)
         ]
         self._ready_order: list[nn.Parameter] = []
         self._buckets = self._make_buckets(self._params)
@@ -71,8 +73,12 @@ class ColoDDP(nn.Module):
 
     @staticmethod
     def set_params_to_ignore(params_to_ignore: Iterable[torch.Tensor]) -> None:
-        """Exclude these parameters from broadcast and reduction (call before wrapping)."""
-        ColoDDP._params_to_ignore.update(id(p) for p in params_to_ignore)
+        """Exclude these parameters from broadcast and reduction (call before wrapping): they
+        keep their own values and local gradients on each rank."""
+        for param in params_to_ignore:
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(f"params_to_ignore must hold tensors, got {type(param).__name__}")
+            setattr(param, _IGNORE_MARK, True)
 
     def _make_buckets(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         buckets: list[list[nn.Parameter]] = [[]]

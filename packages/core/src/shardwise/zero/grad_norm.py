@@ -21,6 +21,9 @@ def global_grad_norm(
     and the other ranks' (padding is zero, so it changes nothing). inf or nan when any rank's
     gradient holds one: that is how an overflow is found, everywhere at once."""
     device = grad_shards[0].device if grad_shards else torch.device("cpu")
+    if not grad_shards:
+        # Nothing trainable on this model: still join the collective every rank issues.
+        grad_shards = [torch.zeros(1, device=device)]
     if math.isinf(norm_type):
         local = (
             torch.stack([g.abs().max() for g in grad_shards if g.numel()]).max()
