@@ -361,6 +361,32 @@ class Chunk:
             if self.full_compute is not None:
                 self.full_compute[info.offset : info.offset + info.numel].copy_(flat)
 
+    def write_range(self, index: int, begin: int, values: torch.Tensor) -> None:
+        """Overwrite elements [begin, begin + numel) of flattened tensor `index` with `values`,
+        which must lie inside the part this rank owns (a checkpoint restores just that)."""
+        info = self.tensors[index]
+        owned = self.tensor_shard_range(index)
+        start = info.offset + begin - self.shard_begin
+        if owned is None or start < owned[0] or start + values.numel() > owned[1]:
+            raise ValueError(
+                f"{info.name}: elements [{begin}, {begin + values.numel()}) are not owned by "
+                f"rank {self.rank}"
+            )
+        flat = values.reshape(-1).to(self.device)
+        self.shard[start : start + flat.numel()].copy_(flat)
+        if self.requires_grad and self.master is not self.shard:
+            self.master[start : start + flat.numel()].copy_(flat)
+        if self.state is ChunkState.GATHERED and not self.keep_gathered:
+            raise RuntimeError(f"chunk {self.chunk_id} is gathered: load between steps")
+
+    def refresh_gathered(self) -> None:
+        """After this rank's shards were overwritten, rebuild the full copy every rank keeps
+        (stages 1 and 2); a collective over the chunk's group."""
+        if self.keep_gathered:
+            comm.all_gather(self.full, self.shard.clone(), self.stats, self.group)
+            if self.full_compute is not None:
+                self.full_compute.copy_(self.full)
+
     def tensor_shard_range(self, index: int) -> tuple[int, int] | None:
         """The part of tensor `index` this rank owns, as (begin, end) within the shard."""
         info = self.tensors[index]

@@ -73,6 +73,8 @@ class ZeroOptimizer:
         self.last_step_skipped = False
         self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
         self._grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Parameter name -> the shard view the inner optimizer steps (checkpoints use it).
+        self.shard_views: dict[str, torch.Tensor] = {}
         self._swap_params_for_shards()
 
     def _swap_params_for_shards(self) -> None:
@@ -102,6 +104,7 @@ class ZeroOptimizer:
                 begin, end = owned
                 shard = chunk.master[begin:end]
                 self._grad_pairs.append((shard, chunk.grad_shard[begin:end]))
+                self.shard_views[chunk.tensors[index].name] = shard
                 shards.append(shard)
             group["params"] = shards
 

@@ -1,0 +1,284 @@
+"""Sharded save and load of a whole training state, at any world size, stage or chunk size.
+
+What a checkpoint holds (torch.distributed.checkpoint writes it, each rank its own file):
+- `model.<name>`: every parameter as a 1-D sharded tensor of its numel (fp32 masters for
+  trainable parameters, the stored payload for frozen ones), each rank its own elements;
+- `buffer.<name>`: buffers, saved once;
+- `optim.<name>.<key>`: the optimizer's per-parameter state, sharded like the parameter when it
+  has one element per parameter element (Adam's moments), whole otherwise (Adam's step);
+- `objects`: the optimizer's hyper-parameters, the loss scaler's full state and the caller's
+  `extra`, pickled (rank 0's);
+and a manifest with the model's parameter names and shapes and every file's size and checksum
+(see [Note: atomic checkpoints]).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from shardwise.checkpoint.commit import (
+    CheckpointError,
+    new_version_dir,
+    read_manifest,
+    verify_files,
+    write_manifest_and_commit,
+)
+from shardwise.checkpoint.layout import ParamSlice, param_slices
+from shardwise.checkpoint.sharded_tensor import local_part, sharded_1d
+from shardwise.zero.model import ZeroModel
+from shardwise.zero.optimizer import ZeroOptimizer
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: ZeroModel,
+    optimizer: ZeroOptimizer | None = None,
+    extra: Any = None,
+) -> None:
+    """Save model, optimizer, loss scaler and `extra` to `path`, every rank writing its own
+    shards in parallel; `path` then names the new checkpoint, atomically. A collective.
+
+    Args:
+        path: the checkpoint's name (a symlink to the current version's directory).
+        model: the wrapped model (any stage).
+        optimizer: its `ZeroOptimizer`, to save optimizer and loss-scaler state too.
+        extra: anything picklable (epoch, step, RNG states, data position); rank 0's is kept.
+    """
+    _check_pair(model, optimizer)
+    target = Path(path)
+    slices = param_slices(model)
+    state: dict[str, Any] = {}
+    for item in slices:
+        state[f"model.{item.name}"] = _sharded(item, item.local_values().detach().clone())
+    for name, buffer in model.module.named_buffers():
+        state[f"buffer.{name}"] = buffer.detach().clone()
+    objects: dict[str, Any] = {"extra": extra}
+    if optimizer is not None:
+        state.update(_optimizer_state(optimizer, slices))
+        objects["param_groups"] = [
+            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+        ]
+        objects["grad_scaler"] = optimizer.grad_scaler.state_dict()
+    state["objects"] = _pickled(objects)
+    version = new_version_dir(target)
+    dcp_save(
+        state,
+        storage_writer=FileSystemWriter(version),
+        process_group=model.config.process_group,
+    )
+    description = {
+        "params": {item.name: list(item.shape) for item in slices},
+        "buffers": {name: list(b.shape) for name, b in model.module.named_buffers()},
+        "has_optimizer": optimizer is not None,
+        "saved_world_size": slices[0].chunk.world_size if slices else 1,
+        "saved_stage": model.stage,
+    }
+    write_manifest_and_commit(target, version, description)
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: ZeroModel,
+    optimizer: ZeroOptimizer | None = None,
+    *,
+    verify_checksums: bool = True,
+) -> Any:
+    """Load a checkpoint written by `save` into `model` (and `optimizer`), whatever world size,
+    stage or chunk size wrote it, and return the saved `extra`. A collective.
+
+    Raises `CheckpointError` (a ValueError) on every rank alike when the checkpoint is
+    missing, incomplete, corrupted, or was saved from a model with other parameter names or
+    shapes, naming the first problem.
+    """
+    _check_pair(model, optimizer)
+    source = Path(path)
+    manifest = read_manifest(source)
+    if verify_checksums:
+        verify_files(source, manifest)
+    slices = param_slices(model)
+    _check_same_model(manifest, slices, model)
+    if optimizer is not None and not manifest["has_optimizer"]:
+        raise CheckpointError(f"{source} holds no optimizer state; load it without an optimizer")
+    state: dict[str, Any] = {}
+    for item in slices:
+        begin, end = item.local_range()
+        state[f"model.{item.name}"] = _sharded(
+            item, torch.empty(end - begin, dtype=item.local_values().dtype)
+        )
+    for name, buffer in model.module.named_buffers():
+        state[f"buffer.{name}"] = torch.empty_like(buffer)
+    metadata = FileSystemReader(source).read_metadata().state_dict_metadata
+    if optimizer is not None:
+        state.update(_optimizer_targets(optimizer, slices, metadata))
+    state["objects"] = io.BytesIO()
+    dcp_load(
+        state, storage_reader=FileSystemReader(source), process_group=model.config.process_group
+    )
+    for item in slices:
+        values = local_part(state[f"model.{item.name}"])
+        if values is not None:
+            item.chunk.write_range(item.index, item.local_range()[0], values)
+    for chunk in model.chunk_manager.chunks:
+        chunk.refresh_gathered()
+    with torch.no_grad():
+        for name, buffer in model.module.named_buffers():
+            buffer.copy_(state[f"buffer.{name}"])
+    state["objects"].seek(0)
+    objects = torch.load(state["objects"], weights_only=False)
+    if optimizer is not None:
+        _restore_optimizer(optimizer, slices, state, objects)
+    return objects["extra"]
+
+
+def _check_pair(model: ZeroModel, optimizer: ZeroOptimizer | None) -> None:
+    if not isinstance(model, ZeroModel):
+        raise TypeError(f"model must be a shardwise-wrapped model, got {type(model).__name__}")
+    if optimizer is not None:
+        if not isinstance(optimizer, ZeroOptimizer):
+            raise TypeError(
+                f"optimizer must be the ZeroOptimizer of the model, got {type(optimizer).__name__}"
+            )
+        if optimizer.model is not model:
+            raise ValueError("optimizer wraps another model than the one given")
+
+
+def _check_same_model(manifest: dict[str, Any], slices: list[ParamSlice], model: ZeroModel) -> None:
+    saved = manifest["params"]
+    for item in slices:
+        if item.name not in saved:
+            raise CheckpointError(
+                f"checkpoint has no parameter {item.name!r}: it is of another model"
+            )
+        if list(item.shape) != saved[item.name]:
+            raise CheckpointError(
+                f"parameter {item.name!r} has shape {list(item.shape)} here but "
+                f"{saved[item.name]} in the checkpoint: it is of another model"
+            )
+    extra = sorted(set(saved) - {item.name for item in slices})
+    if extra:
+        raise CheckpointError(f"checkpoint has parameters this model lacks, first {extra[0]!r}")
+    for name, buffer in model.module.named_buffers():
+        if manifest["buffers"].get(name) != list(buffer.shape):
+            raise CheckpointError(
+                f"buffer {name!r} has shape {list(buffer.shape)} here but "
+                f"{manifest['buffers'].get(name)} in the checkpoint"
+            )
+
+
+def _sharded(item: ParamSlice, local: torch.Tensor) -> Any:
+    return sharded_1d(local, item.numel, item.rank_ranges, item.chunk.rank)
+
+
+def _pickled(value: Any) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def _optimizer_state(optimizer: ZeroOptimizer, slices: list[ParamSlice]) -> dict[str, Any]:
+    """Per-parameter optimizer state. Every rank must name the same sharded keys, also for
+    parameters it owns no element of, so the keys are agreed on with one all-gather."""
+    local_keys: dict[str, dict[str, str]] = {}
+    for item in slices:
+        view = optimizer.shard_views.get(item.name)
+        if view is None:
+            continue
+        for key, value in optimizer.optim.state.get(view, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == view.shape and value.dim() == 1:
+                local_keys.setdefault(item.name, {})[key] = str(value.dtype)
+    agreed = _union(local_keys)
+    state: dict[str, Any] = {}
+    for item in slices:
+        view = optimizer.shard_views.get(item.name)
+        per_param = optimizer.optim.state.get(view, {}) if view is not None else {}
+        for key, dtype_name in agreed.get(item.name, {}).items():
+            begin, end = item.local_range()
+            value = per_param.get(key)
+            if value is None:
+                value = torch.empty(end - begin, dtype=getattr(torch, dtype_name.split(".")[1]))
+            state[f"optim.{item.name}.{key}"] = _sharded(item, value.detach().clone())
+        for key, value in per_param.items():
+            if key not in agreed.get(item.name, {}):
+                # Whole values (Adam's step): the same on every rank that holds the parameter.
+                state[f"optim.{item.name}.{key}"] = (
+                    value.detach().clone()
+                    if isinstance(value, torch.Tensor)
+                    else torch.tensor(value)
+                )
+    return state
+
+
+def _union(local: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    if not dist.is_initialized():
+        return local
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged: dict[str, dict[str, str]] = {}
+    for part in gathered:
+        for name, keys in part.items():
+            merged.setdefault(name, {}).update(keys)
+    return merged
+
+
+def _optimizer_targets(
+    optimizer: ZeroOptimizer, slices: list[ParamSlice], metadata: dict[str, Any]
+) -> dict[str, Any]:
+    targets: dict[str, Any] = {}
+    for item in slices:
+        if optimizer.shard_views.get(item.name) is None:
+            continue
+        prefix = f"optim.{item.name}."
+        begin, end = item.local_range()
+        for key, meta in metadata.items():
+            if not key.startswith(prefix) or not isinstance(meta, TensorStorageMetadata):
+                continue
+            dtype = meta.properties.dtype
+            if list(meta.size) == [item.numel] and item.numel > 1:
+                targets[key] = _sharded(item, torch.empty(end - begin, dtype=dtype))
+            else:
+                targets[key] = torch.empty(meta.size, dtype=dtype)
+    return targets
+
+
+def _restore_optimizer(
+    optimizer: ZeroOptimizer,
+    slices: list[ParamSlice],
+    state: dict[str, Any],
+    objects: dict[str, Any],
+) -> None:
+    groups = objects["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint optimizer has {len(groups)} parameter groups, this one "
+            f"{len(optimizer.param_groups)}"
+        )
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        group.update(saved)
+    optimizer.optim.state.clear()
+    for item in slices:
+        view = optimizer.shard_views.get(item.name)
+        if view is None:
+            continue
+        prefix = f"optim.{item.name}."
+        per_param: dict[str, Any] = {}
+        for key, value in state.items():
+            if key.startswith(prefix):
+                loaded = local_part(value) if isinstance(value, ShardedTensor) else value
+                per_param[key[len(prefix) :]] = (
+                    loaded.to(view.device) if loaded is not None else None
+                )
+        if per_param:
+            optimizer.optim.state[view] = per_param
+    optimizer.grad_scaler.load_state_dict(objects["grad_scaler"])

@@ -1,0 +1,157 @@
+"""Sharded checkpoints: exact resume, other world sizes and stages, atomicity, verification."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import CHUNK_NUMEL, batch_slice, make_model, max_abs_diff
+
+from shardwise import MixedPrecision, checkpoint, zero_model_wrapper, zero_optim_wrapper
+from shardwise.testing import RankFailure, run_ranks
+
+
+def _build(stage: int, precision: MixedPrecision | None = None) -> tuple[Any, Any]:
+    config: dict[str, Any] = {"device": torch.device("cpu")}
+    if precision is not None:
+        config["mixed_precision"] = precision
+    if stage == 3:
+        config["chunk_size_numel"] = CHUNK_NUMEL
+    model = make_model()
+    wrapped = zero_model_wrapper(model, stage, config)
+    optimizer = zero_optim_wrapper(
+        wrapped,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        optim_config={"reduce_bucket_size": CHUNK_NUMEL + 7} if stage < 3 else None,
+        growth_interval=2,
+    )
+    return wrapped, optimizer
+
+
+def _train(wrapped: Any, optimizer: Any, steps: range) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = wrapped(*batch_slice(step, 0, rank, world))
+        optimizer.backward(loss)
+        optimizer.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(float(total / world))
+    return losses
+
+
+def _train_and_save(stage: int, path: str, precision: MixedPrecision | None) -> dict[str, Any]:
+    wrapped, optimizer = _build(stage, precision)
+    _train(wrapped, optimizer, range(3))
+    checkpoint.save(path, wrapped, optimizer, extra={"step": 3, "rng": torch.get_rng_state()})
+    after = _train(wrapped, optimizer, range(3, 6))
+    return {"losses_after": after, "scale": optimizer.loss_scale, "state": wrapped.state_dict()}
+
+
+def _load_and_train(stage: int, path: str, precision: MixedPrecision | None) -> dict[str, Any]:
+    wrapped, optimizer = _build(stage, precision)
+    extra = checkpoint.load(path, wrapped, optimizer)
+    scale = optimizer.loss_scale
+    after = _train(wrapped, optimizer, range(3, 6))
+    return {"extra_step": extra["step"], "scale": scale, "losses_after": after}
+
+
+FP16 = MixedPrecision(param_dtype=torch.float16, compute_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_is_exact(stage: int, tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_train_and_save, 2, stage, path, FP16)[0]
+    resumed = run_ranks(_load_and_train, 2, stage, path, FP16)[0]
+    assert resumed["extra_step"] == 3
+    assert resumed["losses_after"] == saved["losses_after"]
+    assert Path(path).is_symlink()
+
+
+@pytest.mark.parametrize(
+    ("save_world", "save_stage", "load_world", "load_stage"),
+    [(2, 2, 1, 3), (2, 3, 4, 1), (4, 1, 2, 3), (2, 3, 2, 2)],
+)
+def test_load_at_other_world_size_and_stage(
+    save_world: int, save_stage: int, load_world: int, load_stage: int, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_train_and_save, save_world, save_stage, path, None)[0]
+    resumed = run_ranks(_load_and_train, load_world, load_stage, path, None)[0]
+    # Another world size sums gradients in another order: a last-bit difference (see
+    # test_parity's note on tolerances).
+    assert resumed["losses_after"] == pytest.approx(saved["losses_after"], abs=1e-5)
+
+
+def _save_model_only(path: str) -> dict[str, torch.Tensor]:
+    wrapped, optimizer = _build(3)
+    _train(wrapped, optimizer, range(2))
+    checkpoint.save(path, wrapped)
+    return wrapped.state_dict()
+
+
+def _load_model_only(path: str) -> dict[str, torch.Tensor]:
+    wrapped, _ = _build(2)
+    checkpoint.load(path, wrapped)
+    return wrapped.state_dict()
+
+
+def test_model_only_round_trip_is_exact(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_save_model_only, 2, path)[0]
+    loaded = run_ranks(_load_model_only, 4, path)[0]
+    assert max_abs_diff(saved, loaded) == 0.0
+
+
+def _load_expecting_error(path: str, variant: str) -> str:
+    if variant == "other_model":
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+        wrapped = zero_model_wrapper(model, 2, {"device": torch.device("cpu")})
+        optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    else:
+        wrapped, optimizer = _build(3)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(path, wrapped, optimizer)
+    return str(info.value)
+
+
+def test_corrupted_foreign_and_missing_checkpoints_fail_on_every_rank(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    run_ranks(_train_and_save, 2, 3, str(path), None)
+    messages = run_ranks(_load_expecting_error, 2, str(path), "other_model")
+    assert all("another model" in m or "lacks" in m for m in messages), messages
+    data = sorted(path.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    messages = run_ranks(_load_expecting_error, 2, str(path), "same")
+    assert all("corrupted" in m and data.name in m for m in messages), messages
+    messages = run_ranks(_load_expecting_error, 2, str(tmp_path / "absent"), "same")
+    assert all("no checkpoint" in m for m in messages)
+
+
+def _save_that_crashes(path: str) -> None:
+    wrapped, optimizer = _build(2)
+    _train(wrapped, optimizer, range(1))
+    if dist.get_rank() == 1:
+        os._exit(3)  # a rank dies in the middle of the save
+    checkpoint.save(path, wrapped, optimizer, extra={"step": 99})
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_ranks(_train_and_save, 2, 2, path, None)
+    before = os.readlink(path)
+    with pytest.raises(RankFailure, match="rank 1"):
+        run_ranks(_save_that_crashes, 2, path, timeout_s=20)
+    assert os.readlink(path) == before
+    resumed = run_ranks(_load_and_train, 2, 2, path, None)[0]
+    assert resumed["extra_step"] == 3
