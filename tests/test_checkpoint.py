@@ -155,3 +155,39 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert os.readlink(path) == before
     resumed = run_ranks(_load_and_train, 2, 2, path, None)[0]
     assert resumed["extra_step"] == 3
+
+
+def _export(path: str) -> dict[str, torch.Tensor]:
+    wrapped, optimizer = _build(3)
+    _train(wrapped, optimizer, range(2))
+    checkpoint.export_hf(path, wrapped, max_shard_bytes=40_000)
+    return wrapped.state_dict()
+
+
+def _import(path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(7)
+    wrapped, _ = _build(2)
+    checkpoint.load_hf(path, wrapped)
+    return wrapped.state_dict()
+
+
+def test_hugging_face_export_and_sharded_import(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    path = tmp_path / "hf"
+    trained = run_ranks(_export, 2, str(path))[0]
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    exported: dict[str, torch.Tensor] = {}
+    for file in files:
+        exported.update(load_file(str(path / file)))
+    # Every parameter once (the tied head is the embedding), unpadded, original shapes.
+    assert "gpt.lm_head.weight" not in exported
+    for name, value in exported.items():
+        assert torch.equal(value, trained[name]), name
+    assert set(trained) - set(exported) == {"gpt.lm_head.weight"}
+    loaded = run_ranks(_import, 4, str(path))[0]
+    assert max_abs_diff(loaded, trained) == 0.0
