@@ -126,8 +126,8 @@ def _errors() -> list[str]:
     )
     expect(
         ValueError,
-        "'cpu'.*not available",
-        lambda: zero_model_wrapper(model, 3, {"device": CPU, "placement_policy": "cpu"}),
+        "'auto'.*not available",
+        lambda: zero_model_wrapper(model, 3, {"device": CPU, "placement_policy": "auto"}),
     )
     expect(
         ValueError,

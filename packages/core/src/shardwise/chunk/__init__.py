@@ -2,6 +2,14 @@
 
 from shardwise.chunk.chunk import Chunk, ChunkDtypes, TensorInfo
 from shardwise.chunk.manager import ChunkManager
-from shardwise.chunk.states import ChunkState, TensorState
+from shardwise.chunk.states import ChunkState, Pool, TensorState
 
-__all__ = ["Chunk", "ChunkDtypes", "ChunkManager", "ChunkState", "TensorInfo", "TensorState"]
+__all__ = [
+    "Chunk",
+    "ChunkDtypes",
+    "ChunkManager",
+    "ChunkState",
+    "Pool",
+    "TensorInfo",
+    "TensorState",
+]

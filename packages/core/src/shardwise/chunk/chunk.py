@@ -14,6 +14,13 @@
   is already fp32, so fp32 training keeps no second copy.
 - `grad_full`: gradients of the whole chunk, in the reduce dtype, filled by gradient hooks and
   reduce-scattered into `grad_shard` (fp32), which the optimizer reads.
+
+[Note: pools]
+Gathered buffers (`full`, `full_compute`, `grad_full`) always live on the compute device. The
+shard lives in `payload_pool` (host memory is possible only for a sharded chunk: it is copied
+to the device for each gather), and the optimizer side (`master`, `grad_shard` and, through
+the views the optimizer steps, its state) in `optim_pool`. `place()` sets both once, before the
+optimizer is built; copies between pools are counted in `bytes_to_device` / `bytes_to_host`.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
-from shardwise.chunk.states import ChunkState, TensorState
+from shardwise.chunk.states import ChunkState, Pool, TensorState
 from shardwise.comm import CommStats
 
 
@@ -102,6 +109,13 @@ class Chunk:
         self.grad_full: torch.Tensor | None = None
         self.grad_shard = torch.empty(0, dtype=torch.float32, device=device)
         self._pending_gather: tuple[torch.distributed.Work, torch.Tensor] | None = None
+        # See [Note: pools].
+        self.offload_device = torch.device("cpu")
+        self.payload_pool = Pool.DEVICE
+        self.optim_pool = Pool.DEVICE
+        self.pin_memory = False
+        self.bytes_to_device = 0
+        self.bytes_to_host = 0
         self._pending_reduce: tuple[torch.distributed.Work | None, torch.Tensor] | None = None
 
     # ---- packing ---------------------------------------------------------------------------
@@ -183,7 +197,9 @@ class Chunk:
         if self.state is ChunkState.GATHERED or self._pending_gather is not None:
             return
         self._materialise(self.full)
-        work = comm.all_gather(self.full, self.shard, self.stats, self.group, async_op=True)
+        work = comm.all_gather(
+            self.full, self._shard_on_device(), self.stats, self.group, async_op=True
+        )
         if work is not None:
             self._pending_gather = (work, self.full)
         else:
@@ -195,12 +211,53 @@ class Chunk:
             return
         if self._pending_gather is None:
             self._materialise(self.full)
-            comm.all_gather(self.full, self.shard, self.stats, self.group)
+            comm.all_gather(self.full, self._shard_on_device(), self.stats, self.group)
         else:
             work, _ = self._pending_gather
             work.wait()
             self._pending_gather = None
         self._finish_gather()
+
+    def _shard_on_device(self) -> torch.Tensor:
+        if self.payload_pool is Pool.DEVICE:
+            return self.shard
+        return self._move(self.shard, Pool.DEVICE)
+
+    def _move(
+        self, tensor: torch.Tensor, pool: Pool, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """A copy of `tensor` in `pool`, counted; pinned in host memory when asked and useful."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if pool is Pool.DEVICE:
+            self.bytes_to_device += nbytes
+            return tensor.to(self.device, dtype, non_blocking=True, copy=True)
+        self.bytes_to_host += nbytes
+        moved = tensor.to(self.offload_device, dtype, copy=True)
+        if self.pin_memory and self.device.type == "cuda":
+            moved = moved.pin_memory()
+        return moved
+
+    def place(self, *, payload: Pool, optim: Pool, pin_memory: bool = False) -> None:
+        """Put the shard in `payload` and the optimizer side in `optim` (see [Note: pools]).
+        Call once after close() and before an optimizer steps this chunk."""
+        if payload is Pool.HOST and self.keep_gathered:
+            raise ValueError(
+                f"chunk {self.chunk_id} keeps its payload gathered on the device: its shard "
+                f"cannot live in host memory"
+            )
+        self.pin_memory = pin_memory
+        if payload is not self.payload_pool:
+            self.shard = self._move(self.shard, payload)
+            self.payload_pool = payload
+        if self.requires_grad:
+            aliased = self.dtypes.payload == torch.float32 and payload is optim
+            if aliased:
+                self.master = self.shard
+            elif optim is not self.optim_pool or self.master is self.shard:
+                self.master = self._move(self.master, optim, torch.float32)
+            if optim is not self.optim_pool:
+                self.grad_shard = self._move(self.grad_shard, optim)
+        self.optim_pool = optim
 
     def _finish_gather(self) -> None:
         if self.full_compute is not None:
@@ -305,6 +362,8 @@ class Chunk:
             work.wait()
         if self.world_size > 1:
             reduced.div_(self.world_size)
+        if self.optim_pool is Pool.HOST:
+            reduced = self._move(reduced, Pool.HOST)
         self.grad_shard.add_(reduced)
         if keep_full:
             assert self.grad_full is not None
@@ -334,6 +393,12 @@ class Chunk:
     def publish_master(self) -> None:
         """Copy the updated fp32 master into the payload; refresh the gathered copy if kept."""
         if self.master is not self.shard:
+            if self.optim_pool is not self.payload_pool:
+                nbytes = self.shard.numel() * self.shard.element_size()
+                if self.payload_pool is Pool.DEVICE:
+                    self.bytes_to_device += nbytes
+                else:
+                    self.bytes_to_host += nbytes
             self.shard.copy_(self.master)
         if self.keep_gathered:
             # The shard aliases this rank's slice of `full`; send a copy because a collective
@@ -413,6 +478,22 @@ class Chunk:
             "master": master,
             "grads": nbytes(self.grad_full) + nbytes(self.grad_shard),
         }
+
+    def resident_bytes_by_pool(self) -> dict[Pool, int]:
+        """Bytes this chunk holds now in each pool (optimizer state excluded: the optimizer owns
+        it; it lives in `optim_pool`)."""
+
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.untyped_storage().size()
+
+        held = {Pool.DEVICE: nbytes(self.full) + nbytes(self.full_compute) + nbytes(self.grad_full)}
+        held[Pool.HOST] = 0
+        if not self.keep_gathered:
+            held[self.payload_pool] += nbytes(self.shard)
+        if self.master is not self.shard:
+            held[self.optim_pool] += nbytes(self.master)
+        held[self.optim_pool] += nbytes(self.grad_shard)
+        return held
 
     def __repr__(self) -> str:
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -51,8 +52,17 @@ class ChunkManager:
         self.chunks: list[Chunk] = []
         self._where: dict[int, tuple[Chunk, int]] = {}  # id(param) -> (chunk, tensor index)
 
-    def register(self, named_params: Iterable[tuple[str, nn.Parameter]]) -> None:
-        """Pack the parameters into chunks, then close every chunk (same order on all ranks)."""
+    def register(
+        self, named_params: Iterable[tuple[str, nn.Parameter]], sharded_fraction: float = 1.0
+    ) -> None:
+        """Pack the parameters into chunks, then close every chunk (same order on all ranks).
+
+        Args:
+            named_params: (name, parameter) pairs in packing order.
+            sharded_fraction: for a manager that shards, the share of chunks to shard: the
+                first ceil(fraction x chunks) in chunk order are sharded, the rest keep their
+                payload gathered (no gathers, more memory).
+        """
         open_chunks: dict[bool, Chunk] = {}
         new_chunks: list[Chunk] = []
         for name, param in named_params:
@@ -75,7 +85,10 @@ class ChunkManager:
                 new_chunks.append(chunk)
             self._where[id(param)] = (chunk, len(chunk.tensors))
             chunk.append(name, param)
-        for chunk in new_chunks:
+        num_sharded = math.ceil(sharded_fraction * len(new_chunks))
+        for position, chunk in enumerate(new_chunks):
+            if position >= num_sharded:
+                chunk.keep_gathered = True
             chunk.close()
         self.chunks.extend(new_chunks)
 

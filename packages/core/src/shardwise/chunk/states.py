@@ -28,3 +28,13 @@ class TensorState(Enum):
     READY_FOR_REDUCE = "ready_for_reduce"
     """This backward pass's gradient for the tensor is complete and has been copied into the
     chunk's gradient buffer; the chunk is reduced once all its trainable tensors are here."""
+
+
+class Pool(Enum):
+    """The two memory pools a chunk's resident buffers are placed in."""
+
+    DEVICE = "device"
+    """The compute device: cuda:<i>, or the CPU itself on a host without GPUs (where the pools
+    are the same memory but are still accounted apart, so placement logic runs everywhere)."""
+    HOST = "host"
+    """Host memory (pinned when the compute device is CUDA and pinning is asked for)."""

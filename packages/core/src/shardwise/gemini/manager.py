@@ -1,27 +1,63 @@
-"""Where chunks live: the placement policy over a chunk manager."""
+"""Where chunks live: a placement policy over a chunk manager, checked against a memory budget.
+
+[Note: placement policies]
+- "cuda" (alias "device"): every buffer on the compute device. The fastest, and the right
+  policy on a CPU host, where the device *is* host memory.
+- "cpu": the shards of sharded chunks and the whole optimizer side (fp32 master, fp32
+  gradient shard, optimizer state) in host memory; a chunk's payload comes to the device only
+  to be gathered for the modules that use it, and the optimizer steps on the host.
+- "static": fractions, each applied to chunks in chunk order: the first ceil(shard_param_frac
+  x n) chunks are sharded (the rest stay gathered, as in stage 2); of the sharded chunks the
+  first floor(offload_param_frac x n) keep their shard in host memory; of the trainable chunks
+  the first floor(offload_optim_frac x n) keep their optimizer side in host memory.
+Every choice depends only on chunk order, so every rank and every run decides alike.
+"""
 
 from __future__ import annotations
 
-from shardwise.chunk import ChunkManager
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardwise.chunk import Chunk, ChunkManager, Pool
 
 PLACEMENT_POLICIES = ("cuda", "device", "cpu", "static", "auto")
-_IMPLEMENTED_POLICIES = ("cuda", "device")
+_IMPLEMENTED_POLICIES = ("cuda", "device", "cpu", "static")
+
+
+class DeviceBudgetExceeded(RuntimeError):
+    """The compute device would hold more bytes than its budget."""
 
 
 class GeminiManager:
-    """Decides where each chunk's payload, master weights, gradients and optimizer state live.
-
-    The "cuda" policy (alias "device") keeps everything on the compute device, whatever that
-    device is, so it is also the fastest policy on a CPU host.
+    """Decides where each chunk's payload and optimizer side live, and accounts every byte.
 
     Args:
-        placement_policy: "cuda" or "device". The offloading policies "cpu", "static" and
-            "auto" are refused with an error until their memory manager exists, rather than
-            silently behaving like "cuda".
-        chunk_manager: the chunks to place.
+        placement_policy: "cuda" / "device", "cpu" or "static"; see [Note: placement policies].
+            "auto" (placement driven by a memory tracer) is refused with an error until it
+            exists, rather than silently behaving like another policy.
+        chunk_manager: the (still empty) chunks to place.
+        device_budget_bytes: the most bytes of model state the compute device may hold at any
+            point of a step; checked after every gather and gradient copy. None: unlimited
+            (default; on CUDA, the device's capacity less 10%).
+        pin_memory: pin host buffers when computing on CUDA.
+        shard_param_frac, offload_optim_frac, offload_param_frac: the "static" policy's
+            fractions, each in [0, 1].
     """
 
-    def __init__(self, placement_policy: str, chunk_manager: ChunkManager) -> None:
+    def __init__(
+        self,
+        placement_policy: str,
+        chunk_manager: ChunkManager,
+        *,
+        device_budget_bytes: int | None = None,
+        pin_memory: bool = False,
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        offload_param_frac: float = 0.0,
+    ) -> None:
         if not isinstance(placement_policy, str):
             raise TypeError(f"placement_policy must be a str, got {placement_policy!r}")
         if placement_policy not in PLACEMENT_POLICIES:
@@ -31,15 +67,132 @@ class GeminiManager:
             )
         if placement_policy not in _IMPLEMENTED_POLICIES:
             raise ValueError(
-                f"placement_policy {placement_policy!r} (offloading to host memory) is not "
-                f"available in this version; use 'cuda' (alias 'device')"
+                f"placement_policy {placement_policy!r} is not available in this version; use "
+                f"'cuda' (alias 'device'), 'cpu' or 'static'"
             )
         if not isinstance(chunk_manager, ChunkManager):
             raise TypeError(
                 f"chunk_manager must be a ChunkManager, got {type(chunk_manager).__name__}"
             )
+        fractions = {
+            "shard_param_frac": shard_param_frac,
+            "offload_optim_frac": offload_optim_frac,
+            "offload_param_frac": offload_param_frac,
+        }
+        for name, value in fractions.items():
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 <= value <= 1
+            ):
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        defaults = {"shard_param_frac": 1.0, "offload_optim_frac": 0.0, "offload_param_frac": 0.0}
+        if placement_policy != "static" and fractions != defaults:
+            changed = sorted(k for k in fractions if fractions[k] != defaults[k])
+            raise ValueError(
+                f"{changed} apply only to placement_policy='static', got {placement_policy!r}"
+            )
+        if offload_param_frac > 0 and shard_param_frac < 1:
+            raise ValueError(
+                f"offload_param_frac={offload_param_frac} needs every chunk sharded "
+                f"(shard_param_frac=1.0, got {shard_param_frac}): a gathered chunk's payload "
+                f"stays on the device"
+            )
+        if device_budget_bytes is not None and (
+            isinstance(device_budget_bytes, bool)
+            or not isinstance(device_budget_bytes, int)
+            or device_budget_bytes < 1
+        ):
+            raise ValueError(
+                f"device_budget_bytes must be a positive int, got {device_budget_bytes!r}"
+            )
         self.placement_policy = "cuda" if placement_policy == "device" else placement_policy
         self.chunk_manager = chunk_manager
+        self.pin_memory = pin_memory
+        self.shard_param_frac = float(shard_param_frac)
+        self.offload_optim_frac = float(offload_optim_frac)
+        self.offload_param_frac = float(offload_param_frac)
+        self.device_budget_bytes = device_budget_bytes or _default_budget(chunk_manager.device)
+        self.peak_device_bytes = 0
+        self._optimizer_bytes: Callable[[Chunk], int] = lambda chunk: 0
+
+    @property
+    def sharded_fraction(self) -> float:
+        return self.shard_param_frac if self.placement_policy == "static" else 1.0
+
+    def place_chunks(self) -> None:
+        """Apply the policy to the packed chunks (see [Note: placement policies])."""
+        chunks = self.chunk_manager.chunks
+        sharded = [c for c in chunks if not c.keep_gathered]
+        trainable = [c for c in chunks if c.requires_grad]
+        if self.placement_policy == "cpu":
+            host_payload, host_optim = {id(c) for c in sharded}, {id(c) for c in trainable}
+        elif self.placement_policy == "static":
+            n = len(chunks)
+            host_payload = {id(c) for c in sharded[: math.floor(self.offload_param_frac * n)]}
+            host_optim = {id(c) for c in trainable[: math.floor(self.offload_optim_frac * n)]}
+        else:
+            host_payload, host_optim = set(), set()
+        for chunk in chunks:
+            chunk.place(
+                payload=Pool.HOST if id(chunk) in host_payload else Pool.DEVICE,
+                optim=Pool.HOST if id(chunk) in host_optim else Pool.DEVICE,
+                pin_memory=self.pin_memory,
+            )
+
+    def attach_optimizer(self, state_bytes_of: Callable[[Chunk], int]) -> None:
+        """Tell the manager how to count the optimizer state of a chunk (in its optim pool)."""
+        self._optimizer_bytes = state_bytes_of
+
+    def memory_by_pool(self) -> dict[str, int]:
+        """Bytes of model state (payloads, masters, gradients, optimizer state) per pool now."""
+        held = {Pool.DEVICE: 0, Pool.HOST: 0}
+        for chunk in self.chunk_manager.chunks:
+            for pool, nbytes in chunk.resident_bytes_by_pool().items():
+                held[pool] += nbytes
+            held[chunk.optim_pool] += self._optimizer_bytes(chunk)
+        return {pool.value: nbytes for pool, nbytes in held.items()}
+
+    def check_budget(self, where: str) -> None:
+        """Record the device's bytes; raise if they pass the budget."""
+        device = self.memory_by_pool()[Pool.DEVICE.value]
+        self.peak_device_bytes = max(self.peak_device_bytes, device)
+        if self.device_budget_bytes is not None and device > self.device_budget_bytes:
+            short = device - self.device_budget_bytes
+            raise DeviceBudgetExceeded(
+                f"{where}: the device would hold {device} bytes of model state, over its budget "
+                f"of {self.device_budget_bytes} by {short}; use placement_policy='cpu', raise "
+                f"the static offload fractions, use smaller chunks, or raise device_budget_bytes"
+            )
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes copied host->device and device->host since the chunks were placed."""
+        chunks = self.chunk_manager.chunks
+        return {
+            "to_device": sum(c.bytes_to_device for c in chunks),
+            "to_host": sum(c.bytes_to_host for c in chunks),
+        }
+
+    def placement_report(self) -> list[dict[str, Any]]:
+        """Per chunk: id, elements, state, whether sharded, and the pool of each payload."""
+        return [
+            {
+                "chunk_id": c.chunk_id,
+                "numel": c.numel,
+                "state": c.state.value,
+                "sharded": not c.keep_gathered,
+                "payload": c.payload_pool.value,
+                "optim": c.optim_pool.value if c.requires_grad else None,
+                "tensors": {t.name: t.state.value for t in c.tensors},
+            }
+            for c in self.chunk_manager.chunks
+        ]
 
     def __repr__(self) -> str:
         return f"GeminiManager(placement_policy={self.placement_policy!r}, {self.chunk_manager!r})"
+
+
+def _default_budget(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    return None

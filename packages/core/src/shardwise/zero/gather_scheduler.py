@@ -5,7 +5,8 @@ The first forward and backward of a model record which chunks each module call n
 order. From then on that record drives two things: a chunk is released in forward right after
 the last module call that uses it (so a tied embedding used again by the head stays gathered),
 and the next chunk in the record is gathered asynchronously while the current module computes.
-The first pass releases only at the end of forward. If a later pass departs from the record
+The first pass, having no record yet, releases a chunk once every tensor in it has been used
+(a tied weight is then gathered again when reused). If a later pass departs from the record
 (data-dependent control flow) the rest of that pass falls back to on-demand gathers and
 releases at the end of forward: slower, never wrong. Every rank must run the same modules in
 the same order, as with any ZeRO-3 engine, since gathers are collectives.
@@ -13,6 +14,7 @@ the same order, as with any ZeRO-3 engine, since gathers are collectives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,14 +63,25 @@ class GatherScheduler:
         module: the user's model.
         chunk_manager: its chunks (sharded, not kept gathered).
         prefetch: gather the next chunk of the recorded order asynchronously.
+        after_gather: called with a description of the moment after each module's chunks are
+            gathered (the memory budget check).
     """
 
-    def __init__(self, module: nn.Module, chunk_manager: ChunkManager, *, prefetch: bool) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        chunk_manager: ChunkManager,
+        *,
+        prefetch: bool,
+        after_gather: Callable[[str], None] | None = None,
+    ) -> None:
         self.chunk_manager = chunk_manager
         self.prefetch = prefetch
+        self._after_gather = after_gather
         self._forward = _Trace()
         self._backward = _Trace()
         self._last_forward_use: dict[int, int] = {}
+        self._used_in_pass: dict[int, set[int]] = {}
         self._in_backward = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for submodule in module.modules():
@@ -86,6 +99,13 @@ class GatherScheduler:
 
     def begin_forward(self) -> None:
         self._forward.begin()
+        self._used_in_pass.clear()
+
+    def forward_order(self) -> list[int]:
+        """Chunk ids by first use in the recorded forward pass (empty before it is recorded)."""
+        if not self._forward.recorded:
+            return []
+        return list(dict.fromkeys(c for step in self._forward.steps for c in step))
 
     def end_forward(self) -> None:
         """Release every chunk not in use; record the forward order after the first pass."""
@@ -110,6 +130,8 @@ class GatherScheduler:
             for chunk, index in places:
                 chunk.set_compute(index)
             self._prefetch(trace)
+            if self._after_gather is not None:
+                self._after_gather(f"before forward of {type(module).__name__}")
 
         return hook
 
@@ -121,14 +143,29 @@ class GatherScheduler:
             position = self._forward.position - 1
             for chunk, index in places:
                 chunk.set_hold(index)
-            if not self._in_backward and self._forward.on_track:
+            if not self._in_backward and not self._forward.recorded:
+                self._release_fully_used(places)
+            elif not self._in_backward and self._forward.on_track:
                 for chunk in chunks:
-                    if self._last_forward_use.get(chunk.chunk_id) == position and not chunk.in_use:
+                    if (
+                        self._last_forward_use.get(chunk.chunk_id) == position
+                        and not chunk.in_use
+                        and not chunk.keep_gathered
+                    ):
                         chunk.release()
             if torch.is_grad_enabled():
                 self._register_pre_backward(output, chunks, needs_grad)
 
         return hook
+
+    def _release_fully_used(self, places: list[tuple[Chunk, int]]) -> None:
+        """First pass: release a chunk once each of its tensors has been used."""
+        for chunk, index in places:
+            self._used_in_pass.setdefault(chunk.chunk_id, set()).add(index)
+        for chunk in _unique_chunks(places):
+            used = len(self._used_in_pass[chunk.chunk_id])
+            if used == len(chunk.tensors) and not chunk.in_use and not chunk.keep_gathered:
+                chunk.release()
 
     # ---- backward ----------------------------------------------------------------------------
 
@@ -144,6 +181,8 @@ class GatherScheduler:
             for chunk in chunks:
                 chunk.gather()
             self._prefetch(self._backward)
+            if self._after_gather is not None:
+                self._after_gather("before backward")
 
         leaves, _ = tree_flatten(output)
         for tensor in leaves:
@@ -167,12 +206,12 @@ class GatherScheduler:
 
     def on_chunk_reduced(self, chunk: Chunk) -> None:
         """A chunk's gradients are reduced: backward needs its parameters no more."""
-        if not chunk.in_use:
+        if not chunk.in_use and not chunk.keep_gathered:
             chunk.release()
 
     def release_all(self) -> None:
         for chunk in self.chunk_manager.chunks:
-            if chunk.state is ChunkState.GATHERED and not chunk.in_use:
+            if chunk.state is ChunkState.GATHERED and not chunk.in_use and not chunk.keep_gathered:
                 chunk.release()
 
     def remove(self) -> None:

@@ -29,6 +29,10 @@ _GEMINI_CONFIG_KEYS = (
     "mixed_precision",
     "process_group",
     "prefetch",
+    "device_budget_bytes",
+    "shard_param_frac",
+    "offload_optim_frac",
+    "offload_param_frac",
 )
 
 
@@ -96,9 +100,9 @@ class GeminiDDP(ZeroModel):
             prefetch=prefetch,
             force_outputs_fp32=force_outputs_fp32,
         )
-        self.gemini_manager = gemini_manager
         self.pin_memory = pin_memory
-        super().__init__(module, config, chunk_manager)
+        gemini_manager.pin_memory = pin_memory
+        super().__init__(module, config, chunk_manager, gemini_manager)
 
 
 ZeroDDP = GeminiDDP
@@ -107,10 +111,12 @@ ZeroDDP = GeminiDDP
 def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -> GeminiDDP:
     """Build a GeminiDDP from `zero_model_wrapper`'s `gemini_config` dict.
 
-    Keys: device (default cuda:<current> or cpu), placement_policy ("cuda"/"device"),
-    pin_memory, force_outputs_fp32, strict_ddp_mode, chunk_size_numel (elements per chunk),
-    hidden_dim (chunk size rounded up to a multiple of it), mixed_precision (a
-    `MixedPrecision` or a torch dtype for parameters), process_group, prefetch.
+    Keys: device (default cuda:<current> or cpu); placement_policy ("cuda"/"device", "cpu",
+    "static"); device_budget_bytes, shard_param_frac, offload_optim_frac, offload_param_frac
+    (see GeminiManager); pin_memory; force_outputs_fp32; strict_ddp_mode; chunk_size_numel
+    (elements per chunk); hidden_dim (chunk size rounded up to a multiple of it);
+    mixed_precision (a `MixedPrecision`, or a torch dtype for parameters); process_group;
+    prefetch.
     """
     config = dict(gemini_config)
     unknown = sorted(set(config) - set(_GEMINI_CONFIG_KEYS))
@@ -138,7 +144,14 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         dtypes=mixed_precision.chunk_dtypes(),
         group=config.get("process_group"),
     )
-    manager = GeminiManager(config.get("placement_policy", "cuda"), chunk_manager)
+    manager = GeminiManager(
+        config.get("placement_policy", "cuda"),
+        chunk_manager,
+        device_budget_bytes=config.get("device_budget_bytes"),
+        shard_param_frac=config.get("shard_param_frac", 1.0),
+        offload_optim_frac=config.get("offload_optim_frac", 0.0),
+        offload_param_frac=config.get("offload_param_frac", 0.0),
+    )
     return GeminiDDP(
         model,
         manager,

@@ -4,9 +4,16 @@
 Collectives are matched by call order on every rank. If each rank reduced a chunk as soon as its
 own gradients were ready, a parameter used on one rank but not another (an unused branch, an
 unrouted expert) would make the ranks issue reduce-scatters in different orders and mix up or
-hang. So chunks are reduced in descending chunk id (roughly the order backward produces them):
-a ready chunk waits for the chunks before it, and whatever is still unreduced when backward
-ends is reduced then, in the same order, with zeros for gradients that never came.
+hang. So chunks are reduced in one order shared by all ranks: a ready chunk waits for the
+chunks before it, and whatever is still unreduced when backward ends is reduced then, in the
+same order, with zeros for gradients that never came.
+
+The order matters for memory: a chunk early in the order whose gradients come late (or never,
+for an unused branch) holds back every later chunk's gradient buffer (and at stage 3 its
+gathered parameters) until backward ends. It starts as descending chunk id, or as the reverse
+of the forward order when stage 3 has recorded one, and after the first synchronised backward
+becomes the order in which chunks actually completed there, rank 0's, broadcast to all ranks
+(chunks that never completed go last), as DDP rebuilds its buckets.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
 
 
@@ -33,6 +41,8 @@ class GradReducer:
         on_reduced: called with each chunk right after it is reduced (stage 3 frees its
             payload there).
         on_backward_end: called once after every backward pass, after all reductions.
+        after_grad: called after each gradient is copied into its chunk (the memory budget
+            check).
     """
 
     def __init__(
@@ -43,6 +53,7 @@ class GradReducer:
         overlap: bool = False,
         on_reduced: Callable[[Chunk], None] | None = None,
         on_backward_end: Callable[[], None] | None = None,
+        after_grad: Callable[[str], None] | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
         self.reduce_in_backward = reduce_in_backward
@@ -51,8 +62,11 @@ class GradReducer:
         self.require_sync = True
         self._on_reduced = on_reduced
         self._on_backward_end = on_backward_end
+        self._after_grad = after_grad
         # Descending chunk id: see [Note: why chunks are reduced in a fixed order].
         self._order = sorted(chunk_manager.trainable_chunks(), key=lambda c: -c.chunk_id)
+        self._order_settled = False
+        self._completed: list[int] = []
         self._next = 0
         self._complete: set[int] = set()
         self._callback_queued = False
@@ -74,12 +88,32 @@ class GradReducer:
             complete = chunk.add_grad(index, param.grad)
             # The chunk now holds the gradient; dropping .grad frees the per-parameter copy.
             param.grad = None
+            if self._after_grad is not None:
+                self._after_grad(f"after the gradient of {chunk.tensors[index].name}")
             if complete:
                 self._complete.add(chunk.chunk_id)
+                self._completed.append(chunk.chunk_id)
                 if self.reduce_in_backward and self.require_sync:
                     self._reduce_ready_in_order()
 
         return hook
+
+    def suggest_order(self, chunk_ids: list[int]) -> None:
+        """Reduce in this order until the first backward has shown the real one; every rank
+        must pass the same list (stage 3's recorded forward order, reversed)."""
+        if self._order_settled:
+            return
+        position = {chunk_id: i for i, chunk_id in enumerate(chunk_ids)}
+        self._order.sort(key=lambda c: position.get(c.chunk_id, len(position)))
+
+    def _settle_order(self) -> None:
+        by_id = {chunk.chunk_id: chunk for chunk in self._order}
+        seen = list(dict.fromkeys(c for c in self._completed if c in by_id))
+        rest = [chunk.chunk_id for chunk in self._order if chunk.chunk_id not in set(seen)]
+        order = torch.tensor(seen + rest, dtype=torch.int64)
+        comm.broadcast(order, 0, self.chunk_manager.stats, self.chunk_manager.group)
+        self._order = [by_id[chunk_id] for chunk_id in order.tolist()]
+        self._order_settled = True
 
     def _reduce_ready_in_order(self) -> None:
         while self._next < len(self._order) and self._order[self._next].chunk_id in self._complete:
@@ -106,12 +140,15 @@ class GradReducer:
             for chunk in self._in_flight:
                 self._finish(chunk)
             self._in_flight.clear()
+            if not self._order_settled:
+                self._settle_order()
         else:
             for chunk in self._order:
                 chunk.end_pass_without_reduce()
             self._unreduced_passes = True
         self._next = 0
         self._complete.clear()
+        self._completed.clear()
         if self._on_backward_end is not None:
             self._on_backward_end()
 

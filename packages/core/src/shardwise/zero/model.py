@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map
 from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
+from shardwise.gemini import GeminiManager
 from shardwise.zero.config import ZeroConfig
 from shardwise.zero.gather_scheduler import GatherScheduler
 from shardwise.zero.grad_reducer import GradReducer
@@ -36,10 +37,16 @@ class ZeroModel(nn.Module):
         config: stage, dtypes, chunk size and process group.
         chunk_manager: an empty chunk manager to pack the parameters into (built from
             `config` when not given).
+        gemini_manager: stage 3's placement of chunks in device and host memory, over
+            `chunk_manager`; without one every buffer stays on the device.
     """
 
     def __init__(
-        self, module: nn.Module, config: ZeroConfig, chunk_manager: ChunkManager | None = None
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        chunk_manager: ChunkManager | None = None,
+        gemini_manager: GeminiManager | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -56,6 +63,7 @@ class ZeroModel(nn.Module):
         elif chunk_manager.chunks:
             raise ValueError("chunk_manager already holds chunks; pass a fresh ChunkManager")
         self.comm_stats = chunk_manager.stats
+        self.gemini_manager = gemini_manager
         self._sync_buffers()
         self._pack(chunk_manager)
 
@@ -72,17 +80,29 @@ class ZeroModel(nn.Module):
     def _pack(self, chunk_manager: ChunkManager) -> None:
         """Move the parameters into chunks and hook the module (stage 3) and gradients."""
         self.chunk_manager = chunk_manager
-        chunk_manager.register(self.module.named_parameters())
+        gemini = self.gemini_manager
+        chunk_manager.register(
+            self.module.named_parameters(),
+            sharded_fraction=gemini.sharded_fraction if gemini is not None else 1.0,
+        )
+        budget_check = None
+        if gemini is not None:
+            gemini.place_chunks()
+            budget_check = gemini.check_budget
         self.scheduler: GatherScheduler | None = None
         if self.config.stage == 3:
             self.scheduler = GatherScheduler(
-                self.module, chunk_manager, prefetch=self.config.prefetch
+                self.module,
+                chunk_manager,
+                prefetch=self.config.prefetch,
+                after_gather=budget_check,
             )
         self.reducer = GradReducer(
             chunk_manager,
             reduce_in_backward=self.config.stage >= 2,
             overlap=self.config.overlap_communication,
             on_reduced=self.scheduler.on_chunk_reduced if self.scheduler else None,
+            after_grad=budget_check,
         )
 
     def rebuild(self, *, chunk_size_numel: int, overlap_communication: bool) -> None:
@@ -117,11 +137,15 @@ class ZeroModel(nn.Module):
         if compute != torch.float32:
             args, kwargs = tree_map(lambda x: _cast_floating(x, compute), (args, kwargs))
         if self.scheduler is not None:
+            recorded = bool(self.scheduler.forward_order())
             self.scheduler.begin_forward()
             try:
                 output = self.module(*args, **kwargs)
             finally:
                 self.scheduler.end_forward()
+            if not recorded:
+                # Backward meets chunks roughly in reverse forward order: reduce them so.
+                self.reducer.suggest_order(self.scheduler.forward_order()[::-1])
         else:
             output = self.module(*args, **kwargs)
         if self.config.force_outputs_fp32:

@@ -75,7 +75,10 @@ class ZeroOptimizer:
         self._grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Parameter name -> the shard view the inner optimizer steps (checkpoints use it).
         self.shard_views: dict[str, torch.Tensor] = {}
+        self._views_of_chunk: dict[int, list[torch.Tensor]] = {}
         self._swap_params_for_shards()
+        if model.gemini_manager is not None:
+            model.gemini_manager.attach_optimizer(self.chunk_state_bytes)
 
     def _swap_params_for_shards(self) -> None:
         """See [Note: the optimizer sees shard views]."""
@@ -105,6 +108,7 @@ class ZeroOptimizer:
                 shard = chunk.master[begin:end]
                 self._grad_pairs.append((shard, chunk.grad_shard[begin:end]))
                 self.shard_views[chunk.tensors[index].name] = shard
+                self._views_of_chunk.setdefault(chunk.chunk_id, []).append(shard)
                 shards.append(shard)
             group["params"] = shards
 
@@ -174,12 +178,23 @@ class ZeroOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (e.g. Adam moments) this rank holds."""
-        total = 0
-        for state in self.optim.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    total += value.numel() * value.element_size()
-        return total
+        return sum(self._tensor_bytes(state) for state in self.optim.state.values())
+
+    def chunk_state_bytes(self, chunk: Chunk) -> int:
+        """Bytes of optimizer state held for the parameters of `chunk` on this rank."""
+        return sum(
+            self._tensor_bytes(self.optim.state.get(view, {}))
+            for view in self._views_of_chunk.get(chunk.chunk_id, [])
+        )
+
+    @staticmethod
+    def _tensor_bytes(state: dict[str, Any]) -> int:
+        # Per-element state only: scalars such as Adam's step are not model state.
+        return sum(
+            v.numel() * v.element_size()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.numel() > 1
+        )
 
     def __repr__(self) -> str:
         name = type(self.optim).__name__
