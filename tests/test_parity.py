@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers import Run, max_abs_diff, reference, sharded
 
+from shardwise import HybridAdam
 from shardwise.testing import run_ranks
 
 PARAM_TOL = 1e-4
@@ -95,3 +96,17 @@ def test_sgd_with_momentum(stage: int) -> None:
 def test_tied_weights_stay_tied() -> None:
     _, state, _ = run_ranks(sharded, 2, Run(stage=3))[0]
     assert torch.equal(state["gpt.wte.weight"], state["gpt.lm_head.weight"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_adam_under_zero_matches_fused_adamw_reference(stage: int) -> None:
+    def hybrid(params: object) -> torch.optim.Optimizer:
+        return HybridAdam(params, lr=1e-2, weight_decay=0.1)  # type: ignore[arg-type]
+
+    def fused(params: object) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)  # type: ignore[arg-type]
+
+    ref_losses, ref_state = reference(Run(stage=stage, optim=fused))
+    for losses, state, _ in run_ranks(sharded, 2, Run(stage=stage, optim=hybrid)):
+        assert losses == ref_losses
+        assert max_abs_diff(state, ref_state) == 0.0

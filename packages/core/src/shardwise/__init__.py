@@ -10,6 +10,7 @@ from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommOp, CommStats
 from shardwise.gemini import GeminiManager
+from shardwise.optim import CPUAdam, HybridAdam
 from shardwise.zero import (
     GeminiDDP,
     MixedPrecision,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChunkManager",
+    "CPUAdam",
     "ColoDDP",
     "CommOp",
     "CommStats",
@@ -34,6 +36,7 @@ __all__ = [
     "GeminiDDP",
     "GeminiManager",
     "GradScaler",
+    "HybridAdam",
     "MixedPrecision",
     "ZeroConfig",
     "ZeroDDP",

@@ -18,6 +18,7 @@ import torch
 
 from shardwise.amp import GradScaler
 from shardwise.chunk import Chunk
+from shardwise.optim import HybridAdam
 from shardwise.zero.grad_norm import global_grad_norm
 from shardwise.zero.model import ZeroModel
 
@@ -153,11 +154,15 @@ class ZeroOptimizer:
         if self.max_norm > 0:
             # As torch.nn.utils.clip_grad_norm_: never scale up, epsilon against zero norms.
             coef *= min(1.0, self.max_norm / (norm + 1e-6))
-        if coef != 1.0:
-            torch._foreach_mul_(grads, coef)
         for shard, grad in self._grad_pairs:
             shard.grad = grad
-        self.optim.step()
+        if isinstance(self.optim, HybridAdam):
+            # Unscaled and clipped inside the fused update: no separate pass over gradients.
+            self.optim.step(grad_scale=1.0 / coef)
+        else:
+            if coef != 1.0:
+                torch._foreach_mul_(grads, coef)
+            self.optim.step()
         for chunk in self._chunks:
             chunk.publish_master()
         return True
