@@ -8,15 +8,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise import comm
 from shardwise.chunk import ChunkManager
+from shardwise.chunk.search import search_chunk_size
 from shardwise.gemini import GeminiManager
 from shardwise.zero.config import (
-    DEFAULT_CHUNK_SIZE_NUMEL,
     MixedPrecision,
     ZeroConfig,
     default_device,
 )
 from shardwise.zero.model import ZeroModel
+
+# The seeds' defaults, in bytes: search 64 MiB above a 32 MiB minimum, in 4096 steps.
+DEFAULT_SEARCH_RANGE_BYTES = 64 * 1024**2
+DEFAULT_MIN_CHUNK_BYTES = 32 * 1024**2
+DEFAULT_SEARCH_N_GRIDS = 4096
 
 _GEMINI_CONFIG_KEYS = (
     "device",
@@ -33,6 +39,9 @@ _GEMINI_CONFIG_KEYS = (
     "shard_param_frac",
     "offload_optim_frac",
     "offload_param_frac",
+    "chunk_search_range",
+    "chunk_search_n_grids",
+    "min_chunk_size",
 )
 
 
@@ -114,7 +123,8 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
     Keys: device (default cuda:<current> or cpu); placement_policy ("cuda"/"device", "cpu",
     "static"); device_budget_bytes, shard_param_frac, offload_optim_frac, offload_param_frac
     (see GeminiManager); pin_memory; force_outputs_fp32; strict_ddp_mode; chunk_size_numel
-    (elements per chunk); hidden_dim (chunk size rounded up to a multiple of it);
+    (elements per chunk; None or absent: searched with chunk_search_range and min_chunk_size,
+    in bytes, and chunk_search_n_grids); hidden_dim (chunk sizes rounded up to a multiple);
     mixed_precision (a `MixedPrecision`, or a torch dtype for parameters); process_group;
     prefetch.
     """
@@ -132,11 +142,15 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         raise TypeError(
             f"mixed_precision must be a MixedPrecision or torch.dtype, got {mixed_precision!r}"
         )
-    chunk_size = config.get("chunk_size_numel", DEFAULT_CHUNK_SIZE_NUMEL)
     hidden_dim = config.get("hidden_dim")
-    if hidden_dim is not None:
-        if isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1:
-            raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
+    if hidden_dim is not None and (
+        isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1
+    ):
+        raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
+    chunk_size = config.get("chunk_size_numel")
+    if chunk_size is None:
+        chunk_size = _searched_chunk_size(model, config, mixed_precision, hidden_dim)
+    elif hidden_dim is not None:
         chunk_size = -(-chunk_size // hidden_dim) * hidden_dim
     chunk_manager = ChunkManager(
         chunk_size_numel=chunk_size,
@@ -160,3 +174,31 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         strict_ddp_mode=config.get("strict_ddp_mode", False),
         prefetch=config.get("prefetch", True),
     )
+
+
+def _searched_chunk_size(
+    model: nn.Module,
+    config: Mapping[str, Any],
+    mixed_precision: MixedPrecision,
+    hidden_dim: int | None,
+) -> int:
+    """Search a chunk size with the seeds' knobs, given in bytes of the parameter dtype."""
+    element_size = torch.empty((), dtype=mixed_precision.param_dtype).element_size()
+    search_range = config.get("chunk_search_range", DEFAULT_SEARCH_RANGE_BYTES)
+    min_chunk = config.get("min_chunk_size", DEFAULT_MIN_CHUNK_BYTES)
+    for name, value in (("chunk_search_range", search_range), ("min_chunk_size", min_chunk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a number of bytes (int >= 0), got {value!r}")
+    unique = list(dict.fromkeys(model.parameters()))
+    result = search_chunk_size(
+        [
+            [p.numel() for p in unique if p.requires_grad],
+            [p.numel() for p in unique if not p.requires_grad],
+        ],
+        world_size=comm.world_size(config.get("process_group")),
+        search_range_numel=search_range // element_size,
+        n_grids=config.get("chunk_search_n_grids", DEFAULT_SEARCH_N_GRIDS),
+        min_chunk_size_numel=max(1, min_chunk // element_size),
+        hidden_dim=hidden_dim,
+    )
+    return result.chunk_size_numel
