@@ -37,6 +37,8 @@ def zero_model_wrapper(
         zero_stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
         gemini_config: keyword options, as a dict.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = dict(gemini_config or {})
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, int):
         raise TypeError(f"zero_stage must be an int (1, 2 or 3), got {zero_stage!r}")
