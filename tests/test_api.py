@@ -126,7 +126,7 @@ def _errors() -> list[str]:
     )
     expect(
         ValueError,
-        "'auto'.*not available",
+        "placement_policy='auto' needs a device budget",
         lambda: zero_model_wrapper(model, 3, {"device": CPU, "placement_policy": "auto"}),
     )
     expect(

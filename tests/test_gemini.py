@@ -138,3 +138,77 @@ def test_static_fractions_are_validated() -> None:
             3,
             {"device": torch.device("cpu"), "placement_policy": "static", "offload_optim_frac": 2},
         )
+
+
+def _auto(budget: int, margin: float) -> dict[str, Any]:
+    policy = {
+        "placement_policy": "auto",
+        "device_budget_bytes": budget,
+        "gpu_margin_mem_ratio": margin,
+    }
+    result = _train(policy, FP16, steps=3)
+    return result
+
+
+def _auto_stats(budget: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    config = {
+        "device": torch.device("cpu"),
+        "chunk_size_numel": CHUNK_NUMEL,
+        "placement_policy": "auto",
+        "device_budget_bytes": budget,
+        "mixed_precision": FP16,
+    }
+    model = make_model()
+    wrapped = zero_model_wrapper(model, 3, config)
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(3):
+        optimizer.zero_grad()
+        optimizer.backward(wrapped(*batch_slice(step, 0, rank, 2)))
+        optimizer.step()
+    gemini = wrapped.gemini_manager
+    assert gemini is not None and gemini.auto is not None
+    return {
+        "payloads": [c["payload"] for c in gemini.placement_report() if c["sharded"]],
+        "evictions": gemini.auto.evictions,
+        "peak": gemini.peak_device_bytes,
+        "non_model": max(gemini.auto.non_model),
+    }
+
+
+def test_auto_policy_matches_cuda_and_keeps_to_its_budget() -> None:
+    cuda = run_ranks(_train, 2, POLICIES["cuda"], FP16)[0]
+    roomy = run_ranks(_auto, 2, 10 * cuda["peak"], 1.0)[0]
+    assert roomy["losses"] == cuda["losses"]
+    for key, value in cuda["state"].items():
+        assert torch.equal(roomy["state"][key], value), key
+    # With room to spare every shard a step uses comes to the device and stays (the unused
+    # branch's chunk is never gathered, so it stays in host memory), and the margin takes the
+    # optimizer sides there too.
+    for chunk in roomy["report"]:
+        unused = all(name.startswith("branch.") for name in chunk["tensors"])
+        assert chunk["payload"] == ("host" if unused else "device"), chunk
+    assert all(c["optim"] == "device" for c in roomy["report"] if c["optim"] is not None)
+    # Room for the traced activations and a third of the model state: shards must move.
+    non_model = run_ranks(_auto_stats, 2, 10 * cuda["peak"])[0]["non_model"]
+    tight_budget = non_model + cuda["pools"]["device"] // 3
+    tight = run_ranks(_auto, 2, tight_budget, 0.0)[0]
+    assert tight["losses"] == cuda["losses"]
+    stats = run_ranks(_auto_stats, 2, tight_budget)[0]
+    # Under pressure some shards live on the device and the rest in host memory.
+    assert "device" in stats["payloads"] and "host" in stats["payloads"]
+    assert stats["non_model"] > 0  # activations were traced
+    assert stats["peak"] <= tight_budget
+
+
+def _auto_impossible() -> str:
+    try:
+        _auto_stats(1000)
+    except DeviceBudgetExceeded as error:
+        return str(error)
+    return ""
+
+
+def test_auto_policy_says_how_much_is_missing() -> None:
+    message = run_ranks(_auto_impossible, 2)[0]
+    assert "cannot fit" in message and "device_budget_bytes of at least" in message

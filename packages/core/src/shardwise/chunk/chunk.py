@@ -259,6 +259,34 @@ class Chunk:
                 self.grad_shard = self._move(self.grad_shard, optim)
         self.optim_pool = optim
 
+    def move_payload(self, pool: Pool) -> None:
+        """Move the shard to `pool` while training runs (the "auto" policy). A master that was
+        the shard itself stays where it is, as its own tensor, since the optimizer holds views
+        of it."""
+        if pool is self.payload_pool:
+            return
+        if self.keep_gathered:
+            raise ValueError(f"chunk {self.chunk_id} keeps its payload gathered on the device")
+        self.shard = self._move(self.shard, pool)
+        self.payload_pool = pool
+
+    def move_optim(self, pool: Pool) -> None:
+        """Move the fp32 master and gradient shard to `pool`; the optimizer must then re-point
+        its views (ZeroOptimizer.rebind_chunk) and move its state."""
+        if pool is self.optim_pool or not self.requires_grad:
+            self.optim_pool = pool
+            return
+        self.master = self._move(self.master, pool, torch.float32)
+        self.grad_shard = self._move(self.grad_shard, pool)
+        self.optim_pool = pool
+
+    def gathered_bytes(self) -> int:
+        """Device bytes a gather of this chunk allocates (payload, and its compute copy)."""
+        nbytes = self.padded_numel * self.full.element_size()
+        if self.dtypes.compute != self.dtypes.payload:
+            nbytes += self.padded_numel * torch.empty((), dtype=self.dtypes.compute).element_size()
+        return nbytes
+
     def _finish_gather(self) -> None:
         if self.full_compute is not None:
             self._materialise(self.full_compute)

@@ -22,22 +22,19 @@ from typing import Any
 import torch
 
 from shardwise.chunk import Chunk, ChunkManager, Pool
+from shardwise.gemini.auto_placement import AutoPlacer
+from shardwise.gemini.errors import DeviceBudgetExceeded
+from shardwise.gemini.tracer import MemoryTracer
 
 PLACEMENT_POLICIES = ("cuda", "device", "cpu", "static", "auto")
-_IMPLEMENTED_POLICIES = ("cuda", "device", "cpu", "static")
-
-
-class DeviceBudgetExceeded(RuntimeError):
-    """The compute device would hold more bytes than its budget."""
 
 
 class GeminiManager:
     """Decides where each chunk's payload and optimizer side live, and accounts every byte.
 
     Args:
-        placement_policy: "cuda" / "device", "cpu" or "static"; see [Note: placement policies].
-            "auto" (placement driven by a memory tracer) is refused with an error until it
-            exists, rather than silently behaving like another policy.
+        placement_policy: "cuda" / "device", "cpu", "static" (see [Note: placement policies])
+            or "auto" (see [Note: auto placement]).
         chunk_manager: the (still empty) chunks to place.
         device_budget_bytes: the most bytes of model state the compute device may hold at any
             point of a step; checked after every gather and gradient copy. None: unlimited
@@ -45,6 +42,8 @@ class GeminiManager:
         pin_memory: pin host buffers when computing on CUDA.
         shard_param_frac, offload_optim_frac, offload_param_frac: the "static" policy's
             fractions, each in [0, 1].
+        gpu_margin_mem_ratio: the "auto" policy's share, in [0, 1], of the device room left
+            after warm-up that optimizer state may use.
     """
 
     def __init__(
@@ -57,6 +56,7 @@ class GeminiManager:
         shard_param_frac: float = 1.0,
         offload_optim_frac: float = 0.0,
         offload_param_frac: float = 0.0,
+        gpu_margin_mem_ratio: float = 0.0,
     ) -> None:
         if not isinstance(placement_policy, str):
             raise TypeError(f"placement_policy must be a str, got {placement_policy!r}")
@@ -64,11 +64,6 @@ class GeminiManager:
             raise ValueError(
                 f"placement_policy must be one of {', '.join(map(repr, PLACEMENT_POLICIES))}, "
                 f"got {placement_policy!r}"
-            )
-        if placement_policy not in _IMPLEMENTED_POLICIES:
-            raise ValueError(
-                f"placement_policy {placement_policy!r} is not available in this version; use "
-                f"'cuda' (alias 'device'), 'cpu' or 'static'"
             )
         if not isinstance(chunk_manager, ChunkManager):
             raise TypeError(
@@ -91,6 +86,19 @@ class GeminiManager:
             changed = sorted(k for k in fractions if fractions[k] != defaults[k])
             raise ValueError(
                 f"{changed} apply only to placement_policy='static', got {placement_policy!r}"
+            )
+        if (
+            isinstance(gpu_margin_mem_ratio, bool)
+            or not isinstance(gpu_margin_mem_ratio, (int, float))
+            or not 0 <= gpu_margin_mem_ratio <= 1
+        ):
+            raise ValueError(
+                f"gpu_margin_mem_ratio must be a number in [0, 1], got {gpu_margin_mem_ratio!r}"
+            )
+        if gpu_margin_mem_ratio and placement_policy != "auto":
+            raise ValueError(
+                f"gpu_margin_mem_ratio applies only to placement_policy='auto', "
+                f"got {placement_policy!r}"
             )
         if offload_param_frac > 0 and shard_param_frac < 1:
             raise ValueError(
@@ -115,6 +123,22 @@ class GeminiManager:
         self.device_budget_bytes = device_budget_bytes or _default_budget(chunk_manager.device)
         self.peak_device_bytes = 0
         self._optimizer_bytes: Callable[[Chunk], int] = lambda chunk: 0
+        self._rebind: Callable[[Chunk], None] = lambda chunk: None
+        self.auto: AutoPlacer | None = None
+        if self.placement_policy == "auto":
+            if self.device_budget_bytes is None:
+                raise ValueError(
+                    "placement_policy='auto' needs a device budget: pass device_budget_bytes "
+                    "(on CUDA it defaults to the device's capacity less 10%)"
+                )
+            tracer = MemoryTracer(chunk_manager.device, self._device_model_bytes)
+            self.auto = AutoPlacer(
+                chunk_manager,
+                budget=self.device_budget_bytes,
+                margin_ratio=float(gpu_margin_mem_ratio),
+                device_bytes=self._device_model_bytes,
+                tracer=tracer,
+            )
 
     @property
     def sharded_fraction(self) -> float:
@@ -125,7 +149,7 @@ class GeminiManager:
         chunks = self.chunk_manager.chunks
         sharded = [c for c in chunks if not c.keep_gathered]
         trainable = [c for c in chunks if c.requires_grad]
-        if self.placement_policy == "cpu":
+        if self.placement_policy in ("cpu", "auto"):
             host_payload, host_optim = {id(c) for c in sharded}, {id(c) for c in trainable}
         elif self.placement_policy == "static":
             n = len(chunks)
@@ -140,9 +164,49 @@ class GeminiManager:
                 pin_memory=self.pin_memory,
             )
 
-    def attach_optimizer(self, state_bytes_of: Callable[[Chunk], int]) -> None:
-        """Tell the manager how to count the optimizer state of a chunk (in its optim pool)."""
+    def attach_optimizer(
+        self, state_bytes_of: Callable[[Chunk], int], rebind: Callable[[Chunk], None]
+    ) -> None:
+        """Tell the manager how to count the optimizer state of a chunk (in its optim pool),
+        and how to re-point the optimizer at a chunk whose optimizer side moved."""
         self._optimizer_bytes = state_bytes_of
+        self._rebind = rebind
+
+    # ---- calls from the gather schedule (stage 3) --------------------------------------------
+
+    def begin_forward(self) -> None:
+        if self.auto is not None:
+            self.auto.begin_step()
+            if not self.auto.warm:
+                self.auto.tracer.start()
+
+    def end_forward(self) -> None:
+        if self.auto is not None:
+            self.auto.tracer.stop()
+
+    def before_gather(self, chunks: list[Chunk], backward: bool) -> None:
+        if self.auto is not None:
+            self.auto.before_gather(chunks, backward)
+
+    def after_gather(self, chunks: list[Chunk], where: str) -> None:
+        if self.auto is not None:
+            self.auto.after_gather(chunks)
+        self.check_budget(where)
+
+    def end_of_warmup(self) -> None:
+        """After the first backward: the "auto" policy fixes its timeline and may move
+        optimizer sides to the device."""
+        if self.auto is not None and not self.auto.warm:
+            self.auto.end_warmup(
+                self.peak_device_bytes, self._move_optim_to_device, self._optimizer_bytes
+            )
+
+    def _move_optim_to_device(self, chunk: Chunk) -> None:
+        chunk.move_optim(Pool.DEVICE)
+        self._rebind(chunk)
+
+    def _device_model_bytes(self) -> int:
+        return self.memory_by_pool()[Pool.DEVICE.value]
 
     def memory_by_pool(self) -> dict[str, int]:
         """Bytes of model state (payloads, masters, gradients, optimizer state) per pool now."""
@@ -154,8 +218,11 @@ class GeminiManager:
         return {pool.value: nbytes for pool, nbytes in held.items()}
 
     def check_budget(self, where: str) -> None:
-        """Record the device's bytes; raise if they pass the budget."""
+        """Record the device's bytes (model state, and under "auto" the traced non-model
+        memory too); raise if they pass the budget."""
         device = self.memory_by_pool()[Pool.DEVICE.value]
+        if self.auto is not None:
+            device += self.auto.non_model_now()
         self.peak_device_bytes = max(self.peak_device_bytes, device)
         if self.device_budget_bytes is not None and device > self.device_budget_bytes:
             short = device - self.device_budget_bytes

@@ -14,7 +14,6 @@ the same order, as with any ZeRO-3 engine, since gathers are collectives.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from shardwise.chunk import Chunk, ChunkManager, ChunkState
+from shardwise.gemini import GeminiManager
 
 
 class _Trace:
@@ -63,8 +63,8 @@ class GatherScheduler:
         module: the user's model.
         chunk_manager: its chunks (sharded, not kept gathered).
         prefetch: gather the next chunk of the recorded order asynchronously.
-        after_gather: called with a description of the moment after each module's chunks are
-            gathered (the memory budget check).
+        gemini: the memory manager to consult around every gather (room for the chunks,
+            the budget check), if any.
     """
 
     def __init__(
@@ -73,11 +73,14 @@ class GatherScheduler:
         chunk_manager: ChunkManager,
         *,
         prefetch: bool,
-        after_gather: Callable[[str], None] | None = None,
+        gemini: GeminiManager | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
-        self.prefetch = prefetch
-        self._after_gather = after_gather
+        # Prefetching allocates ahead of the memory manager's decisions: "auto" gathers on
+        # demand so each gather is planned against the budget.
+        self.prefetch = prefetch and (gemini is None or gemini.auto is None)
+        self._gemini = gemini
+        self._warmed_up = False
         self._forward = _Trace()
         self._backward = _Trace()
         self._last_forward_use: dict[int, int] = {}
@@ -125,13 +128,15 @@ class GatherScheduler:
         def hook(module: nn.Module, args: Any) -> None:
             trace = self._backward if self._in_backward else self._forward
             trace.visit(chunk_ids)
+            if self._gemini is not None:
+                self._gemini.before_gather(chunks, backward=self._in_backward)
             for chunk in chunks:
                 chunk.gather()
             for chunk, index in places:
                 chunk.set_compute(index)
             self._prefetch(trace)
-            if self._after_gather is not None:
-                self._after_gather(f"before forward of {type(module).__name__}")
+            if self._gemini is not None:
+                self._gemini.after_gather(chunks, f"before forward of {type(module).__name__}")
 
         return hook
 
@@ -178,11 +183,13 @@ class GatherScheduler:
                 self._backward.begin()
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._backward.visit(chunk_ids)
+            if self._gemini is not None:
+                self._gemini.before_gather(chunks, backward=True)
             for chunk in chunks:
                 chunk.gather()
             self._prefetch(self._backward)
-            if self._after_gather is not None:
-                self._after_gather("before backward")
+            if self._gemini is not None:
+                self._gemini.after_gather(chunks, "before backward")
 
         leaves, _ = tree_flatten(output)
         for tensor in leaves:
@@ -193,6 +200,9 @@ class GatherScheduler:
         self._in_backward = False
         self._backward.finish()
         self.release_all()
+        if self._gemini is not None and not self._warmed_up:
+            self._warmed_up = True
+            self._gemini.end_of_warmup()
 
     # ---- shared ------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ _GEMINI_CONFIG_KEYS = (
     "chunk_search_range",
     "chunk_search_n_grids",
     "min_chunk_size",
+    "gpu_margin_mem_ratio",
 )
 
 
@@ -165,6 +166,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         shard_param_frac=config.get("shard_param_frac", 1.0),
         offload_optim_frac=config.get("offload_optim_frac", 0.0),
         offload_param_frac=config.get("offload_param_frac", 0.0),
+        gpu_margin_mem_ratio=config.get("gpu_margin_mem_ratio", 0.0),
     )
     return GeminiDDP(
         model,

@@ -85,24 +85,19 @@ class ZeroModel(nn.Module):
             self.module.named_parameters(),
             sharded_fraction=gemini.sharded_fraction if gemini is not None else 1.0,
         )
-        budget_check = None
         if gemini is not None:
             gemini.place_chunks()
-            budget_check = gemini.check_budget
         self.scheduler: GatherScheduler | None = None
         if self.config.stage == 3:
             self.scheduler = GatherScheduler(
-                self.module,
-                chunk_manager,
-                prefetch=self.config.prefetch,
-                after_gather=budget_check,
+                self.module, chunk_manager, prefetch=self.config.prefetch, gemini=gemini
             )
         self.reducer = GradReducer(
             chunk_manager,
             reduce_in_backward=self.config.stage >= 2,
             overlap=self.config.overlap_communication,
             on_reduced=self.scheduler.on_chunk_reduced if self.scheduler else None,
-            after_grad=budget_check,
+            after_grad=gemini.check_budget if gemini is not None else None,
         )
 
     def rebuild(self, *, chunk_size_numel: int, overlap_communication: bool) -> None:
@@ -139,9 +134,13 @@ class ZeroModel(nn.Module):
         if self.scheduler is not None:
             recorded = bool(self.scheduler.forward_order())
             self.scheduler.begin_forward()
+            if self.gemini_manager is not None:
+                self.gemini_manager.begin_forward()
             try:
                 output = self.module(*args, **kwargs)
             finally:
+                if self.gemini_manager is not None:
+                    self.gemini_manager.end_forward()
                 self.scheduler.end_forward()
             if not recorded:
                 # Backward meets chunks roughly in reverse forward order: reduce them so.

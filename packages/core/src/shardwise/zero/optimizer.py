@@ -73,13 +73,14 @@ class ZeroOptimizer:
         self.last_grad_norm = 0.0
         self.last_step_skipped = False
         self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
-        self._grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (view the inner optimizer steps, its chunk, begin, end within the chunk's shard)
+        self._slots: list[tuple[torch.Tensor, Chunk, int, int]] = []
         # Parameter name -> the shard view the inner optimizer steps (checkpoints use it).
         self.shard_views: dict[str, torch.Tensor] = {}
         self._views_of_chunk: dict[int, list[torch.Tensor]] = {}
         self._swap_params_for_shards()
         if model.gemini_manager is not None:
-            model.gemini_manager.attach_optimizer(self.chunk_state_bytes)
+            model.gemini_manager.attach_optimizer(self.chunk_state_bytes, self.rebind_chunk)
 
     def _swap_params_for_shards(self) -> None:
         """See [Note: the optimizer sees shard views]."""
@@ -107,7 +108,7 @@ class ZeroOptimizer:
                     continue
                 begin, end = owned
                 shard = chunk.master[begin:end]
-                self._grad_pairs.append((shard, chunk.grad_shard[begin:end]))
+                self._slots.append((shard, chunk, begin, end))
                 self.shard_views[chunk.tensors[index].name] = shard
                 self._views_of_chunk.setdefault(chunk.chunk_id, []).append(shard)
                 shards.append(shard)
@@ -154,8 +155,8 @@ class ZeroOptimizer:
         if self.max_norm > 0:
             # As torch.nn.utils.clip_grad_norm_: never scale up, epsilon against zero norms.
             coef *= min(1.0, self.max_norm / (norm + 1e-6))
-        for shard, grad in self._grad_pairs:
-            shard.grad = grad
+        for view, chunk, begin, end in self._slots:
+            view.grad = chunk.grad_shard[begin:end]
         if isinstance(self.optim, HybridAdam):
             # Unscaled and clipped inside the fused update: no separate pass over gradients.
             self.optim.step(grad_scale=1.0 / coef)
@@ -166,6 +167,19 @@ class ZeroOptimizer:
         for chunk in self._chunks:
             chunk.publish_master()
         return True
+
+    def rebind_chunk(self, chunk: Chunk) -> None:
+        """Point the views of `chunk` at its master again after it moved pools, and move the
+        optimizer's state for them along."""
+        for view, owner, begin, end in self._slots:
+            if owner is not chunk:
+                continue
+            view.data = chunk.master[begin:end]
+            state = self.optim.state.get(view)
+            if state:
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device != view.device:
+                        state[key] = value.to(view.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards (they are kept allocated: `set_to_none` is accepted for
