@@ -50,4 +50,4 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks against torch DDP and FSDP2; writes benchmarks/RESULTS.md."""
-    session.run("python", "benchmarks/run.py", *session.posargs)
+    session.run("python", "benchmarks/suite.py", *session.posargs)

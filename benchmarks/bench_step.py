@@ -1,0 +1,152 @@
+"""One engine's training step on every rank torchrun starts; rank 0 writes a JSON summary.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_step.py --engine zero3 --out r.json
+
+Engines: ddp (torch DistributedDataParallel), fsdp2 (torch fully_shard per block and root),
+zero1, zero2, zero3 (shardwise; zero3 also with --placement cpu). Same model, seed and global
+batch for all, fp32 compute, AdamW (fused) everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from shardwise import zero_model_wrapper, zero_optim_wrapper
+from shardwise.testing import GPT, GPTConfig, gpt_batch
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--engine", required=True, choices=["ddp", "fsdp2", "zero1", "zero2", "zero3"]
+    )
+    parser.add_argument("--placement", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="global batch")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--chunk-mib", type=float, default=8.0, help="chunk / bucket size")
+    return parser.parse_args()
+
+
+def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict[str, int]]]:
+    """The engine's step function, and a function returning its counters after a step."""
+    world = dist.get_world_size()
+    if args.engine == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
+
+        def ddp_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            optimizer.zero_grad()
+            _, loss = ddp(idx, targets)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return ddp_step, dict
+    if args.engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+        def fsdp_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            optimizer.zero_grad()
+            _, loss = model(idx, targets)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return fsdp_step, dict
+    stage = int(args.engine[-1])
+    chunk_numel = int(args.chunk_mib * 2**20 / 4)
+    config: dict[str, object] = {"device": torch.device("cpu")}
+    if stage == 3:
+        config.update(chunk_size_numel=chunk_numel, placement_policy=args.placement)
+    wrapped = zero_model_wrapper(model, stage, config)
+    zero_optimizer = zero_optim_wrapper(
+        wrapped,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        optim_config={"reduce_bucket_size": chunk_numel} if stage < 3 else None,
+    )
+
+    def zero_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        zero_optimizer.zero_grad()
+        _, loss = wrapped(idx, targets)
+        zero_optimizer.backward(loss)
+        zero_optimizer.step()
+        return loss
+
+    def counters() -> dict[str, int]:
+        return {
+            "sent_bytes": wrapped.comm_stats.sent_bytes(),
+            "model_state_bytes": sum(wrapped.memory_report().values())
+            + zero_optimizer.state_bytes(),
+        }
+
+    return zero_step, counters
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_embd=args.n_embd
+    )
+    model = GPT(config)
+    num_params = model.num_parameters()
+    step, counters = build(args, model)
+    times, sent = [], []
+    loss = torch.zeros(())
+    for i in range(args.warmup + args.steps):
+        idx, targets = gpt_batch(config, args.batch, args.seq, i)
+        before = counters().get("sent_bytes", 0)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = step(idx.chunk(world)[rank], targets.chunk(world)[rank])
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:
+            times.append(elapsed * 1000)
+            sent.append(counters().get("sent_bytes", 0) - before)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if rank == 0:
+        summary = {
+            "engine": args.engine + ("-" + args.placement if args.engine == "zero3" else ""),
+            "world": world,
+            "params": num_params,
+            "median_ms": statistics.median(times),
+            "step_ms": times,
+            "final_loss": float(loss),
+            "sent_bytes_per_step": statistics.median(sent) if sent and sent[0] else None,
+            "model_state_bytes": counters().get("model_state_bytes"),
+            "peak_rss_mib": peak_kib / 1024,
+        }
+        with open(args.out, "w") as handle:
+            json.dump(summary, handle, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
