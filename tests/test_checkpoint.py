@@ -15,8 +15,10 @@ from shardwise import MixedPrecision, checkpoint, zero_model_wrapper, zero_optim
 from shardwise.testing import RankFailure, run_ranks
 
 
-def _build(stage: int, precision: MixedPrecision | None = None) -> tuple[Any, Any]:
-    config: dict[str, Any] = {"device": torch.device("cpu")}
+def _build(
+    stage: int, precision: MixedPrecision | None = None, placement: dict[str, Any] | None = None
+) -> tuple[Any, Any]:
+    config: dict[str, Any] = {"device": torch.device("cpu"), **(placement or {})}
     if precision is not None:
         config["mixed_precision"] = precision
     if stage == 3:
@@ -46,16 +48,20 @@ def _train(wrapped: Any, optimizer: Any, steps: range) -> list[float]:
     return losses
 
 
-def _train_and_save(stage: int, path: str, precision: MixedPrecision | None) -> dict[str, Any]:
-    wrapped, optimizer = _build(stage, precision)
+def _train_and_save(
+    stage: int, path: str, precision: MixedPrecision | None, placement: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    wrapped, optimizer = _build(stage, precision, placement)
     _train(wrapped, optimizer, range(3))
     checkpoint.save(path, wrapped, optimizer, extra={"step": 3, "rng": torch.get_rng_state()})
     after = _train(wrapped, optimizer, range(3, 6))
     return {"losses_after": after, "scale": optimizer.loss_scale, "state": wrapped.state_dict()}
 
 
-def _load_and_train(stage: int, path: str, precision: MixedPrecision | None) -> dict[str, Any]:
-    wrapped, optimizer = _build(stage, precision)
+def _load_and_train(
+    stage: int, path: str, precision: MixedPrecision | None, placement: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    wrapped, optimizer = _build(stage, precision, placement)
     extra = checkpoint.load(path, wrapped, optimizer)
     scale = optimizer.loss_scale
     after = _train(wrapped, optimizer, range(3, 6))
@@ -88,6 +94,15 @@ def test_load_at_other_world_size_and_stage(
     # Another world size sums gradients in another order: a last-bit difference (see
     # test_parity's note on tolerances).
     assert resumed["losses_after"] == pytest.approx(saved["losses_after"], abs=1e-5)
+
+
+def test_resume_under_another_placement_is_exact(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    cpu = {"placement_policy": "cpu"}
+    static = {"placement_policy": "static", "offload_optim_frac": 0.5, "offload_param_frac": 0.5}
+    saved = run_ranks(_train_and_save, 2, 3, path, FP16, cpu)[0]
+    resumed = run_ranks(_load_and_train, 2, 3, path, FP16, static)[0]
+    assert resumed["losses_after"] == saved["losses_after"]
 
 
 def _save_model_only(path: str) -> dict[str, torch.Tensor]:
