@@ -1,0 +1,95 @@
+"""The `shardwise` command: `shardwise plan ...` predicts memory and recommends a configuration."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+
+import torch
+
+from shardwise.planner import ModelSpec, plan
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def size_in_bytes(text: str) -> int:
+    """'80GB', '80 GiB', '1.5e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (examples: 80GB, 24GiB, 512MB, 1.5e9)"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def count(text: str) -> int:
+    try:
+        return int(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a count: {text!r} (examples: 7.5e9, 125000000)"
+        ) from None
+
+
+def _build_model(target: str) -> torch.nn.Module:
+    """Build `package.module:callable` on the meta device: sizes without allocation."""
+    module_name, _, attribute = target.partition(":")
+    if not attribute:
+        raise SystemExit(f"--model must look like package.module:factory, got {target!r}")
+    factory = getattr(importlib.import_module(module_name), attribute)
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"{target} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise")
+    commands = parser.add_subparsers(dest="command", required=True)
+    planner = commands.add_parser(
+        "plan", help="predict memory per rank and recommend a configuration"
+    )
+    source = planner.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="package.module:factory building the model (run on meta)")
+    source.add_argument("--params", type=count, help="parameter count, e.g. 7.5e9")
+    planner.add_argument("--largest-tensor", type=count, help="elements of the largest tensor")
+    planner.add_argument("--world-size", type=int, required=True)
+    planner.add_argument("--device-memory", type=size_in_bytes, required=True)
+    planner.add_argument("--host-memory", type=size_in_bytes, required=True)
+    planner.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter dtype")
+    planner.add_argument("--compute-dtype", choices=sorted(_DTYPES))
+    planner.add_argument("--optimizer", default="adam")
+    planner.add_argument("--chunk-size", type=count, help="elements per chunk (default: search)")
+    planner.add_argument("--activation-memory", type=size_in_bytes, default=0)
+    planner.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    if args.model:
+        spec = ModelSpec.from_module(_build_model(args.model))
+    else:
+        # Without the largest tensor, plan as if no tensor outgrew the default chunk size.
+        spec = ModelSpec(num_params=args.params, largest_tensor_numel=args.largest_tensor or 1)
+    try:
+        result = plan(
+            spec,
+            world_size=args.world_size,
+            device_memory_bytes=args.device_memory,
+            host_memory_bytes=args.host_memory,
+            param_dtype=_DTYPES[args.dtype],
+            compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None,
+            optimizer=args.optimizer,
+            chunk_size_numel=args.chunk_size,
+            activation_bytes=args.activation_memory,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    print(result.to_json() if args.json else result.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""The planner: every stage and placement's memory per rank and traffic per step, whether it
+fits, and the configuration to use.
+
+[Note: which configuration is recommended]
+The first that fits, in this order: stage 0 (plain data parallelism: one all-reduce, no
+re-gathering), stage 2 (the same bytes on the wire as stage 1, less memory, and measured
+faster in this engine, see benchmarks/RESULTS.md), stage 1, then stage 3 with placement "cuda"
+(3 psi on the wire, nothing through host memory), "auto" (host traffic only for what does not
+fit) and "cpu" (every shard through host memory each step). Fitting means the device holds the
+model state, the gathered working set (two chunks with their gradient buffer) and the given
+activation bytes within its memory, and the host holds what is offloaded within its memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.chunk.search import search_chunk_size
+from shardwise.planner.formulas import StateBytes, engine_bytes, zero_paper_bytes
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "sgd": 0, "sgd_momentum": 4}
+_ORDER = [(0, "ddp"), (2, "cuda"), (1, "cuda"), (3, "cuda"), (3, "auto"), (3, "cpu")]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """What the planner needs of a model: its parameter sizes, in packing order when known."""
+
+    num_params: int
+    largest_tensor_numel: int
+    tensor_numels: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_params < 1 or self.largest_tensor_numel < 1:
+            raise ValueError(
+                f"num_params and largest_tensor_numel must be >= 1, got {self.num_params} and "
+                f"{self.largest_tensor_numel}"
+            )
+        if self.largest_tensor_numel > self.num_params:
+            raise ValueError(
+                f"largest_tensor_numel ({self.largest_tensor_numel}) exceeds num_params "
+                f"({self.num_params})"
+            )
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> ModelSpec:
+        """Trainable parameters of `module`, each once (build it on the meta device to plan
+        without allocating it)."""
+        numels = tuple(p.numel() for p in dict.fromkeys(module.parameters()) if p.requires_grad)
+        if not numels:
+            raise ValueError("the module has no trainable parameters")
+        return cls(num_params=sum(numels), largest_tensor_numel=max(numels), tensor_numels=numels)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOption:
+    """One stage and placement, for one rank."""
+
+    stage: int
+    placement: str
+    device: StateBytes
+    host: StateBytes
+    working_bytes: float
+    zero_paper_bytes: float
+    comm_bytes_per_step: float
+    host_device_bytes_per_step: float
+    fits: bool
+
+    @property
+    def name(self) -> str:
+        return "DDP" if self.stage == 0 else f"stage {self.stage} ({self.placement})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The planner's answer."""
+
+    spec: ModelSpec
+    world_size: int
+    chunk_size_numel: int
+    psi_padded: int
+    options: list[PlanOption] = field(default_factory=list)
+    recommended: PlanOption | None = None
+    device_memory_bytes: int = 0
+
+    @property
+    def zero_stage(self) -> int | None:
+        return None if self.recommended is None else self.recommended.stage
+
+    @property
+    def gemini_config(self) -> dict[str, Any]:
+        """Keyword options for `zero_model_wrapper(model, plan.zero_stage, plan.gemini_config)`."""
+        if self.recommended is None or self.recommended.stage != 3:
+            return {}
+        config: dict[str, Any] = {
+            "placement_policy": self.recommended.placement,
+            "chunk_size_numel": self.chunk_size_numel,
+        }
+        if self.recommended.placement == "auto":
+            config["device_budget_bytes"] = self.device_memory_bytes
+        return config
+
+    @property
+    def optim_config(self) -> dict[str, Any]:
+        """Options for `zero_optim_wrapper(..., optim_config=plan.optim_config)`."""
+        if self.recommended is None or self.recommended.stage not in (1, 2):
+            return {}
+        return {"reduce_bucket_size": self.chunk_size_numel}
+
+    def wrapper_call(self) -> str:
+        if self.recommended is None:
+            return "# nothing fits: add ranks, device memory or host memory"
+        if self.recommended.stage == 0:
+            return "model = ColoDDP(model)"
+        return (
+            f"model = zero_model_wrapper(model, zero_stage={self.recommended.stage}, "
+            f"gemini_config={self.gemini_config!r})\n"
+            f"optimizer = zero_optim_wrapper(model, optimizer, optim_config={self.optim_config!r})"
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "world_size": self.world_size,
+                "num_params": self.spec.num_params,
+                "psi_padded": self.psi_padded,
+                "chunk_size_numel": self.chunk_size_numel,
+                "options": [
+                    {**asdict(option), "name": option.name, "device_total": option.device.total,
+                     "host_total": option.host.total}
+                    for option in self.options
+                ],
+                "recommended": None if self.recommended is None else self.recommended.name,
+                "zero_stage": self.zero_stage,
+                "gemini_config": self.gemini_config,
+                "optim_config": self.optim_config,
+            },
+            indent=1,
+        )  # fmt: skip
+
+    def table(self) -> str:
+        rows = [
+            "| configuration | device GB | host GB | ZeRO paper GB | sent GB/step "
+            "| host<->device GB/step | fits |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | :---: |",
+        ]  # fmt: skip
+        for option in self.options:
+            rows.append(
+                f"| {option.name} | {_gb(option.device.total + option.working_bytes)} | "
+                f"{_gb(option.host.total)} | {_gb(option.zero_paper_bytes)} | "
+                f"{_gb(option.comm_bytes_per_step)} | {_gb(option.host_device_bytes_per_step)} | "
+                f"{'yes' if option.fits else 'no'} |"
+            )
+        chosen = "none fits" if self.recommended is None else self.recommended.name
+        return "\n".join([*rows, "", f"recommended: {chosen}", self.wrapper_call()])
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f}" if nbytes >= 1e8 else f"{nbytes / 1e9:.3g}"
+
+
+def plan(
+    model: nn.Module | ModelSpec,
+    *,
+    world_size: int,
+    device_memory_bytes: int,
+    host_memory_bytes: int,
+    param_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    optimizer: str = "adam",
+    chunk_size_numel: int | None = None,
+    activation_bytes: int = 0,
+) -> Plan:
+    """Memory per rank and traffic per step for stages 0-3 and the stage-3 placements, and the
+    recommended configuration (see [Note: which configuration is recommended]).
+
+    Args:
+        model: a module (meta-device is fine) or a `ModelSpec`.
+        world_size: data-parallel ranks.
+        device_memory_bytes, host_memory_bytes: memory per rank.
+        param_dtype, compute_dtype, reduce_dtype: as in `MixedPrecision`.
+        optimizer: one of adam, adamw, hybridadam, sgd, sgd_momentum.
+        chunk_size_numel: the chunk size to plan for; None searches as the wrappers do.
+        activation_bytes: non-model bytes a step needs on the device.
+    """
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.from_module(model)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(
+            f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
+        )
+    sizes = {
+        "param": _bytes(param_dtype),
+        "compute": _bytes(compute_dtype or param_dtype),
+        "reduce": _bytes(reduce_dtype or param_dtype),
+    }
+    chunk, psi_padded = _chunking(spec, world_size, chunk_size_numel, sizes["param"])
+    opt_bytes = OPTIMIZER_STATE_BYTES[optimizer]
+    k_paper = opt_bytes + (0 if sizes["param"] == 4 else 4)
+    options = []
+    for stage, placement in _ORDER:
+        state = engine_bytes(
+            stage, psi_padded, world_size, param_bytes=sizes["param"],
+            compute_bytes=sizes["compute"], reduce_bytes=sizes["reduce"],
+            optimizer_bytes_per_param=opt_bytes,
+        )  # fmt: skip
+        working = 0.0
+        if stage == 3:
+            working = 2 * chunk * (sizes["param"] + sizes["compute"] + sizes["reduce"])
+        zero = StateBytes(params=0, grads=0, optimizer=0, master=0)
+        device, host = (zero, state) if placement == "cpu" else (state, zero)
+        if placement == "auto":
+            device, host = _auto_split(state, device_memory_bytes, working + activation_bytes)
+        n = world_size
+        wire = (n - 1) / n * spec.num_params
+        # Stage 0 all-reduces gradients; 1 and 2 reduce-scatter them and all-gather parameters;
+        # 3 gathers parameters twice (forward, backward).
+        per_element = {
+            0: 2 * sizes["reduce"],
+            1: sizes["reduce"] + sizes["param"],
+            2: sizes["reduce"] + sizes["param"],
+            3: sizes["reduce"] + 2 * sizes["param"],
+        }
+        comm = per_element[stage] * wire
+        offloaded = host.total / max(state.total, 1)
+        moved = offloaded * (2 * sizes["param"] + 4) * psi_padded / n if stage == 3 else 0.0
+        fits = (
+            device.total + working + activation_bytes <= device_memory_bytes
+            and host.total <= host_memory_bytes
+        )
+        options.append(
+            PlanOption(
+                stage=stage, placement=placement, device=device, host=host, working_bytes=working,
+                zero_paper_bytes=zero_paper_bytes(
+                    stage, spec.num_params, world_size, param_bytes=sizes["param"],
+                    grad_bytes=sizes["param"], k=k_paper,
+                ),
+                comm_bytes_per_step=comm, host_device_bytes_per_step=moved, fits=fits,
+            )
+        )  # fmt: skip
+    recommended = next((option for option in options if option.fits), None)
+    return Plan(
+        spec=spec,
+        world_size=world_size,
+        chunk_size_numel=chunk,
+        psi_padded=psi_padded,
+        options=options,
+        recommended=recommended,
+        device_memory_bytes=device_memory_bytes,
+    )
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _chunking(
+    spec: ModelSpec, world_size: int, chunk_size_numel: int | None, param_bytes: int
+) -> tuple[int, int]:
+    """The chunk size (searched when not given) and the padded parameter count it implies."""
+    numels = list(spec.tensor_numels)
+    if chunk_size_numel is None:
+        if numels:
+            chunk_size_numel = search_chunk_size(
+                [numels], world_size=world_size, search_range_numel=64 * 2**20 // param_bytes,
+                n_grids=4096, min_chunk_size_numel=32 * 2**20 // param_bytes,
+            ).chunk_size_numel  # fmt: skip
+        else:
+            chunk_size_numel = max(spec.largest_tensor_numel, 32 * 2**20 // param_bytes)
+    if not numels:
+        # Sizes unknown: at most N - 1 padding elements per chunk.
+        chunks = math.ceil(spec.num_params / chunk_size_numel)
+        return chunk_size_numel, spec.num_params + chunks * (world_size - 1)
+    padded, used = 0, 0
+    for numel in numels:
+        if used and used + numel > max(chunk_size_numel, numel):
+            padded += -(-used // world_size) * world_size
+            used = 0
+        used += numel
+    padded += -(-used // world_size) * world_size
+    return chunk_size_numel, padded
+
+
+def _auto_split(
+    state: StateBytes, device_memory: float, other_bytes: float
+) -> tuple[StateBytes, StateBytes]:
+    """The "auto" policy keeps on the device what fits beside the working set and activations,
+    the rest in host memory."""
+    room = max(0.0, device_memory - other_bytes)
+    share = min(1.0, room / state.total) if state.total else 1.0
+    scaled = {k: v * share for k, v in asdict(state).items()}
+    rest = {k: v * (1 - share) for k, v in asdict(state).items()}
+    return StateBytes(**scaled), StateBytes(**rest)

@@ -1,0 +1,73 @@
+"""The planner's formulas, the ZeRO paper's Figure 1, and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardwise.cli import main
+from shardwise.planner import ModelSpec, engine_bytes, plan, zero_paper_bytes
+
+
+def test_zero_paper_figure_1_digit_for_digit() -> None:
+    # Psi = 7.5B, N = 64, K = 12, fp16 parameters and gradients: 120, 31.4, 16.6, 1.9 GB.
+    figures = [f"{zero_paper_bytes(stage, 7.5e9, 64) / 1e9:.1f}" for stage in (0, 1, 2, 3)]
+    assert figures == ["120.0", "31.4", "16.6", "1.9"]
+
+
+@pytest.mark.parametrize(
+    ("stage", "expected"),
+    [(0, 16 * 100), (1, 4 * 100 + 12 * 100 / 4), (2, 2 * 100 + 14 * 100 / 4), (3, 16 * 100 / 4)],
+)
+def test_each_stage_formula(stage: int, expected: float) -> None:
+    assert zero_paper_bytes(stage, 100, 4) == expected
+
+
+def test_engine_formula_for_fp32_adam_matches_zero_for_stages_2_and_3() -> None:
+    for stage in (2, 3):
+        state = engine_bytes(
+            stage, 1000, 4, param_bytes=4, compute_bytes=4, reduce_bytes=4,
+            optimizer_bytes_per_param=8,
+        )  # fmt: skip
+        assert state.total == zero_paper_bytes(stage, 1000, 4, param_bytes=4, grad_bytes=4, k=8)
+    # Stage 1 keeps the fp32 gradient shard beside the whole gradient.
+    state = engine_bytes(
+        1, 1000, 4, param_bytes=4, compute_bytes=4, reduce_bytes=4, optimizer_bytes_per_param=8
+    )
+    assert state.total == zero_paper_bytes(1, 1000, 4, param_bytes=4, grad_bytes=4, k=8) + 1000
+
+
+def test_recommendation_follows_the_documented_order() -> None:
+    spec = ModelSpec(num_params=10**9, largest_tensor_numel=10**7)
+    roomy = plan(spec, world_size=8, device_memory_bytes=10**12, host_memory_bytes=10**12)
+    assert roomy.recommended is not None and roomy.recommended.stage == 0
+    tight = plan(spec, world_size=8, device_memory_bytes=4 * 10**9, host_memory_bytes=10**12)
+    assert tight.recommended is not None
+    assert (tight.recommended.stage, tight.recommended.placement) == (3, "cuda")
+    tiny = plan(spec, world_size=8, device_memory_bytes=5 * 10**8, host_memory_bytes=10**12)
+    assert tiny.recommended is not None and tiny.recommended.placement in ("auto", "cpu")
+    none = plan(spec, world_size=8, device_memory_bytes=10**6, host_memory_bytes=10**6)
+    assert none.recommended is None
+
+
+def test_module_spec_counts_tied_weights_once() -> None:
+    embedding = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    spec = ModelSpec.from_module(torch.nn.Sequential(embedding, head))
+    assert spec.num_params == 40 and spec.tensor_numels == (40,)
+
+
+def test_command_line_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--params", "7.5e9", "--world-size", "64", "--device-memory", "32GB",
+            "--host-memory", "1TB", "--dtype", "fp16", "--json"]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["zero_stage"] == 2
+    papers = [round(o["zero_paper_bytes"] / 1e9, 1) for o in result["options"]]
+    assert papers[:3] == [120.0, 16.6, 31.4]
+    with pytest.raises(SystemExit):
+        main(["plan", "--params", "1e9", "--world-size", "2", "--device-memory", "lots",
+              "--host-memory", "1TB"])  # fmt: skip
