@@ -12,10 +12,15 @@ from shardwise.comm import CommOp, CommStats
 from shardwise.gemini import GeminiManager
 from shardwise.optim import CPUAdam, HybridAdam
 from shardwise.zero import (
+    BucketTensorShardStrategy,
     GeminiDDP,
     MixedPrecision,
+    ShardedModelV2,
+    ShardedOptimizerV2,
+    TensorShardStrategy,
     ZeroConfig,
     ZeroDDP,
+    ZeroInitContext,
     ZeroModel,
     ZeroOptimizer,
     zero_model_wrapper,
@@ -26,6 +31,7 @@ from shardwise.zero.colo_ddp import ColoDDP
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketTensorShardStrategy",
     "ChunkManager",
     "CPUAdam",
     "ColoDDP",
@@ -38,8 +44,12 @@ __all__ = [
     "GradScaler",
     "HybridAdam",
     "MixedPrecision",
+    "ShardedModelV2",
+    "ShardedOptimizerV2",
+    "TensorShardStrategy",
     "ZeroConfig",
     "ZeroDDP",
+    "ZeroInitContext",
     "ZeroModel",
     "ZeroOptimizer",
     "checkpoint",

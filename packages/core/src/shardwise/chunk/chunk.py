@@ -116,6 +116,9 @@ class Chunk:
         self.pin_memory = False
         self.bytes_to_device = 0
         self.bytes_to_host = 0
+        # Gradients are divided by this before the reduction and by N / this after it, which
+        # keeps fp16 sums of many ranks from overflowing.
+        self.predivide_factor = 1.0
         self._pending_reduce: tuple[torch.distributed.Work | None, torch.Tensor] | None = None
 
     # ---- packing ---------------------------------------------------------------------------
@@ -364,32 +367,24 @@ class Chunk:
     def has_grads(self) -> bool:
         return self.grad_full is not None
 
-    def start_reduce(self) -> None:
-        """Launch the reduce-scatter of the gradient buffer without waiting. A chunk whose
+    def prepare_reduce(self) -> torch.Tensor:
+        """The gradient buffer, ready to reduce-scatter (pre-divided when asked). A chunk whose
         parameters got no gradient on this rank contributes zeros, so every rank issues the
         same collectives."""
         if self.grad_full is None:
             self.grad_full = torch.zeros(
                 self.padded_numel, dtype=self.dtypes.reduce, device=self.device
             )
-        reduced = torch.empty(self.shard_numel, dtype=self.dtypes.reduce, device=self.device)
-        work = comm.reduce_scatter(reduced, self.grad_full, self.stats, self.group, async_op=True)
-        self._pending_reduce = (work, reduced)
+        if self.predivide_factor != 1.0:
+            self.grad_full.div_(self.predivide_factor)
+        return self.grad_full
 
-    def finish_reduce(self, *, keep_full: bool) -> None:
-        """Wait for the reduce-scatter, average over ranks and add this rank's slice to
-        `grad_shard`.
-
-        Args:
-            keep_full: keep `grad_full` allocated (zeroed) for the next pass instead of freeing it.
-        """
-        assert self._pending_reduce is not None, "finish_reduce without start_reduce"
-        work, reduced = self._pending_reduce
-        self._pending_reduce = None
-        if work is not None:
-            work.wait()
-        if self.world_size > 1:
-            reduced.div_(self.world_size)
+    def accept_reduced(self, reduced: torch.Tensor, *, keep_full: bool) -> None:
+        """Take this rank's reduce-scattered slice: finish the average over ranks, add it to
+        `grad_shard`, and free (or zero, with `keep_full`) the gradient buffer."""
+        post = self.world_size / self.predivide_factor
+        if post != 1.0:
+            reduced.div_(post)
         if self.optim_pool is Pool.HOST:
             reduced = self._move(reduced, Pool.HOST)
         self.grad_shard.add_(reduced)
@@ -399,6 +394,22 @@ class Chunk:
         else:
             self.grad_full = None
         self.end_pass_without_reduce()
+
+    def start_reduce(self) -> None:
+        """Launch the reduce-scatter of the gradient buffer without waiting."""
+        full = self.prepare_reduce()
+        reduced = torch.empty(self.shard_numel, dtype=self.dtypes.reduce, device=self.device)
+        work = comm.reduce_scatter(reduced, full, self.stats, self.group, async_op=True)
+        self._pending_reduce = (work, reduced)
+
+    def finish_reduce(self, *, keep_full: bool) -> None:
+        """Wait for the reduce-scatter started by `start_reduce` and accept its result."""
+        assert self._pending_reduce is not None, "finish_reduce without start_reduce"
+        work, reduced = self._pending_reduce
+        self._pending_reduce = None
+        if work is not None:
+            work.wait()
+        self.accept_reduced(reduced, keep_full=keep_full)
 
     def reduce_grads(self, *, keep_full: bool) -> None:
         """Reduce-scatter the gradients and add this rank's averaged slice to `grad_shard`."""

@@ -27,6 +27,7 @@ class ChunkManager:
         group: process group the chunks are sharded over (default: the default group).
         stats: collective counters shared with the model and optimizer (default: new ones).
         keep_gathered: keep full payloads resident (stages 0-2); stage 3 shards them.
+        predivide_factor: divide gradients by this before reducing them, by N / this after.
     """
 
     def __init__(
@@ -38,6 +39,7 @@ class ChunkManager:
         group: ProcessGroup | None = None,
         stats: CommStats | None = None,
         keep_gathered: bool = False,
+        predivide_factor: float = 1.0,
     ) -> None:
         if not isinstance(chunk_size_numel, int) or chunk_size_numel < 1:
             raise ValueError(f"chunk_size_numel must be a positive int, got {chunk_size_numel!r}")
@@ -49,6 +51,9 @@ class ChunkManager:
         self.group = group
         self.stats = stats if stats is not None else CommStats()
         self.keep_gathered = keep_gathered
+        if not predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide_factor!r}")
+        self.predivide_factor = float(predivide_factor)
         self.chunks: list[Chunk] = []
         self._where: dict[int, tuple[Chunk, int]] = {}  # id(param) -> (chunk, tensor index)
 
@@ -83,6 +88,7 @@ class ChunkManager:
                 )
                 open_chunks[trainable] = chunk
                 new_chunks.append(chunk)
+            chunk.predivide_factor = self.predivide_factor
             self._where[id(param)] = (chunk, len(chunk.tensors))
             chunk.append(name, param)
         num_sharded = math.ceil(sharded_fraction * len(new_chunks))

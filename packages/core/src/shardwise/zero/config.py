@@ -84,6 +84,8 @@ class ZeroConfig:
         prefetch: gather the next chunk in recorded execution order while the current one
             computes (stage 3).
         force_outputs_fp32: cast floating-point outputs of the model to fp32.
+        reduce_scatter_bucket_bytes: reduce the gradients of consecutive chunks in one
+            reduce-scatter until they reach this many bytes (0: one per chunk; stages 2-3).
     """
 
     stage: int
@@ -94,6 +96,7 @@ class ZeroConfig:
     overlap_communication: bool = False
     prefetch: bool = True
     force_outputs_fp32: bool = False
+    reduce_scatter_bucket_bytes: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int):

@@ -38,6 +38,8 @@ class GradReducer:
             buffers until `reduce_all()` (stage 1).
         overlap: launch those reductions asynchronously and wait for them when backward ends,
             so communication runs while backward computes.
+        bucket_bytes: gather consecutive chunks into one reduce-scatter until their gradients
+            reach this many bytes (0: one reduce-scatter per chunk).
         on_reduced: called with each chunk right after it is reduced (stage 3 frees its
             payload there).
         on_backward_end: called once after every backward pass, after all reductions.
@@ -51,6 +53,7 @@ class GradReducer:
         *,
         reduce_in_backward: bool,
         overlap: bool = False,
+        bucket_bytes: int = 0,
         on_reduced: Callable[[Chunk], None] | None = None,
         on_backward_end: Callable[[], None] | None = None,
         after_grad: Callable[[str], None] | None = None,
@@ -58,6 +61,8 @@ class GradReducer:
         self.chunk_manager = chunk_manager
         self.reduce_in_backward = reduce_in_backward
         self.overlap = overlap
+        self.bucket_bytes = bucket_bytes
+        self._bucket: list[Chunk] = []
         self._in_flight: list[Chunk] = []
         self.require_sync = True
         self._on_reduced = on_reduced
@@ -121,11 +126,36 @@ class GradReducer:
             self._next += 1
 
     def _reduce(self, chunk: Chunk) -> None:
+        if self.bucket_bytes > 0:
+            self._bucket.append(chunk)
+            filled = sum(c.padded_numel * c.dtypes.reduce.itemsize for c in self._bucket)
+            if filled >= self.bucket_bytes:
+                self._flush_bucket()
+            return
         chunk.start_reduce()
         if self.overlap:
             self._in_flight.append(chunk)
         else:
             self._finish(chunk)
+
+    def _flush_bucket(self) -> None:
+        """One reduce-scatter for every chunk in the bucket: the input is laid out rank-major
+        (every chunk's slice for rank 0, then for rank 1, ...), so each rank receives its own
+        slice of every chunk, back to back."""
+        chunks, self._bucket = self._bucket, []
+        if not chunks:
+            return
+        world = chunks[0].world_size
+        rows = [c.prepare_reduce().view(world, c.shard_numel) for c in chunks]
+        stacked = torch.cat(rows, dim=1).reshape(-1)
+        reduced = stacked.new_empty(sum(c.shard_numel for c in chunks))
+        comm.reduce_scatter(reduced, stacked, self.chunk_manager.stats, self.chunk_manager.group)
+        offset = 0
+        for chunk in chunks:
+            chunk.accept_reduced(reduced[offset : offset + chunk.shard_numel], keep_full=False)
+            offset += chunk.shard_numel
+            if self._on_reduced is not None:
+                self._on_reduced(chunk)
 
     def _finish(self, chunk: Chunk) -> None:
         chunk.finish_reduce(keep_full=False)
@@ -137,6 +167,7 @@ class GradReducer:
         if self.reduce_in_backward and self.require_sync:
             for chunk in self._order[self._next :]:
                 self._reduce(chunk)
+            self._flush_bucket()
             for chunk in self._in_flight:
                 self._finish(chunk)
             self._in_flight.clear()

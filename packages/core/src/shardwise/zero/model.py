@@ -19,6 +19,7 @@ from shardwise.gemini import GeminiManager
 from shardwise.zero.config import ZeroConfig
 from shardwise.zero.gather_scheduler import GatherScheduler
 from shardwise.zero.grad_reducer import GradReducer
+from shardwise.zero.init_context import sliced, unslice
 from shardwise.zero.state_dict import gather_full_state_dict, load_full_state_dict
 
 
@@ -81,9 +82,8 @@ class ZeroModel(nn.Module):
         """Move the parameters into chunks and hook the module (stage 3) and gradients."""
         self.chunk_manager = chunk_manager
         gemini = self.gemini_manager
-        chunk_manager.register(
-            self.module.named_parameters(),
-            sharded_fraction=gemini.sharded_fraction if gemini is not None else 1.0,
+        self._register_parameters(
+            chunk_manager, gemini.sharded_fraction if gemini is not None else 1.0
         )
         if gemini is not None:
             gemini.place_chunks()
@@ -96,9 +96,19 @@ class ZeroModel(nn.Module):
             chunk_manager,
             reduce_in_backward=self.config.stage >= 2,
             overlap=self.config.overlap_communication,
+            bucket_bytes=self.config.reduce_scatter_bucket_bytes,
             on_reduced=self.scheduler.on_chunk_reduced if self.scheduler else None,
             after_grad=gemini.check_budget if gemini is not None else None,
         )
+
+    def _register_parameters(self, chunk_manager: ChunkManager, sharded_fraction: float) -> None:
+        """Pack the module's parameters into chunks, in `named_parameters()` order. Parameters
+        built in a ZeroInitContext are made whole first (all at once: ShardedModelV2 packs
+        them group by group instead)."""
+        for param in self.module.parameters():
+            if sliced(param):
+                unslice(param, self.comm_stats, self.config.process_group)
+        chunk_manager.register(self.module.named_parameters(), sharded_fraction=sharded_fraction)
 
     def rebuild(self, *, chunk_size_numel: int, overlap_communication: bool) -> None:
         """Re-pack the parameters with a new chunk (bucket) size; stages 1 and 2 only, before

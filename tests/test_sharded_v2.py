@@ -1,0 +1,188 @@
+"""ShardedModelV2 / ShardedOptimizerV2 / ZeroInitContext against an unsharded reference."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import BranchyGPT, Run, batch_slice, max_abs_diff, reference
+from torch import nn
+
+from shardwise import (
+    BucketTensorShardStrategy,
+    CommOp,
+    ShardedModelV2,
+    ShardedOptimizerV2,
+    TensorShardStrategy,
+    ZeroInitContext,
+)
+from shardwise.testing import run_ranks
+
+STRATEGIES = {"tensor": TensorShardStrategy, "bucket": BucketTensorShardStrategy}
+
+
+def _train(strategy: str, options: dict[str, Any], steps: int = 4) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with ZeroInitContext(torch.device("cpu"), STRATEGIES[strategy](), seed=0):
+        module = BranchyGPT()
+    model = ShardedModelV2(module, STRATEGIES[strategy](), **options)
+    initial = model.state_dict(only_rank_0=False)
+    optimizer = ShardedOptimizerV2(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    )
+    losses, gathers, reduces = [], [], []
+    for step in range(steps):
+        model.comm_stats.reset()
+        optimizer.zero_grad()
+        loss = model(*batch_slice(step, 0, rank, world))
+        optimizer.backward(loss)
+        optimizer.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(float(total / world))
+        gathers.append(model.comm_stats.calls(CommOp.ALL_GATHER))
+        reduces.append(model.comm_stats.calls(CommOp.REDUCE_SCATTER))
+    return {
+        "initial": initial,
+        "losses": losses,
+        "state": model.state_dict(only_rank_0=False),
+        "gathers": gathers,
+        "reduces": reduces,
+        "chunks": len(model.chunk_manager.chunks),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "bucket"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"offload_config": {"device": "cpu"}}, {"gradient_predivide_factor": 2.0}],
+    ids=["plain", "offload", "predivide"],
+)
+def test_two_ranks_match_the_unsharded_reference_exactly(
+    strategy: str, options: dict[str, Any]
+) -> None:
+    ref_losses, ref_state = reference(Run(steps=0))
+    ref_losses, ref_final = reference(Run(steps=4))
+    for result in run_ranks(_train, 2, strategy, options):
+        assert max_abs_diff(result["initial"], ref_state) == 0.0  # same initialisation
+        assert result["losses"] == ref_losses
+        assert max_abs_diff(result["state"], ref_final) == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "bucket"])
+def test_four_ranks(strategy: str) -> None:
+    _, ref_state = reference(Run(steps=0, world=4))
+    ref_losses, ref_final = reference(Run(steps=4, world=4))
+    result = run_ranks(_train, 4, strategy, {"reduce_scatter_bucket_size_mb": 0})[0]
+    assert max_abs_diff(result["initial"], ref_state) == 0.0
+    # gloo sums four operands in its own order (see test_parity's note on tolerances).
+    assert result["losses"] == pytest.approx(ref_losses, abs=1e-5)
+    assert max_abs_diff(result["state"], ref_final) < 1e-4
+
+
+def test_collective_counts_of_the_two_strategies() -> None:
+    model = BranchyGPT()
+    tensors = len(list(model.parameters()))
+    # Modules owning a parameter no earlier module owns (the tied head owns none of its own).
+    seen: set[int] = set()
+    modules = 0
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        modules += bool(own)
+    unbucketed = {"reduce_scatter_bucket_size_mb": 0}
+    tensor = run_ranks(_train, 2, "tensor", unbucketed)[0]
+    bucket = run_ranks(_train, 2, "bucket", unbucketed)[0]
+    bucketed = run_ranks(_train, 2, "tensor", {"reduce_scatter_bucket_size_mb": 25})[0]
+    assert tensor["chunks"] == tensors and bucket["chunks"] == modules
+    # Once the order is recorded: a gather per chunk in forward and in backward, except the
+    # never-used branch's chunks, which are never gathered.
+    assert tensor["gathers"][-1] == 2 * (tensors - 2)
+    assert bucket["gathers"][-1] == 2 * (modules - 1)
+    assert tensor["reduces"][-1] == tensors and bucket["reduces"][-1] == modules
+    # Bucketed reduce-scatter: the whole (small) model's gradients in one call.
+    assert bucketed["reduces"][-1] == 1
+    assert bucketed["losses"] == tensor["losses"]
+
+
+def _fp16(strategy: str) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with ZeroInitContext(
+        torch.device("cpu"), STRATEGIES[strategy](), seed=0, default_dtype=torch.float16
+    ):
+        module = BranchyGPT()
+    model = ShardedModelV2(module, STRATEGIES[strategy](), fp32_reduce_scatter=True)
+    optimizer = ShardedOptimizerV2(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        initial_scale=2**8,
+    )
+    losses = []
+    for step in range(3):
+        optimizer.zero_grad()
+        loss = model(*batch_slice(step, 0, rank, world))
+        optimizer.backward(loss)
+        assert optimizer.step(), "no step may overflow at this loss scale"
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(float(total / world))
+    assert optimizer.loss_scale == 2**8  # fp16 parameters: the dynamic scaler is in use
+    return losses
+
+
+def test_fp16_parameters_with_fp32_reduce_scatter_track_the_fp32_reference() -> None:
+    ref_losses, _ = reference(Run(steps=3))
+    for losses in run_ranks(_fp16, 2, "bucket"):
+        # fp16 computation: about three decimal digits.
+        assert losses == pytest.approx(ref_losses, rel=2e-2)
+
+
+def _rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _build_peak(sharded: bool, layers: int, width: int) -> dict[str, int]:
+    # Serve every large allocation with its own mapping, returned to the system when freed,
+    # so the process's peak resident size follows the peak of live tensors (glibc otherwise
+    # raises this threshold after the first free and keeps freed blocks in its heap).
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    before = _rss_bytes()
+
+    def build() -> nn.Module:
+        return nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+
+    if sharded:
+        with ZeroInitContext(torch.device("cpu"), TensorShardStrategy(), seed=0):
+            model = build()
+    else:
+        model = build()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    del model
+    return {"growth": peak - before}
+
+
+def test_building_in_the_context_stays_under_a_memory_cap() -> None:
+    layers, width = 32, 1024  # 32 x 4 MiB = 128 MiB of fp32 parameters
+    full = layers * width * width * 4
+    cap = int(full * 0.75)  # below the whole model, above half of it plus one layer
+    for result in run_ranks(_build_peak, 2, True, layers, width):
+        assert result["growth"] < cap, (result, cap)
+    # The same model built plainly passes the cap: the measurement can fail.
+    for result in run_ranks(_build_peak, 2, False, layers, width):
+        assert result["growth"] > cap, (result, cap)
+
+
+def test_arguments_that_cannot_be_honoured_are_refused() -> None:
+    module = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="reuse_fp16_shard"):
+        ShardedModelV2(module, TensorShardStrategy(), reuse_fp16_shard=True)
+    with pytest.raises(ValueError, match="offload_config"):
+        ShardedModelV2(module, TensorShardStrategy(), offload_config={"device": "nvme"})
+    with pytest.raises(TypeError, match="shard_strategy"):
+        ShardedModelV2(module, "tensor")  # type: ignore[arg-type]
