@@ -21,6 +21,7 @@ from shardwise import comm
 from shardwise.checkpoint.commit import CheckpointError
 from shardwise.checkpoint.layout import param_slices
 from shardwise.zero.model import ZeroModel
+from shardwise.zero.state_dict import gather_parameters
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -104,16 +105,7 @@ def _gathered_tensors(model: ZeroModel, dtype: torch.dtype | None) -> dict[str, 
     """Every parameter (once) and persistent buffer, whole, on rank 0's CPU; one chunk is
     gathered at a time."""
     keep = comm.rank(model.config.process_group) == 0
-    by_param: dict[int, torch.Tensor] = {}
-    manager = model.chunk_manager
-    for chunk in manager.chunks:
-        source = chunk.master if chunk.requires_grad else chunk.shard
-        full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
-        comm.all_gather(full, source, manager.stats, manager.group)
-        if keep:
-            for info in chunk.tensors:
-                piece = full[info.offset : info.offset + info.numel].view(info.shape)
-                by_param[id(info.param)] = piece.to("cpu", dtype or piece.dtype, copy=True)
+    by_param = gather_parameters(model.chunk_manager, keep=keep, dtype=dtype)
     tensors: dict[str, torch.Tensor] = {}
     if not keep:
         return tensors

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shardwise.amp import GradScaler
+from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
 from shardwise.chunk import Chunk
 from shardwise.optim import HybridAdam
 from shardwise.zero.grad_norm import global_grad_norm
@@ -218,3 +218,10 @@ class ZeroOptimizer:
     def __repr__(self) -> str:
         name = type(self.optim).__name__
         return f"ZeroOptimizer(stage={self.model.stage}, optim={name}, scale={self.loss_scale})"
+
+
+def grad_scaler_for(model: ZeroModel, **settings: Any) -> GradScaler:
+    """A DynamicGradScaler with `settings` when any of the model's dtypes is fp16, otherwise a
+    constant scale of 1 (the settings are validated all the same)."""
+    dynamic = DynamicGradScaler(**settings)
+    return dynamic if model.config.mixed_precision.uses_loss_scaling else ConstantGradScaler()

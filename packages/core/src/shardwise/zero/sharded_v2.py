@@ -14,14 +14,13 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager, MemoryTracer
 from shardwise.zero.config import MixedPrecision, ZeroConfig, default_device
 from shardwise.zero.init_context import sliced, unslice
 from shardwise.zero.model import ZeroModel
-from shardwise.zero.optimizer import ZeroOptimizer
+from shardwise.zero.optimizer import ZeroOptimizer, grad_scaler_for
 from shardwise.zero.shard_strategy import BaseShardStrategy
 
 
@@ -165,7 +164,8 @@ class ShardedOptimizerV2(ZeroOptimizer):
             raise TypeError(
                 f"sharded_model must be a ShardedModelV2, got {type(sharded_model).__name__}"
             )
-        dynamic = DynamicGradScaler(
+        scaler = grad_scaler_for(
+            sharded_model,
             initial_scale=initial_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -174,8 +174,6 @@ class ShardedOptimizerV2(ZeroOptimizer):
             min_scale=min_scale,
             max_scale=max_scale,
         )
-        uses_scaling = sharded_model.config.mixed_precision.uses_loss_scaling
-        scaler: GradScaler = dynamic if uses_scaling else ConstantGradScaler()
         super().__init__(
             sharded_model, optimizer, grad_scaler=scaler, max_norm=max_norm, norm_type=norm_type
         )

@@ -13,12 +13,12 @@ from shardwise import comm
 from shardwise.chunk import ChunkManager
 
 
-def gather_full_state_dict(
-    module: nn.Module, chunk_manager: ChunkManager, *, only_rank_0: bool
-) -> dict[str, Any]:
-    """Gather every chunk's fp32 master (or payload, for frozen chunks) and return the module's
-    state dict on CPU with original names and shapes. A collective over the chunks' group."""
-    keep = not only_rank_0 or comm.rank(chunk_manager.group) == 0
+def gather_parameters(
+    chunk_manager: ChunkManager, *, keep: bool, dtype: torch.dtype | None = torch.float32
+) -> dict[int, torch.Tensor]:
+    """Every managed parameter's whole values (fp32 masters; the payload for frozen chunks) on
+    CPU, keyed by id(parameter), cast to `dtype` (None: as stored). One chunk is gathered at a
+    time; a collective over the chunks' group, whose result only ranks with `keep` hold."""
     values: dict[int, torch.Tensor] = {}
     for chunk in chunk_manager.chunks:
         source = chunk.master if chunk.requires_grad else chunk.shard
@@ -27,7 +27,17 @@ def gather_full_state_dict(
         if keep:
             for info in chunk.tensors:
                 piece = full[info.offset : info.offset + info.numel].view(info.shape)
-                values[id(info.param)] = piece.to("cpu", torch.float32, copy=True)
+                values[id(info.param)] = piece.to("cpu", dtype or piece.dtype, copy=True)
+    return values
+
+
+def gather_full_state_dict(
+    module: nn.Module, chunk_manager: ChunkManager, *, only_rank_0: bool
+) -> dict[str, Any]:
+    """The module's state dict, whole, on CPU with original names and shapes (parameters in
+    fp32). A collective over the chunks' group."""
+    keep = not only_rank_0 or comm.rank(chunk_manager.group) == 0
+    values = gather_parameters(chunk_manager, keep=keep)
     if not keep:
         return {}
     state: dict[str, Any] = {}

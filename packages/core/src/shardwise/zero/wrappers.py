@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
 from shardwise.zero.config import (
     DEFAULT_CHUNK_SIZE_NUMEL,
     MixedPrecision,
@@ -17,7 +16,7 @@ from shardwise.zero.config import (
 )
 from shardwise.zero.gemini_ddp import GeminiDDP, gemini_ddp_from_config
 from shardwise.zero.model import ZeroModel
-from shardwise.zero.optimizer import ZeroOptimizer
+from shardwise.zero.optimizer import ZeroOptimizer, grad_scaler_for
 
 _OPTIM_CONFIG_KEYS = ("reduce_bucket_size", "overlap_communication")
 
@@ -113,7 +112,7 @@ def zero_optim_wrapper(
     if model.stage == 3 and options:
         raise ValueError(
             f"optim_config {sorted(options)} applies to stages 1 and 2; at stage 3 the chunk "
-            f"size (gemini_config['chunk_size']) sets the reduction granularity"
+            f"size (gemini_config['chunk_size_numel']) sets the reduction granularity"
         )
     if isinstance(model, _LowLevelZeroModel):
         bucket = options.get("reduce_bucket_size", DEFAULT_CHUNK_SIZE_NUMEL)
@@ -121,7 +120,8 @@ def zero_optim_wrapper(
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap_communication must be a bool, got {overlap!r}")
         model.rebuild(chunk_size_numel=bucket, overlap_communication=overlap)
-    dynamic = DynamicGradScaler(
+    scaler = grad_scaler_for(
+        model,
         initial_scale=initial_scale,
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
@@ -129,9 +129,6 @@ def zero_optim_wrapper(
         hysteresis=hysteresis,
         min_scale=min_scale,
         max_scale=max_scale,
-    )
-    scaler: GradScaler = (
-        dynamic if model.config.mixed_precision.uses_loss_scaling else ConstantGradScaler()
     )
     return ZeroOptimizer(
         model, optimizer, grad_scaler=scaler, max_norm=max_norm, norm_type=norm_type
