@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,8 @@ from shardwise import (
     ShardedOptimizerV2,
     TensorShardStrategy,
     ZeroInitContext,
+    checkpoint,
+    zero_model_wrapper,
 )
 from shardwise.testing import run_ranks
 
@@ -186,3 +189,27 @@ def test_arguments_that_cannot_be_honoured_are_refused() -> None:
         ShardedModelV2(module, TensorShardStrategy(), offload_config={"device": "nvme"})
     with pytest.raises(TypeError, match="shard_strategy"):
         ShardedModelV2(module, "tensor")  # type: ignore[arg-type]
+
+
+def _save_sharded_v2(path: str) -> dict[str, torch.Tensor]:
+    result = _train("bucket", {}, steps=2)
+    with ZeroInitContext(torch.device("cpu"), TensorShardStrategy(), seed=0):
+        module = BranchyGPT()
+    model = ShardedModelV2(module, TensorShardStrategy())
+    model.load_state_dict(result["state"])
+    checkpoint.save(path, model, extra={"strategy": "tensor"})
+    state: dict[str, torch.Tensor] = result["state"]
+    return state
+
+
+def _load_into_stage_2(path: str) -> dict[str, torch.Tensor]:
+    model = zero_model_wrapper(BranchyGPT(), 2, {"device": torch.device("cpu")})
+    assert checkpoint.load(path, model) == {"strategy": "tensor"}
+    return model.state_dict()
+
+
+def test_checkpoint_from_sharded_model_v2_loads_elsewhere(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_save_sharded_v2, 2, path)[0]
+    loaded = run_ranks(_load_into_stage_2, 1, path)[0]
+    assert max_abs_diff(saved, loaded) == 0.0
