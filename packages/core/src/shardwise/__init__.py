@@ -5,7 +5,7 @@ sharded over the data-parallel ranks, gradients are reduced per chunk, and a sha
 master copy is stepped by any elementwise torch optimizer.
 """
 
-from shardwise import checkpoint
+from shardwise import checkpoint, telemetry
 from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommOp, CommStats
@@ -53,6 +53,7 @@ __all__ = [
     "ZeroModel",
     "ZeroOptimizer",
     "checkpoint",
+    "telemetry",
     "zero_model_wrapper",
     "zero_optim_wrapper",
 ]

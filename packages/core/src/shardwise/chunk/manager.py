@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -110,6 +111,22 @@ class ChunkManager:
 
     def trainable_chunks(self) -> Iterator[Chunk]:
         return (chunk for chunk in self.chunks if chunk.requires_grad)
+
+    def report(self) -> list[dict[str, Any]]:
+        """Per chunk: id, elements, state, whether sharded, the pool of its payload and of its
+        optimizer side, and each tensor's state."""
+        return [
+            {
+                "chunk_id": c.chunk_id,
+                "numel": c.numel,
+                "state": c.state.value,
+                "sharded": not c.keep_gathered,
+                "payload": c.payload_pool.value,
+                "optim": c.optim_pool.value if c.requires_grad else None,
+                "tensors": {t.name: t.state.value for t in c.tensors},
+            }
+            for c in self.chunks
+        ]
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, master weights and gradients this rank holds now."""

@@ -242,18 +242,7 @@ class GeminiManager:
 
     def placement_report(self) -> list[dict[str, Any]]:
         """Per chunk: id, elements, state, whether sharded, and the pool of each payload."""
-        return [
-            {
-                "chunk_id": c.chunk_id,
-                "numel": c.numel,
-                "state": c.state.value,
-                "sharded": not c.keep_gathered,
-                "payload": c.payload_pool.value,
-                "optim": c.optim_pool.value if c.requires_grad else None,
-                "tensors": {t.name: t.state.value for t in c.tensors},
-            }
-            for c in self.chunk_manager.chunks
-        ]
+        return self.chunk_manager.report()
 
     def __repr__(self) -> str:
         return f"GeminiManager(placement_policy={self.placement_policy!r}, {self.chunk_manager!r})"

@@ -12,6 +12,7 @@ drop out of this rank's groups.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,6 +73,10 @@ class ZeroOptimizer:
         self.norm_type = float(norm_type)
         self.last_grad_norm = 0.0
         self.last_step_skipped = False
+        self.last_loss: torch.Tensor | None = None
+        self.last_loss_scale = grad_scaler.scale
+        self.num_steps = 0
+        self._step_hooks: list[Callable[[ZeroOptimizer], None]] = []
         self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
         # (view the inner optimizer steps, its chunk, begin, end within the chunk's shard)
         self._slots: list[tuple[torch.Tensor, Chunk, int, int]] = []
@@ -125,6 +130,7 @@ class ZeroOptimizer:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the current loss scale; gradients reach the shards."""
         scale = self.grad_scaler.scale
+        self.last_loss = loss.detach()
         (loss * scale if scale != 1.0 else loss).backward()
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
@@ -145,11 +151,13 @@ class ZeroOptimizer:
         )
         norm /= scale
         self.last_grad_norm = norm
+        self.last_loss_scale = scale
         overflow = not math.isfinite(norm)
         self.grad_scaler.update(overflow)
         self.last_step_skipped = overflow
         if overflow:
             self.zero_grad()
+            self._after_step()
             return False
         coef = 1.0 / scale
         if self.max_norm > 0:
@@ -166,7 +174,17 @@ class ZeroOptimizer:
             self.optim.step()
         for chunk in self._chunks:
             chunk.publish_master()
+        self._after_step()
         return True
+
+    def add_step_hook(self, hook: Callable[[ZeroOptimizer], None]) -> None:
+        """Call `hook(optimizer)` after every step, taken or skipped (telemetry uses it)."""
+        self._step_hooks.append(hook)
+
+    def _after_step(self) -> None:
+        self.num_steps += 1
+        for hook in self._step_hooks:
+            hook(self)
 
     def rebind_chunk(self, chunk: Chunk) -> None:
         """Point the views of `chunk` at its master again after it moved pools, and move the

@@ -1,0 +1,94 @@
+"""A per-rank emitter: a bounded queue drained by a background thread into a sink.
+
+Training only ever puts events on the queue without waiting. When the queue is full (the sink
+is slow, down, or the dashboard was never started) the event is dropped and counted; the count
+is reported once, as a "dropped" event, when the emitter closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any
+
+from shardwise.telemetry import events
+from shardwise.telemetry.sinks import Sink
+
+_STOP = object()
+
+
+class TelemetryEmitter:
+    """Non-blocking event delivery for one rank.
+
+    Args:
+        sink: where batches go.
+        run_id: the run the events belong to.
+        rank: this rank.
+        queue_size: events held before new ones are dropped.
+        batch_size: most events sent in one write.
+    """
+
+    def __init__(
+        self, sink: Sink, *, run_id: str, rank: int, queue_size: int = 10_000, batch_size: int = 200
+    ) -> None:
+        if queue_size < 1 or batch_size < 1:
+            raise ValueError(
+                f"queue_size and batch_size must be >= 1, got {queue_size}, {batch_size}"
+            )
+        self.sink = sink
+        self.run_id = run_id
+        self.rank = rank
+        self.batch_size = batch_size
+        self.dropped = 0
+        self.delivered = 0
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._thread = threading.Thread(target=self._drain, name="shardwise-telemetry", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """Queue `event`; never blocks, never raises."""
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Deliver what is queued (waiting at most `timeout_s`), report drops, stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(queue.Full):
+            self._queue.put(_STOP, timeout=timeout_s)
+        self._thread.join(timeout_s)
+        if self.dropped:
+            # If the sink is gone there is nobody left to tell.
+            with contextlib.suppress(Exception):
+                self.sink.write([events.dropped(self.run_id, self.rank, self.dropped)])
+        self.sink.close()
+
+    def _drain(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is _STOP:
+                return
+            batch = [first]
+            stop = False
+            while len(batch) < self.batch_size:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stop = True
+                    break
+                batch.append(item)
+            try:
+                self.sink.write(batch)
+                self.delivered += len(batch)
+            except Exception:
+                # A dashboard that is down or slow loses these events, never the run.
+                self.dropped += len(batch)
+            if stop:
+                return

@@ -1,0 +1,112 @@
+"""The telemetry event schema, version 1: plain JSON objects shared with the dashboard.
+
+Every event: {"schema": 1, "type": str, "run_id": str, "rank": int, "time": unix seconds}, and
+by type:
+- "run_started": world_size, config (any JSON), num_params, host
+- "step": step, loss (null if not finite or unknown), loss_scale, overflow, grad_norm (null if
+  not finite), step_time_s, comm_bytes {collective kind: bytes sent this step}, moved_bytes
+  {"to_device", "to_host"}, memory {"device", "host"} (model-state bytes per pool)
+- "chunks": step, chunks [{"id", "numel", "state" ("sharded"|"gathered"), "sharded",
+  "payload" ("device"|"host"), "optim" ("device"|"host"|null), "tensor_states" {state: count}}]
+- "run_finished": status ("finished"|"failed"), error (null or a message)
+- "dropped": count (events the emitter could not deliver)
+The dashboard validates every field; it never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+def _base(kind: str, run_id: str, rank: int) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA_VERSION,
+        "type": kind,
+        "run_id": run_id,
+        "rank": rank,
+        "time": time.time(),
+    }
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no nan or inf: they travel as null."""
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def run_started(
+    run_id: str, rank: int, *, world_size: int, config: dict[str, Any], num_params: int, host: str
+) -> dict[str, Any]:
+    return {
+        **_base("run_started", run_id, rank),
+        "world_size": world_size,
+        "config": config,
+        "num_params": num_params,
+        "host": host,
+    }
+
+
+def step(
+    run_id: str,
+    rank: int,
+    *,
+    step_index: int,
+    loss: float | None,
+    loss_scale: float,
+    overflow: bool,
+    grad_norm: float | None,
+    step_time_s: float,
+    comm_bytes: dict[str, int],
+    moved_bytes: dict[str, int],
+    memory: dict[str, int],
+) -> dict[str, Any]:
+    return {
+        **_base("step", run_id, rank),
+        "step": step_index,
+        "loss": finite_or_none(loss),
+        "loss_scale": loss_scale,
+        "overflow": overflow,
+        "grad_norm": finite_or_none(grad_norm),
+        "step_time_s": max(0.0, step_time_s),
+        "comm_bytes": comm_bytes,
+        "moved_bytes": moved_bytes,
+        "memory": memory,
+    }
+
+
+def chunks(
+    run_id: str, rank: int, *, step_index: int, report: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A chunk snapshot from `GeminiManager.placement_report()`-shaped rows."""
+    return {
+        **_base("chunks", run_id, rank),
+        "step": step_index,
+        "chunks": [
+            {
+                "id": row["chunk_id"],
+                "numel": row["numel"],
+                "state": row["state"],
+                "sharded": row["sharded"],
+                "payload": row["payload"],
+                "optim": row["optim"],
+                "tensor_states": dict(Counter(row["tensors"].values())),
+            }
+            for row in report
+        ],
+    }
+
+
+def run_finished(run_id: str, rank: int, *, error: str | None = None) -> dict[str, Any]:
+    return {
+        **_base("run_finished", run_id, rank),
+        "status": "failed" if error else "finished",
+        "error": error[:200] if error else None,
+    }
+
+
+def dropped(run_id: str, rank: int, count: int) -> dict[str, Any]:
+    return {**_base("dropped", run_id, rank), "count": count}

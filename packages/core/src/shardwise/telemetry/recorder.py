@@ -1,0 +1,168 @@
+"""Telemetry of a training run: one call turns it on, every optimizer step reports.
+
+    recorder = shardwise.telemetry.enable(model, optimizer)   # None when nothing is configured
+
+With no argument it reads SHARDWISE_DASHBOARD_URL (and SHARDWISE_DASHBOARD_TOKEN) or
+SHARDWISE_TELEMETRY_FILE (a JSON-lines file per rank: `{path}.rank{r}.jsonl`); with neither set
+it returns None and costs nothing. Each step adds one event to a bounded queue (see
+TelemetryEmitter); chunk snapshots go out at the first step and every `chunk_every` steps.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise import comm
+from shardwise.telemetry import events
+from shardwise.telemetry.emitter import TelemetryEmitter
+from shardwise.telemetry.sinks import HttpSink, JsonlSink, Sink
+from shardwise.zero.model import ZeroModel
+from shardwise.zero.optimizer import ZeroOptimizer
+
+
+class TelemetryRecorder:
+    """Turns optimizer steps into events on an emitter.
+
+    Args:
+        model, optimizer: the wrapped pair.
+        emitter: where events go.
+        chunk_every: steps between chunk snapshots.
+    """
+
+    def __init__(
+        self,
+        model: ZeroModel,
+        optimizer: ZeroOptimizer,
+        emitter: TelemetryEmitter,
+        *,
+        chunk_every: int = 10,
+    ) -> None:
+        if chunk_every < 1:
+            raise ValueError(f"chunk_every must be >= 1, got {chunk_every}")
+        self.model = model
+        self.optimizer = optimizer
+        self.emitter = emitter
+        self.chunk_every = chunk_every
+        self._last_time = time.perf_counter()
+        self._last_sent = model.comm_stats.snapshot()
+        self._last_moved = self._moved()
+        self._finished = False
+        optimizer.add_step_hook(self._on_step)
+
+    def started(self, config: dict[str, Any]) -> None:
+        self.emitter.emit(
+            events.run_started(
+                self.emitter.run_id,
+                self.emitter.rank,
+                world_size=comm.world_size(self.model.config.process_group),
+                config=config,
+                num_params=sum(c.numel for c in self.model.chunk_manager.chunks),
+                host=socket.gethostname(),
+            )
+        )
+
+    def _moved(self) -> dict[str, int]:
+        gemini = self.model.gemini_manager
+        return gemini.bytes_moved() if gemini is not None else {"to_device": 0, "to_host": 0}
+
+    def _memory(self) -> dict[str, int]:
+        gemini = self.model.gemini_manager
+        if gemini is not None:
+            return gemini.memory_by_pool()
+        device = sum(self.model.memory_report().values()) + self.optimizer.state_bytes()
+        return {"device": device, "host": 0}
+
+    def _on_step(self, optimizer: ZeroOptimizer) -> None:
+        now = time.perf_counter()
+        sent = self.model.comm_stats.snapshot()
+        moved = self._moved()
+        index = optimizer.num_steps - 1
+        loss = float(optimizer.last_loss) if optimizer.last_loss is not None else None
+        self.emitter.emit(
+            events.step(
+                self.emitter.run_id,
+                self.emitter.rank,
+                step_index=index,
+                loss=loss,
+                loss_scale=optimizer.last_loss_scale,
+                overflow=optimizer.last_step_skipped,
+                grad_norm=optimizer.last_grad_norm,
+                step_time_s=now - self._last_time,
+                comm_bytes={
+                    op: sent[op]["sent_bytes"] - self._last_sent[op]["sent_bytes"] for op in sent
+                },
+                moved_bytes={k: moved[k] - self._last_moved[k] for k in moved},
+                memory=self._memory(),
+            )
+        )
+        if index % self.chunk_every == 0:
+            self.emitter.emit(
+                events.chunks(
+                    self.emitter.run_id,
+                    self.emitter.rank,
+                    step_index=index,
+                    report=self.model.chunk_manager.report(),
+                )
+            )
+        self._last_time, self._last_sent, self._last_moved = now, sent, moved
+
+    def finish(self, error: str | None = None) -> None:
+        """Report the end of the run and deliver what is queued."""
+        if self._finished:
+            return
+        self._finished = True
+        self.emitter.emit(events.run_finished(self.emitter.run_id, self.emitter.rank, error=error))
+        self.emitter.close()
+
+
+def enable(
+    model: ZeroModel,
+    optimizer: ZeroOptimizer,
+    *,
+    url: str | None = None,
+    path: str | None = None,
+    token: str | None = None,
+    run_id: str | None = None,
+    chunk_every: int = 10,
+) -> TelemetryRecorder | None:
+    """Stream this rank's telemetry to a dashboard (`url`) or a JSON-lines file (`path`), or
+    as the environment says (see the module note). A collective when the run id is chosen
+    here (rank 0's is shared). Returns None, having done nothing, when nothing is configured."""
+    url = url or os.environ.get("SHARDWISE_DASHBOARD_URL")
+    path = path or os.environ.get("SHARDWISE_TELEMETRY_FILE")
+    if not url and not path:
+        return None
+    rank = comm.rank(model.config.process_group)
+    run_id = run_id or os.environ.get("SHARDWISE_RUN_ID") or _shared_run_id(model)
+    sink: Sink = (
+        HttpSink(url, token or os.environ.get("SHARDWISE_DASHBOARD_TOKEN"))
+        if url
+        else JsonlSink(f"{path}.rank{rank}.jsonl")
+    )
+    recorder = TelemetryRecorder(
+        model, optimizer, TelemetryEmitter(sink, run_id=run_id, rank=rank), chunk_every=chunk_every
+    )
+    recorder.started(
+        {
+            "stage": model.stage,
+            "chunks": len(model.chunk_manager.chunks),
+            "placement": model.gemini_manager.placement_policy if model.gemini_manager else None,
+            "param_dtype": str(model.config.mixed_precision.param_dtype),
+        }
+    )
+    atexit.register(recorder.finish)
+    return recorder
+
+
+def _shared_run_id(model: ZeroModel) -> str:
+    chosen = [time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(chosen, src=0, group=model.config.process_group)
+    return str(chosen[0])

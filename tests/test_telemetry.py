@@ -1,0 +1,119 @@
+"""Telemetry: events per step and chunk snapshots, and an emitter that never holds training up."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import CHUNK_NUMEL, batch_slice, make_model
+
+from shardwise import telemetry, zero_model_wrapper, zero_optim_wrapper
+from shardwise.telemetry import TelemetryEmitter
+from shardwise.testing import run_ranks
+
+
+def _train(sink: dict[str, str], steps: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    model = make_model()
+    wrapped = zero_model_wrapper(
+        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL}
+    )
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    recorder = telemetry.enable(wrapped, optimizer, run_id="test-run", chunk_every=3, **sink)
+    assert recorder is not None
+    losses, sent = [], []
+    for step in range(steps):
+        before = wrapped.comm_stats.sent_bytes()
+        optimizer.zero_grad()
+        loss = wrapped(*batch_slice(step, 0, rank, 2))
+        optimizer.backward(loss)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        sent.append(wrapped.comm_stats.sent_bytes() - before)
+    recorder.finish()
+    return {
+        "losses": losses,
+        "sent": sent,
+        "chunks": len(wrapped.chunk_manager.chunks),
+        "dropped": recorder.emitter.dropped,
+    }
+
+
+def test_jsonl_events_describe_every_step(tmp_path: Path) -> None:
+    path = str(tmp_path / "telemetry")
+    results = run_ranks(_train, 2, {"path": path}, 5)
+    for rank, result in enumerate(results):
+        lines = (tmp_path / f"telemetry.rank{rank}.jsonl").read_text().splitlines()
+        events = [json.loads(line) for line in lines]
+        assert all(
+            e["schema"] == 1 and e["run_id"] == "test-run" and e["rank"] == rank for e in events
+        )
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
+        steps = [e for e in events if e["type"] == "step"]
+        assert [e["step"] for e in steps] == list(range(5))
+        assert [e["loss"] for e in steps] == result["losses"]
+        assert [sum(e["comm_bytes"].values()) for e in steps] == result["sent"]
+        assert all(e["memory"]["device"] > 0 and e["loss_scale"] == 1.0 for e in steps)
+        snapshots = [e for e in events if e["type"] == "chunks"]
+        assert [e["step"] for e in snapshots] == [0, 3]
+        assert all(len(e["chunks"]) == result["chunks"] for e in snapshots)
+        assert events[-1]["status"] == "finished"
+
+
+def _unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_dashboard_that_is_down_does_not_stop_training() -> None:
+    url = f"http://127.0.0.1:{_unused_port()}"
+    results = run_ranks(_train, 2, {"url": url}, 3)
+    for result in results:
+        assert len(result["losses"]) == 3
+        assert result["dropped"] > 0  # counted, and reported once at the end
+
+
+class _SlowSink:
+    def __init__(self) -> None:
+        self.batches: list[list[dict[str, Any]]] = []
+
+    def write(self, events: list[dict[str, Any]]) -> None:
+        time.sleep(0.2)
+        self.batches.append(events)
+
+    def close(self) -> None:
+        pass
+
+
+def test_emit_never_waits_for_a_slow_sink() -> None:
+    sink = _SlowSink()
+    emitter = TelemetryEmitter(sink, run_id="r", rank=0, queue_size=100, batch_size=10)
+    start = time.perf_counter()
+    for i in range(5000):
+        emitter.emit({"type": "step", "step": i})
+    assert time.perf_counter() - start < 0.5
+    emitter.close(timeout_s=0.5)
+    delivered = sum(len(batch) for batch in sink.batches)
+    assert emitter.dropped >= 5000 - 100 - 10
+    assert delivered + emitter.dropped <= 5000 + 1
+    assert sink.batches[-1][-1]["type"] in ("dropped", "step")
+
+
+def test_nothing_configured_means_nothing_happens(monkeypatch: Any) -> None:
+    monkeypatch.delenv("SHARDWISE_DASHBOARD_URL", raising=False)
+    monkeypatch.delenv("SHARDWISE_TELEMETRY_FILE", raising=False)
+
+    def check() -> bool:
+        model = make_model()
+        wrapped = zero_model_wrapper(model, 2, {"device": torch.device("cpu")})
+        optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+        return telemetry.enable(wrapped, optimizer) is None
+
+    assert run_ranks(check, 1) == [True]
