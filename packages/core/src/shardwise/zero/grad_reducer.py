@@ -42,9 +42,8 @@ class GradReducer:
             reach this many bytes (0: one reduce-scatter per chunk).
         on_reduced: called with each chunk right after it is reduced (stage 3 frees its
             payload there).
-        on_backward_end: called once after every backward pass, after all reductions.
-        after_grad: called after each gradient is copied into its chunk (the memory budget
-            check).
+        after_grad: called when a gradient copy allocated a chunk's gradient buffer (the
+            memory budget check: the only moment backward's model-state bytes grow).
     """
 
     def __init__(
@@ -55,7 +54,6 @@ class GradReducer:
         overlap: bool = False,
         bucket_bytes: int = 0,
         on_reduced: Callable[[Chunk], None] | None = None,
-        on_backward_end: Callable[[], None] | None = None,
         after_grad: Callable[[str], None] | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
@@ -63,10 +61,10 @@ class GradReducer:
         self.overlap = overlap
         self.bucket_bytes = bucket_bytes
         self._bucket: list[Chunk] = []
+        self._bucket_filled = 0
         self._in_flight: list[Chunk] = []
         self.require_sync = True
         self._on_reduced = on_reduced
-        self._on_backward_end = on_backward_end
         self._after_grad = after_grad
         # Descending chunk id: see [Note: why chunks are reduced in a fixed order].
         self._order = sorted(chunk_manager.trainable_chunks(), key=lambda c: -c.chunk_id)
@@ -90,10 +88,11 @@ class GradReducer:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             assert param.grad is not None
+            allocates = chunk.grad_full is None
             complete = chunk.add_grad(index, param.grad)
             # The chunk now holds the gradient; dropping .grad frees the per-parameter copy.
             param.grad = None
-            if self._after_grad is not None:
+            if allocates and self._after_grad is not None:
                 self._after_grad(f"after the gradient of {chunk.tensors[index].name}")
             if complete:
                 self._complete.add(chunk.chunk_id)
@@ -128,8 +127,8 @@ class GradReducer:
     def _reduce(self, chunk: Chunk) -> None:
         if self.bucket_bytes > 0:
             self._bucket.append(chunk)
-            filled = sum(c.padded_numel * c.dtypes.reduce.itemsize for c in self._bucket)
-            if filled >= self.bucket_bytes:
+            self._bucket_filled += chunk.padded_numel * chunk.dtypes.reduce.itemsize
+            if self._bucket_filled >= self.bucket_bytes:
                 self._flush_bucket()
             return
         chunk.start_reduce()
@@ -142,7 +141,7 @@ class GradReducer:
         """One reduce-scatter for every chunk in the bucket: the input is laid out rank-major
         (every chunk's slice for rank 0, then for rank 1, ...), so each rank receives its own
         slice of every chunk, back to back."""
-        chunks, self._bucket = self._bucket, []
+        chunks, self._bucket, self._bucket_filled = self._bucket, [], 0
         if not chunks:
             return
         world = chunks[0].world_size
@@ -180,8 +179,6 @@ class GradReducer:
         self._next = 0
         self._complete.clear()
         self._completed.clear()
-        if self._on_backward_end is not None:
-            self._on_backward_end()
 
     def reduce_all(self) -> None:
         """Reduce the gradients that backward passes left unreduced (every pass in stage 1,
