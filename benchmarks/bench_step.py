@@ -10,10 +10,13 @@ batch for all, fp32 compute, AdamW (fused) everywhere.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import resource
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -29,8 +32,10 @@ Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--engine", required=True, choices=["ddp", "fsdp2", "zero1", "zero2", "zero3"]
+        "--engine", required=True, choices=["ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3"]
     )
+    parser.add_argument("--telemetry", action="store_true", help="stream telemetry to a file")
+    parser.add_argument("--profile", action="store_true", help="share of time in shardwise code")
     parser.add_argument("--placement", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--n-layer", type=int, default=4)
@@ -59,6 +64,25 @@ def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict
             return loss
 
         return ddp_step, dict
+    if args.engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from shardwise.testing.gpt import Block
+
+        fsdp = FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+        )
+        fsdp_optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3, fused=True)
+
+        def fsdp1_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            fsdp_optimizer.zero_grad()
+            _, loss = fsdp(idx, targets)
+            loss.backward()
+            fsdp_optimizer.step()
+            return loss
+
+        return fsdp1_step, dict
     if args.engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -89,6 +113,12 @@ def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict
         optim_config={"reduce_bucket_size": chunk_numel} if stage < 3 else None,
     )
 
+    if args.telemetry:
+        from shardwise import telemetry
+
+        scratch = tempfile.mkdtemp(prefix="shardwise-telemetry-")
+        telemetry.enable(wrapped, zero_optimizer, path=f"{scratch}/events", run_id="bench")
+
     def zero_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         zero_optimizer.zero_grad()
         _, loss = wrapped(idx, targets)
@@ -106,6 +136,19 @@ def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict
     return zero_step, counters
 
 
+def _shardwise_share(profiler: cProfile.Profile, total_s: float) -> float:
+    """Share of the measured steps spent in shardwise's own Python code (hooks, state
+    bookkeeping, the optimizer wrapper): time inside its functions less the torch calls they
+    make (cProfile's own time per function)."""
+    stats = pstats.Stats(profiler)
+    own = sum(
+        entry[2]  # total time spent in the function itself
+        for (filename, _, _), entry in stats.stats.items()  # type: ignore[attr-defined]
+        if "/shardwise/" in filename and "/testing/" not in filename
+    )
+    return own / total_s
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -120,20 +163,28 @@ def main() -> None:
     step, counters = build(args, model)
     times, sent = [], []
     loss = torch.zeros(())
+    profiler = cProfile.Profile() if args.profile and rank == 0 else None
     for i in range(args.warmup + args.steps):
         idx, targets = gpt_batch(config, args.batch, args.seq, i)
         before = counters().get("sent_bytes", 0)
         dist.barrier()
+        measured = i >= args.warmup
+        if profiler is not None and measured:
+            profiler.enable()
         start = time.perf_counter()
         loss = step(idx.chunk(world)[rank], targets.chunk(world)[rank])
         elapsed = time.perf_counter() - start
+        if profiler is not None and measured:
+            profiler.disable()
         if i >= args.warmup:
             times.append(elapsed * 1000)
             sent.append(counters().get("sent_bytes", 0) - before)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if rank == 0:
         summary = {
-            "engine": args.engine + ("-" + args.placement if args.engine == "zero3" else ""),
+            "engine": args.engine
+            + ("-" + args.placement if args.engine == "zero3" else "")
+            + ("+telemetry" if args.telemetry else ""),
             "world": world,
             "params": num_params,
             "median_ms": statistics.median(times),
@@ -142,7 +193,10 @@ def main() -> None:
             "sent_bytes_per_step": statistics.median(sent) if sent and sent[0] else None,
             "model_state_bytes": counters().get("model_state_bytes"),
             "peak_rss_mib": peak_kib / 1024,
+            "telemetry": args.telemetry,
         }
+        if profiler is not None:
+            summary["shardwise_python_share"] = _shardwise_share(profiler, sum(times) / 1000)
         with open(args.out, "w") as handle:
             json.dump(summary, handle, indent=1)
     dist.destroy_process_group()

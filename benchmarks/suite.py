@@ -2,9 +2,11 @@
 
     python benchmarks/suite.py [--quick] [--rounds 2]      (./dev bench runs it)
 
-Writes benchmarks/RESULTS.md. Engines run one after another, round after round (interleaved),
-and each figure is the median over all rounds' measured steps: timings drift on these machines
-between runs, while ratios taken inside one run hold.
+Writes benchmarks/RESULTS.md. The engines run one after another, round after round
+(interleaved), and each figure is the median over all rounds' measured steps: timings drift on
+these machines between runs, while ratios taken inside one run hold. Then: the share of a step
+spent in shardwise's own Python code (cProfile, in runs of their own since profiling slows
+Python), step time against model size and rank count, and HybridAdam against fused AdamW.
 """
 
 from __future__ import annotations
@@ -25,33 +27,64 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-ENGINES = [
-    ("ddp", "cuda"),
-    ("zero1", "cuda"),
-    ("zero2", "cuda"),
-    ("fsdp2", "cuda"),
-    ("zero3", "cuda"),
-    ("zero3", "cpu"),
+# (engine, placement, extra flags)
+ENGINES: list[tuple[str, str, list[str]]] = [
+    ("ddp", "cuda", []),
+    ("zero1", "cuda", []),
+    ("zero2", "cuda", []),
+    ("fsdp1", "cuda", []),
+    ("fsdp2", "cuda", []),
+    ("zero3", "cuda", []),
+    ("zero3", "cuda", ["--telemetry"]),
+    ("zero3", "cpu", []),
 ]
+SIZES = {
+    "small": ["--n-layer", "2", "--n-embd", "128"],
+    "medium": ["--n-layer", "4", "--n-embd", "256"],
+    "large": ["--n-layer", "6", "--n-embd", "384"],
+}
 
 
-def run(command: list[str], timeout: int) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"{shlex.join(command)} failed:\n{result.stderr[-4000:]}")
+class Runner:
+    """Runs bench_step.py under torchrun and remembers the commands for RESULTS.md."""
 
+    def __init__(self, scratch: str) -> None:
+        self.scratch = scratch
+        self.commands: list[str] = []
+        self.count = 0
 
-def step_command(
-    engine: str, placement: str, out: str, model_args: list[str], world: int
-) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-        str(HERE / "bench_step.py"), "--engine", engine, "--placement", placement, "--out", out,
-        *model_args,
-    ]  # fmt: skip
+    def step(self, engine: str, placement: str, flags: list[str], world: int) -> dict[str, Any]:
+        self.count += 1
+        out = f"{self.scratch}/run{self.count}.json"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world}", str(HERE / "bench_step.py"), "--engine", engine,
+            "--placement", placement, "--out", out, *flags,
+        ]  # fmt: skip
+        self._run(command)
+        result: dict[str, Any] = json.loads(Path(out).read_text())
+        return result
+
+    def adam(self, numel: int) -> dict[str, Any]:
+        out = f"{self.scratch}/adam.json"
+        self._run(
+            [sys.executable, str(HERE / "bench_adam.py"), "--numel", str(numel), "--out", out]
+        )
+        result: dict[str, Any] = json.loads(Path(out).read_text())
+        return result
+
+    def _run(self, command: list[str]) -> None:
+        shown = ["python", *command[1:]]
+        shown[shown.index("--out") + 1] = "OUT.json"
+        line = shlex.join(shown).replace(str(HERE.parent) + "/", "")
+        if line not in self.commands:
+            self.commands.append(line)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        result = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=900, check=False
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{line} failed:\n{result.stderr[-4000:]}")
 
 
 def machine() -> str:
@@ -69,59 +102,59 @@ def machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small model, few steps (a smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small models, few steps (a smoke run)"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
+    rest = ["--vocab", "8192", "--seq", "128", "--warmup", "3", "--steps", "10"]
+    sizes = dict(SIZES)
+    adam_numel = 50_000_000
     if args.quick:
-        model_args = ["--n-layer", "2", "--n-embd", "64", "--vocab", "512", "--seq", "32",
-                      "--warmup", "1", "--steps", "3"]  # fmt: skip
+        rest = ["--vocab", "512", "--seq", "32", "--warmup", "1", "--steps", "3"]
+        sizes = {
+            "small": ["--n-layer", "1", "--n-embd", "32"],
+            "medium": ["--n-layer", "2", "--n-embd", "64"],
+            "large": ["--n-layer", "2", "--n-embd", "96"],
+        }
         adam_numel = 1_000_000
-    else:
-        model_args = ["--n-layer", "4", "--n-embd", "256", "--vocab", "8192", "--seq", "128",
-                      "--warmup", "3", "--steps", "10"]  # fmt: skip
-        adam_numel = 50_000_000
+    main_model = sizes["medium"] + rest
     results: dict[str, list[dict[str, Any]]] = {}
-    commands: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:
+        runner = Runner(scratch)
         for round_index in range(args.rounds):
-            for engine, placement in ENGINES:
-                out = f"{scratch}/{engine}-{placement}-{round_index}.json"
-                command = step_command(engine, placement, out, model_args, args.world)
-                if round_index == 0:
-                    commands.append(
-                        shlex.join(["python", *command[1:]]).replace(str(HERE.parent) + "/", "")
-                    )
-                print(f"round {round_index + 1}/{args.rounds}: {engine} ({placement})", flush=True)
-                run(command, timeout=600)
-                summary = json.loads(Path(out).read_text())
+            for engine, placement, flags in ENGINES:
+                print(
+                    f"round {round_index + 1}/{args.rounds}: {engine} {placement} {flags}",
+                    flush=True,
+                )
+                summary = runner.step(engine, placement, flags + main_model, args.world)
                 results.setdefault(summary["engine"], []).append(summary)
-        adam_out = f"{scratch}/adam.json"
-        adam_command = [
-            sys.executable,
-            str(HERE / "bench_adam.py"),
-            "--numel",
-            str(adam_numel),
-            "--out",
-            adam_out,
-        ]
+        print("profiles", flush=True)
+        profiles = {
+            engine: runner.step(engine, "cuda", ["--profile", *main_model], args.world)
+            for engine in ("zero2", "zero3")
+        }
+        scaling_size: dict[str, dict[str, dict[str, Any]]] = {}
+        for name, size in sizes.items():
+            print(f"size {name}", flush=True)
+            scaling_size[name] = {
+                engine: runner.step(engine, "cuda", size + rest, args.world)
+                for engine in ("fsdp2", "zero3")
+            }
+        scaling_world: dict[int, dict[str, Any]] = {}
+        for world in (1, 2, 4):
+            print(f"ranks {world}", flush=True)
+            scaling_world[world] = runner.step("zero3", "cuda", main_model, world)
         print("HybridAdam vs torch fused AdamW", flush=True)
-        run(adam_command, timeout=600)
-        adam = json.loads(Path(adam_out).read_text())
-        commands.append(
-            shlex.join(["python", *adam_command[1:-2]]).replace(str(HERE.parent) + "/", "")
+        adam = runner.adam(adam_numel)
+        report = render(
+            results, profiles, scaling_size, scaling_world, adam, runner.commands, args, main_model
         )
-    Path(args.out).write_text(render(results, adam, commands, args, model_args))
+    Path(args.out).write_text(report)
     print(f"wrote {args.out}")
-
-
-def _shown(command: list[str]) -> str:
-    """The command as a user types it from the repository root (scratch paths elided)."""
-    shown = ["python", *command[1:]]
-    if "--out" in shown:
-        shown[shown.index("--out") + 1] = "OUT.json"
-    return shlex.join(shown).replace(str(HERE.parent) + "/", "")
 
 
 def median_ms(runs: list[dict[str, Any]]) -> float:
@@ -130,6 +163,9 @@ def median_ms(runs: list[dict[str, Any]]) -> float:
 
 def render(
     results: dict[str, list[dict[str, Any]]],
+    profiles: dict[str, dict[str, Any]],
+    scaling_size: dict[str, dict[str, dict[str, Any]]],
+    scaling_world: dict[int, dict[str, Any]],
     adam: dict[str, Any],
     commands: list[str],
     args: argparse.Namespace,
@@ -143,12 +179,12 @@ def render(
         "",
         f"Written by `python benchmarks/suite.py{' --quick' if args.quick else ''} "
         f"--rounds {args.rounds}` on {datetime.date.today().isoformat()}: {machine()}, gloo, "
-        f"{world} ranks, fp32 compute,",
-        f"GPT with {params:,} parameters ({' '.join(model_args)}), global batch 8, AdamW (fused).",
-        "Medians over all measured steps of all rounds; the engines ran interleaved, round after",
-        "round, so each ratio compares figures taken in the same run.",
+        f"{world} ranks, fp32 compute, GPT with {params:,} parameters "
+        f"({' '.join(model_args)}), global batch 8, AdamW (fused). Medians over all measured",
+        "steps of all rounds; the engines ran interleaved, round after round, so each ratio",
+        "compares figures taken in the same run. No GPU was used.",
         "",
-        "## Step time",
+        "## Step time, traffic and memory",
         "",
         "| engine | median ms/step | final loss | bytes sent/step/rank "
         "| model-state bytes/rank | peak RSS MiB/rank |",
@@ -179,8 +215,11 @@ def render(
         f"| zero2 / ddp step time | {ms['zero2'] / ms['ddp']:.3f} | <= 1.00 |",
         f"| zero3 (cuda placement) / fsdp2 step time | {ms['zero3-cuda'] / ms['fsdp2']:.3f} "
         "| <= 0.90 |",
+        f"| zero3 (cuda placement) / fsdp1 step time | {ms['zero3-cuda'] / ms['fsdp1']:.3f} | |",
         f"| zero3 (cpu placement) / fsdp2 step time | {ms['zero3-cpu'] / ms['fsdp2']:.3f} | |",
         f"| zero1 / ddp step time | {ms['zero1'] / ms['ddp']:.3f} | |",
+        f"| zero3 with telemetry / without | {ms['zero3-cuda+telemetry'] / ms['zero3-cuda']:.3f} "
+        "| <= 1.02 |",
     ]
     for engine, multiple in theory.items():
         sent = results[engine][-1]["sent_bytes_per_step"]
@@ -189,9 +228,12 @@ def render(
             f"| {engine} bytes sent / ZeRO theory ({multiple} psi) | {ratio:.4f} | <= 1.02 |"
         )
     for engine, value in formula.items():
-        state = results[engine][-1]["model_state_bytes"]
+        ratio = results[engine][-1]["model_state_bytes"] / value
+        lines.append(f"| {engine} model-state bytes / ZeRO formula | {ratio:.4f} | <= 1.03 |")
+    for engine, profile in profiles.items():
+        share = profile["shardwise_python_share"]
         lines.append(
-            f"| {engine} model-state bytes / ZeRO formula | {state / value:.4f} | <= 1.03 |"
+            f"| {engine}: time in shardwise's own Python code / step | {share:.3f} | <= 0.05 |"
         )
     lines += [
         f"| HybridAdam / torch fused AdamW ({adam['numel']:,} elements, {adam['threads']} "
@@ -202,15 +244,32 @@ def render(
         f"ms/step; results identical: {adam['identical']}.",
         "",
         "Stage 1 keeps, beside the whole local gradient, the reduced fp32 slice the optimizer",
-        "reads, so its model state is the ZeRO formula plus 4 psi / N.",
+        "reads, so its model state is the ZeRO formula plus 4 psi / N. The Python share is",
+        "cProfile's own time in shardwise functions (hooks, chunk bookkeeping, the optimizer",
+        "wrapper; torch calls excluded) over the profiled steps' wall time.",
         "",
-        "## Commands",
+        "## Scaling with model size (one run each)",
         "",
-        "```",
-        *commands,
-        "```",
-        "",
+        "| size | parameters | fsdp2 ms/step | zero3 ms/step | zero3 / fsdp2 |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
+    for name, pair in scaling_size.items():
+        fsdp2, zero3 = pair["fsdp2"]["median_ms"], pair["zero3"]["median_ms"]
+        lines.append(
+            f"| {name} | {pair['zero3']['params']:,} | {fsdp2:.1f} | {zero3:.1f} "
+            f"| {zero3 / fsdp2:.3f} |"
+        )
+    lines += [
+        "",
+        "## Scaling with ranks (zero3, same global batch; 4 ranks share 2 cores)",
+        "",
+        "| ranks | ms/step | bytes sent/step/rank |",
+        "| ---: | ---: | ---: |",
+    ]
+    for ranks, result in scaling_world.items():
+        sent = result["sent_bytes_per_step"]
+        lines.append(f"| {ranks} | {result['median_ms']:.1f} | {f'{sent:,.0f}' if sent else 0} |")
+    lines += ["", "## Commands", "", "```", *commands, "```", ""]
     return "\n".join(lines)
 
 
