@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import pstats
@@ -199,6 +200,12 @@ def main() -> None:
             summary["shardwise_python_share"] = _shardwise_share(profiler, sum(times) / 1000)
         with open(args.out, "w") as handle:
             json.dump(summary, handle, indent=1)
+    # DDP's reducer can hold the last reference to the process group and destroy it from C++
+    # with the interpreter lock held while gloo threads wait for that lock: drop every engine
+    # object and synchronise first.
+    del step, counters
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

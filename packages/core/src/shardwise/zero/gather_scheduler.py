@@ -128,21 +128,28 @@ class GatherScheduler:
         def hook(module: nn.Module, args: Any) -> None:
             trace = self._backward if self._in_backward else self._forward
             trace.visit(chunk_ids)
-            if self._gemini is not None:
-                self._gemini.before_gather(chunks, backward=self._in_backward)
-            for chunk in chunks:
-                chunk.gather()
+            self._gather(chunks, self._in_backward, f"before forward of {type(module).__name__}")
             for chunk, index in places:
                 chunk.set_compute(index)
             self._prefetch(trace)
-            if self._gemini is not None:
-                self._gemini.after_gather(chunks, f"before forward of {type(module).__name__}")
 
         return hook
 
+    def _gather(self, chunks: list[Chunk], backward: bool, where: str) -> None:
+        """Gather `chunks`, consulting the memory manager only when one is actually sharded
+        (nothing grows otherwise: this runs for every module call)."""
+        sharded = [chunk for chunk in chunks if chunk.state is ChunkState.SHARDED]
+        if not sharded:
+            return
+        if self._gemini is not None:
+            self._gemini.before_gather(sharded, backward=backward)
+        for chunk in sharded:
+            chunk.gather()
+        if self._gemini is not None:
+            self._gemini.after_gather(sharded, where)
+
     def _post_forward(self, places: list[tuple[Chunk, int]]) -> Any:
         chunks = _unique_chunks(places)
-        needs_grad = any(chunk.tensors[index].param.requires_grad for chunk, index in places)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             position = self._forward.position - 1
@@ -159,7 +166,7 @@ class GatherScheduler:
                     ):
                         chunk.release()
             if torch.is_grad_enabled():
-                self._register_pre_backward(output, chunks, needs_grad)
+                self._register_pre_backward(output, chunks)
 
         return hook
 
@@ -174,7 +181,7 @@ class GatherScheduler:
 
     # ---- backward ----------------------------------------------------------------------------
 
-    def _register_pre_backward(self, output: Any, chunks: list[Chunk], needs_grad: bool) -> None:
+    def _register_pre_backward(self, output: Any, chunks: list[Chunk]) -> None:
         chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
 
         def hook(grad: torch.Tensor) -> None:
@@ -183,13 +190,8 @@ class GatherScheduler:
                 self._backward.begin()
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._backward.visit(chunk_ids)
-            if self._gemini is not None:
-                self._gemini.before_gather(chunks, backward=True)
-            for chunk in chunks:
-                chunk.gather()
+            self._gather(chunks, True, "before backward")
             self._prefetch(self._backward)
-            if self._gemini is not None:
-                self._gemini.after_gather(chunks, "before backward")
 
         leaves, _ = tree_flatten(output)
         for tensor in leaves:
