@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
+from shardwise import MixedPrecision, telemetry, zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import GPT, GPTConfig, gpt_batch
 
 
@@ -70,6 +70,9 @@ def main() -> None:
         growth_interval=50,
         max_norm=1.0,
     )
+    # Streams to a dashboard when SHARDWISE_DASHBOARD_URL is set (or to files with
+    # SHARDWISE_TELEMETRY_FILE); otherwise does nothing.
+    recorder = telemetry.enable(model, optimizer)
     if rank == 0:
         chunks = len(model.chunk_manager.chunks)
         print(f"GPT, {num_params:,} parameters in {chunks} chunks, ZeRO stage 3 on {world} ranks")
@@ -93,6 +96,8 @@ def main() -> None:
                 f"{optimizer.last_grad_norm:.3f} | {step_ms:6.1f} ms | sent {sent / 2**20:.2f} MiB"
                 f" | model state {state_bytes / 2**20:.2f} MiB/rank"
             )
+    if recorder is not None:
+        recorder.finish()
     dist.destroy_process_group()
 
 
