@@ -363,10 +363,6 @@ class Chunk:
             self.num_grads_ready += 1
         return self.num_grads_ready == self.num_trainable
 
-    @property
-    def has_grads(self) -> bool:
-        return self.grad_full is not None
-
     def prepare_reduce(self) -> torch.Tensor:
         """The gradient buffer, ready to reduce-scatter (pre-divided when asked). A chunk whose
         parameters got no gradient on this rank contributes zeros, so every rank issues the
@@ -446,25 +442,6 @@ class Chunk:
             if self.full_compute is not None:
                 self.full_compute.copy_(self.full)
 
-    def write_tensor(self, index: int, values: torch.Tensor) -> None:
-        """Overwrite tensor `index` with `values` (any shape with the same numel) in every
-        buffer this rank holds: its shard, its master slice and, if gathered, the full copy."""
-        info = self.tensors[index]
-        flat = values.reshape(-1).to(device=self.device, dtype=torch.float32)
-        owned = self.tensor_shard_range(index)
-        if owned is not None:
-            begin, end = owned
-            source = flat[
-                begin + self.shard_begin - info.offset : end + self.shard_begin - info.offset
-            ]
-            self.shard[begin:end].copy_(source)
-            if self.requires_grad and self.master is not self.shard:
-                self.master[begin:end].copy_(source)
-        if self.state is ChunkState.GATHERED:
-            self.full[info.offset : info.offset + info.numel].copy_(flat)
-            if self.full_compute is not None:
-                self.full_compute[info.offset : info.offset + info.numel].copy_(flat)
-
     def write_range(self, index: int, begin: int, values: torch.Tensor) -> None:
         """Overwrite elements [begin, begin + numel) of flattened tensor `index` with `values`,
         which must lie inside the part this rank owns (a checkpoint restores just that)."""
@@ -504,10 +481,7 @@ class Chunk:
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this chunk holds now, per buffer kind."""
-
-        def nbytes(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.untyped_storage().size()
-
+        nbytes = _storage_bytes
         payload = nbytes(self.full) + nbytes(self.full_compute)
         if not self.keep_gathered:
             payload += nbytes(self.shard)
@@ -521,10 +495,7 @@ class Chunk:
     def resident_bytes_by_pool(self) -> dict[Pool, int]:
         """Bytes this chunk holds now in each pool (optimizer state excluded: the optimizer owns
         it; it lives in `optim_pool`)."""
-
-        def nbytes(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.untyped_storage().size()
-
+        nbytes = _storage_bytes
         held = {Pool.DEVICE: nbytes(self.full) + nbytes(self.full_compute) + nbytes(self.grad_full)}
         held[Pool.HOST] = 0
         if not self.keep_gathered:
@@ -539,3 +510,8 @@ class Chunk:
             f"Chunk(id={self.chunk_id}, tensors={len(self.tensors)}, numel={self.numel}, "
             f"padded={self.padded_numel}, state={self.state.value})"
         )
+
+
+def _storage_bytes(tensor: torch.Tensor | None) -> int:
+    """Bytes a buffer holds now (zero for one released by resizing its storage)."""
+    return 0 if tensor is None else tensor.untyped_storage().size()

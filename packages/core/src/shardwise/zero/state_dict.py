@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
-from shardwise.chunk import ChunkManager
+from shardwise.chunk import Chunk, ChunkManager
 
 
 def gather_parameters(
@@ -82,7 +82,7 @@ def load_full_state_dict(
                 raise ValueError(
                     f"{key}: state_dict has shape {tuple(value.shape)}, model has {tuple(shape)}"
                 )
-            chunk.write_tensor(index, value)
+            _write_owned_part(chunk, index, value)
         else:
             if value.shape != target.shape:
                 raise ValueError(
@@ -91,4 +91,16 @@ def load_full_state_dict(
                 )
             with torch.no_grad():
                 target.copy_(value)
+    for chunk in chunk_manager.chunks:
+        chunk.refresh_gathered()
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _write_owned_part(chunk: Chunk, index: int, value: torch.Tensor) -> None:
+    """Write the elements of tensor `index` this rank owns (the rest are other ranks')."""
+    owned = chunk.tensor_shard_range(index)
+    if owned is None:
+        return
+    info = chunk.tensors[index]
+    begin = owned[0] + chunk.shard_begin - info.offset
+    chunk.write_range(index, begin, value.reshape(-1)[begin : begin + owned[1] - owned[0]])
