@@ -127,7 +127,8 @@ class ColoDDP(nn.Module):
         position = {id(p): i for i, p in enumerate(trainable)}
         ready = [position[id(p)] for p in dict.fromkeys(self._ready_order)]
         rest = [i for i in range(len(trainable)) if i not in set(ready)]
-        order = torch.tensor(ready + rest, dtype=torch.int64)
+        # On the parameters' device: NCCL only moves device tensors.
+        order = torch.tensor(ready + rest, dtype=torch.int64, device=trainable[0].device)
         comm.broadcast(order, 0, self.comm_stats, self.process_group)
         self._buckets = self._make_buckets([trainable[i] for i in order.tolist()])
         self._rebuilt = True

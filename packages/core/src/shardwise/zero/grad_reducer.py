@@ -114,7 +114,8 @@ class GradReducer:
         by_id = {chunk.chunk_id: chunk for chunk in self._order}
         seen = list(dict.fromkeys(c for c in self._completed if c in by_id))
         rest = [chunk.chunk_id for chunk in self._order if chunk.chunk_id not in set(seen)]
-        order = torch.tensor(seen + rest, dtype=torch.int64)
+        # On the chunks' device: NCCL only moves device tensors.
+        order = torch.tensor(seen + rest, dtype=torch.int64, device=self.chunk_manager.device)
         comm.broadcast(order, 0, self.chunk_manager.stats, self.chunk_manager.group)
         self._order = [by_id[chunk_id] for chunk_id in order.tolist()]
         self._order_settled = True
