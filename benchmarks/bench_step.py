@@ -36,6 +36,10 @@ def parse_args() -> argparse.Namespace:
         "--engine", required=True, choices=["ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3"]
     )
     parser.add_argument("--telemetry", action="store_true", help="stream telemetry to a file")
+    parser.add_argument(
+        "--reduction", default="auto", choices=["auto", "reduce_scatter", "all_reduce"],
+        help="shardwise's gradient_reduction",
+    )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="share of time in shardwise code")
     parser.add_argument("--placement", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", required=True)
@@ -104,7 +108,10 @@ def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict
         return fsdp_step, dict
     stage = int(args.engine[-1])
     chunk_numel = int(args.chunk_mib * 2**20 / 4)
-    config: dict[str, object] = {"device": torch.device("cpu")}
+    config: dict[str, object] = {
+        "device": torch.device("cpu"),
+        "gradient_reduction": args.reduction,
+    }
     if stage == 3:
         config.update(chunk_size_numel=chunk_numel, placement_policy=args.placement)
     wrapped = zero_model_wrapper(model, stage, config)
@@ -185,7 +192,8 @@ def main() -> None:
         summary = {
             "engine": args.engine
             + ("-" + args.placement if args.engine == "zero3" else "")
-            + ("+telemetry" if args.telemetry else ""),
+            + ("+telemetry" if args.telemetry else "")
+            + ("-rs" if args.reduction == "reduce_scatter" else ""),
             "world": world,
             "params": num_params,
             "median_ms": statistics.median(times),

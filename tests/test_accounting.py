@@ -5,7 +5,10 @@ a gradient and an Adam moment each take 4 bytes. Per step and rank, a bandwidth-
 all-gather or reduce-scatter of Psi elements sends Psi * 4 * (N-1)/N bytes: stages 1 and 2 send
 two of them (2 Psi), stage 3 three (3 Psi: gather for forward, again for backward, reduce-scatter
 of gradients). The engine adds only chunk padding (under N elements a chunk) and one all-reduce
-of the gradient norm.
+of the gradient norm. On gloo the engine reduces gradients with an all-reduce by default (twice
+the bytes of a reduce-scatter, a third of the time there: see the note in chunk.py); the ZeRO
+figures are checked with `gradient_reduction="reduce_scatter"`, and the all-reduce mode against
+its own count (one psi more per step).
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ from shardwise import CommOp, zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import GPT, run_ranks
 
 
-def _measure(stage: int) -> dict[str, float]:
+def _measure(stage: int, reduction: str = "reduce_scatter") -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(CONFIG)  # every parameter used every step
     psi = sum(p.numel() for p in model.parameters())
-    config: dict[str, object] = {"device": torch.device("cpu")}
+    config: dict[str, object] = {"device": torch.device("cpu"), "gradient_reduction": reduction}
     if stage == 3:
         config["chunk_size_numel"] = CHUNK_NUMEL
     wrapped = zero_model_wrapper(model, stage, config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shardwise.chunk import ChunkDtypes
@@ -18,6 +19,19 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+GRADIENT_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce")
+
+
+def reduces_via_all_reduce(mode: str, group: ProcessGroup | None) -> bool:
+    """Resolve `gradient_reduction`: "auto" all-reduces on gloo, whose reduce-scatter is slow
+    (see [Note: reducing with all-reduce] in chunk.py), and reduce-scatters elsewhere."""
+    if mode not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, got {mode!r}")
+    if mode != "auto":
+        return mode == "all_reduce"
+    return dist.is_initialized() and dist.get_backend(group) == "gloo"
 
 
 def _check_dtype(name: str, value: object) -> None:
@@ -86,6 +100,8 @@ class ZeroConfig:
         force_outputs_fp32: cast floating-point outputs of the model to fp32.
         reduce_scatter_bucket_bytes: reduce the gradients of consecutive chunks in one
             reduce-scatter until they reach this many bytes (0: one per chunk; stages 2-3).
+        gradient_reduction: "reduce_scatter", "all_reduce" (keep this rank's slice), or "auto":
+            all-reduce on gloo, reduce-scatter otherwise.
     """
 
     stage: int
@@ -97,6 +113,7 @@ class ZeroConfig:
     prefetch: bool = True
     force_outputs_fp32: bool = False
     reduce_scatter_bucket_bytes: int = 0
+    gradient_reduction: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int):
@@ -113,6 +130,11 @@ class ZeroConfig:
             )
         if self.chunk_size_numel < 1:
             raise ValueError(f"chunk size must be at least 1 element, got {self.chunk_size_numel}")
+        if self.gradient_reduction not in GRADIENT_REDUCTIONS:
+            raise ValueError(
+                f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, "
+                f"got {self.gradient_reduction!r}"
+            )
         if not isinstance(self.mixed_precision, MixedPrecision):
             raise TypeError(
                 f"mixed_precision must be a MixedPrecision, got {self.mixed_precision!r}"

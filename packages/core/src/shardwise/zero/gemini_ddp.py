@@ -16,6 +16,7 @@ from shardwise.zero.config import (
     MixedPrecision,
     ZeroConfig,
     default_device,
+    reduces_via_all_reduce,
 )
 from shardwise.zero.model import ZeroModel
 
@@ -43,6 +44,7 @@ _GEMINI_CONFIG_KEYS = (
     "chunk_search_n_grids",
     "min_chunk_size",
     "gpu_margin_mem_ratio",
+    "gradient_reduction",
 )
 
 
@@ -107,6 +109,9 @@ class GeminiDDP(ZeroModel):
             ),
             chunk_size_numel=chunk_manager.chunk_size_numel,
             process_group=chunk_manager.group,
+            gradient_reduction=(
+                "all_reduce" if chunk_manager.reduce_via_all_reduce else "reduce_scatter"
+            ),
             prefetch=prefetch,
             force_outputs_fp32=force_outputs_fp32,
         )
@@ -127,7 +132,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
     (elements per chunk; None or absent: searched with chunk_search_range and min_chunk_size,
     in bytes, and chunk_search_n_grids); hidden_dim (chunk sizes rounded up to a multiple);
     mixed_precision (a `MixedPrecision`, or a torch dtype for parameters); process_group;
-    prefetch.
+    prefetch; gradient_reduction ("auto", "reduce_scatter" or "all_reduce", see ZeroConfig).
     """
     config = dict(gemini_config)
     unknown = sorted(set(config) - set(_GEMINI_CONFIG_KEYS))
@@ -158,6 +163,9 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         device=device,
         dtypes=mixed_precision.chunk_dtypes(),
         group=config.get("process_group"),
+        reduce_via_all_reduce=reduces_via_all_reduce(
+            config.get("gradient_reduction", "auto"), config.get("process_group")
+        ),
     )
     manager = GeminiManager(
         config.get("placement_policy", "cuda"),

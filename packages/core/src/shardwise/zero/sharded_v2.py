@@ -17,7 +17,12 @@ from torch.distributed import ProcessGroup
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager, MemoryTracer
-from shardwise.zero.config import MixedPrecision, ZeroConfig, default_device
+from shardwise.zero.config import (
+    MixedPrecision,
+    ZeroConfig,
+    default_device,
+    reduces_via_all_reduce,
+)
 from shardwise.zero.init_context import sliced, unslice
 from shardwise.zero.model import ZeroModel
 from shardwise.zero.optimizer import ZeroOptimizer, grad_scaler_for
@@ -104,6 +109,7 @@ class ShardedModelV2(ZeroModel):
             group=process_group,
             stats=CommStats(),
             predivide_factor=gradient_predivide_factor,
+            reduce_via_all_reduce=reduces_via_all_reduce("auto", process_group),
         )
         super().__init__(module, config, chunk_manager, GeminiManager(placement, chunk_manager))
         self.memory_trace: list[int] = []

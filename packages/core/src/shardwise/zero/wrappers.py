@@ -45,7 +45,13 @@ def zero_model_wrapper(
         raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
     if zero_stage == 3:
         return gemini_ddp_from_config(model, config)
-    allowed = ("device", "mixed_precision", "process_group", "force_outputs_fp32")
+    allowed = (
+        "device",
+        "mixed_precision",
+        "process_group",
+        "force_outputs_fp32",
+        "gradient_reduction",
+    )
     unknown = sorted(set(config) - set(allowed))
     if unknown:
         raise ValueError(
@@ -60,6 +66,7 @@ def zero_model_wrapper(
             mixed_precision=config.get("mixed_precision", MixedPrecision()),
             process_group=config.get("process_group"),
             force_outputs_fp32=config.get("force_outputs_fp32", False),
+            gradient_reduction=config.get("gradient_reduction", "auto"),
         ),
     )
 
