@@ -17,10 +17,10 @@
 
 [Note: reducing with all-reduce]
 A reduce-scatter sends (N-1)/N of the gradient per rank, half of what an all-reduce sends,
-and is what the ZeRO analysis counts. gloo, however, implements reduce-scatter several times
-slower than all-reduce (measured here: 59 ms against 18 ms for 21 MB on 2 ranks, see
+and is what the ZeRO analysis counts. gloo, however, runs its reduce-scatter slower than its
+all-reduce (measured here for 21 MB on 2 ranks: 28 to 59 ms against 17 to 18 ms, see
 benchmarks/RESULTS.md), so on gloo the engine all-reduces the gradient buffer and keeps its
-own slice: twice the bytes, a third of the time. `gradient_reduction="reduce_scatter"` forces
+own slice: twice the bytes, less time. `gradient_reduction="reduce_scatter"` forces
 the bandwidth-optimal collective (the default on NCCL).
 
 [Note: pools]
