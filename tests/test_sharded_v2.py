@@ -184,9 +184,50 @@ def test_building_in_the_context_stays_under_a_memory_cap() -> None:
         assert result["growth"] > cap, (result, cap)
 
 
+def _reuse(reuse: bool, accumulate: bool) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with ZeroInitContext(
+        torch.device("cpu"), BucketTensorShardStrategy(), seed=0, default_dtype=torch.float16
+    ):
+        module = BranchyGPT()
+    model = ShardedModelV2(module, BucketTensorShardStrategy(), reuse_fp16_shard=reuse)
+    optimizer = ShardedOptimizerV2(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), initial_scale=2**8
+    )
+    losses, grad_bytes = [], []
+    for step in range(3):
+        optimizer.zero_grad()
+        for _ in range(2 if accumulate else 1):
+            loss = model(*batch_slice(step, 0, rank, world))
+            optimizer.backward(loss)
+        grad_bytes.append(model.memory_report()["grads"])
+        optimizer.step()
+        losses.append(float(loss.detach().float()))
+    return {"losses": losses, "grad_bytes": grad_bytes, "state": model.state_dict()}
+
+
+def _accumulate_with_reuse() -> str:
+    with pytest.raises(ValueError, match="reuse_fp16_shard") as info:
+        _reuse(True, accumulate=True)
+    return str(info.value)
+
+
+def test_reuse_fp16_shard_keeps_gradients_in_the_parameter_shard() -> None:
+    reused = run_ranks(_reuse, 2, True, False)[0]
+    plain = run_ranks(_reuse, 2, False, False)[0]
+    assert reused["losses"] == plain["losses"]
+    assert max_abs_diff(reused["state"], plain["state"]) == 0.0
+    # No fp32 gradient shard between backward and step: only what the payload already holds.
+    assert all(b == 0 for b in reused["grad_bytes"])
+    assert all(b > 0 for b in plain["grad_bytes"])
+    # ... and so no gradient accumulation, refused on every rank alike.
+    messages = run_ranks(_accumulate_with_reuse, 2)
+    assert all("call step() after every backward" in m for m in messages)
+
+
 def test_arguments_that_cannot_be_honoured_are_refused() -> None:
     module = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="reuse_fp16_shard"):
+    with pytest.raises(ValueError, match="reuse_fp16_shard=True needs 16-bit parameters"):
         ShardedModelV2(module, TensorShardStrategy(), reuse_fp16_shard=True)
     with pytest.raises(ValueError, match="offload_config"):
         ShardedModelV2(module, TensorShardStrategy(), offload_config={"device": "nvme"})

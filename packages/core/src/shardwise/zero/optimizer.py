@@ -144,7 +144,7 @@ class ZeroOptimizer:
         loss scale then backs off as its hysteresis says); True otherwise.
         """
         self.model.reducer.reduce_all()
-        grads = [chunk.grad_shard for chunk in self._chunks]
+        grads = [chunk.grads_for_step() for chunk in self._chunks]
         scale = self.grad_scaler.scale
         norm = global_grad_norm(
             grads, self.norm_type, self.model.comm_stats, self.model.config.process_group
@@ -157,6 +157,8 @@ class ZeroOptimizer:
         self.last_step_skipped = overflow
         if overflow:
             self.zero_grad()
+            for chunk in self._chunks:
+                chunk.end_step()
             self._after_step()
             return False
         coef = 1.0 / scale
@@ -174,6 +176,7 @@ class ZeroOptimizer:
             self.optim.step()
         for chunk in self._chunks:
             chunk.publish_master()
+            chunk.end_step()
         self._after_step()
         return True
 

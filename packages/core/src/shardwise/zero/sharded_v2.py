@@ -49,7 +49,9 @@ class ShardedModelV2(ZeroModel):
             world size / this after.
         use_memory_tracer: sample the non-model memory (saved activations) of every step into
             `memory_trace`.
-        reuse_fp16_shard: refused: gradients always get their own fp32 shard here.
+        reuse_fp16_shard: keep reduced gradients in the 16-bit parameter shard between backward
+            and step instead of an fp32 gradient shard (needs 16-bit parameters; gradient
+            accumulation is then refused with an error, as the parameters are overwritten).
     """
 
     def __init__(
@@ -77,11 +79,6 @@ class ShardedModelV2(ZeroModel):
             raise ValueError(
                 "reduce_scatter_process_group must be None (or process_group itself): gradients "
                 "are reduce-scattered over the group the parameters are sharded over"
-            )
-        if reuse_fp16_shard:
-            raise ValueError(
-                "reuse_fp16_shard=True is not supported: gradients are reduced into their own "
-                "fp32 shard (which also makes gradient accumulation safe); leave it False"
             )
         if not reduce_scatter_bucket_size_mb >= 0:
             raise ValueError(
@@ -112,6 +109,10 @@ class ShardedModelV2(ZeroModel):
             reduce_via_all_reduce=reduces_via_all_reduce("auto", process_group),
         )
         super().__init__(module, config, chunk_manager, GeminiManager(placement, chunk_manager))
+        self.reuse_fp16_shard = reuse_fp16_shard
+        if reuse_fp16_shard:
+            for chunk in self.chunk_manager.trainable_chunks():
+                chunk.reuse_payload_for_grads()
         self.memory_trace: list[int] = []
         self._tracer = (
             MemoryTracer(device, lambda: self.gemini_manager.memory_by_pool()["device"])  # type: ignore[union-attr]
