@@ -54,40 +54,36 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def torch_step(module: torch.nn.Module) -> Step:
+    """A plain torch training step over `module` (DDP or FSDP wrapped), fused AdamW."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, fused=True)
+
+    def step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        _, loss = module(idx, targets)
+        loss.backward()
+        optimizer.step()
+        loss_value: torch.Tensor = loss
+        return loss_value
+
+    return step
+
+
 def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict[str, int]]]:
     """The engine's step function, and a function returning its counters after a step."""
     world = dist.get_world_size()
     if args.engine == "ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
-
-        def ddp_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            optimizer.zero_grad()
-            _, loss = ddp(idx, targets)
-            loss.backward()
-            optimizer.step()
-            return loss
-
-        return ddp_step, dict
+        return torch_step(torch.nn.parallel.DistributedDataParallel(model)), dict
     if args.engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         from shardwise.testing.gpt import Block
 
-        fsdp = FullyShardedDataParallel(
+        wrapped = FullyShardedDataParallel(
             model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
         )
-        fsdp_optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3, fused=True)
-
-        def fsdp1_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            fsdp_optimizer.zero_grad()
-            _, loss = fsdp(idx, targets)
-            loss.backward()
-            fsdp_optimizer.step()
-            return loss
-
-        return fsdp1_step, dict
+        return torch_step(wrapped), dict
     if args.engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -96,16 +92,7 @@ def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-
-        def fsdp_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            optimizer.zero_grad()
-            _, loss = model(idx, targets)
-            loss.backward()
-            optimizer.step()
-            return loss
-
-        return fsdp_step, dict
+        return torch_step(model), dict
     stage = int(args.engine[-1])
     chunk_numel = int(args.chunk_mib * 2**20 / 4)
     config: dict[str, object] = {
