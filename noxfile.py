@@ -12,7 +12,12 @@ import nox
 nox.options.default_venv_backend = "none"
 nox.options.sessions = ["lint", "typecheck", "tests"]
 
-PACKAGES = ["packages/core/src"]
+PACKAGES = [
+    "packages/core/src",
+    "packages/lightning/src",
+    "packages/hf/src",
+    "packages/dashboard/src",
+]
 
 
 @nox.session
