@@ -2,12 +2,14 @@
 
 Training only ever puts events on the queue without waiting. When the queue is full (the sink
 is slow, down, or the dashboard was never started) the event is dropped and counted; the count
-is reported once, as a "dropped" event, when the emitter closes.
+is reported once when the emitter closes: as a "dropped" event to the sink (if it is still
+there) and as a warning in this rank's log (which holds even when the sink is gone).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 from typing import Any
@@ -16,6 +18,7 @@ from shardwise.telemetry import events
 from shardwise.telemetry.sinks import Sink
 
 _STOP = object()
+_log = logging.getLogger("shardwise.telemetry")
 
 
 class TelemetryEmitter:
@@ -63,7 +66,16 @@ class TelemetryEmitter:
             self._queue.put(_STOP, timeout=timeout_s)
         self._thread.join(timeout_s)
         if self.dropped:
-            # If the sink is gone there is nobody left to tell.
+            _log.warning(
+                "telemetry of run %s, rank %d: %d events could not be delivered to %s "
+                "(%d were); training was not slowed",
+                self.run_id,
+                self.rank,
+                self.dropped,
+                self.sink,
+                self.delivered,
+            )
+            # If the sink is gone there is nobody left to tell but the log.
             with contextlib.suppress(Exception):
                 self.sink.write([events.dropped(self.run_id, self.rank, self.dropped)])
         self.sink.close()

@@ -31,6 +31,9 @@ class JsonlSink:
     def close(self) -> None:
         self._file.close()
 
+    def __repr__(self) -> str:
+        return f"JsonlSink({str(self.path)!r})"
+
 
 class HttpSink:
     """POSTs batches to a dashboard's ingestion endpoint.
@@ -59,3 +62,6 @@ class HttpSink:
 
     def close(self) -> None:
         pass
+
+    def __repr__(self) -> str:
+        return f"HttpSink({self.endpoint!r})"

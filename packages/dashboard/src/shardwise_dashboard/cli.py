@@ -1,0 +1,101 @@
+"""`shardwise-dashboard serve`: run the dashboard under uvicorn.
+
+    shardwise-dashboard serve [--host 127.0.0.1] [--port 8265] [--db PATH] [--token T]
+
+Listening on anything but a loopback address is refused without a token: ingestion would
+otherwise accept events from anyone who can reach the port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from pathlib import Path
+
+DEFAULT_PORT = 8265
+
+
+def default_db_path() -> Path:
+    """$XDG_DATA_HOME/shardwise/dashboard.sqlite (~/.local/share/... when unset)."""
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "shardwise" / "dashboard.sqlite"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names only this machine (a hostname other than localhost does not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardwise-dashboard", description="Live dashboard of shardwise training runs."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the dashboard and its ingestion endpoint")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="default %(default)s")
+    serve.add_argument(
+        "--db", type=Path, default=None, help=f"SQLite file of run history ({default_db_path()})"
+    )
+    serve.add_argument(
+        "--token",
+        default=os.environ.get("SHARDWISE_DASHBOARD_TOKEN"),
+        help="bearer token ingestion must present (default: $SHARDWISE_DASHBOARD_TOKEN); "
+        "required to bind a non-loopback address",
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=None, help="largest request accepted (8 MiB)"
+    )
+    serve.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line and serve until interrupted."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.port <= 65535:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    if not args.token and not is_loopback(args.host):
+        parser.error(
+            f"refusing to listen on {args.host} without a token: anyone who reaches it could "
+            "write runs. Pass --token T (ranks send it from SHARDWISE_DASHBOARD_TOKEN) or bind "
+            "a loopback address such as 127.0.0.1"
+        )
+    # Imported here so that --help and argument errors answer at once.
+    import uvicorn
+
+    from shardwise_dashboard.app import create_app
+    from shardwise_dashboard.settings import DEFAULT_MAX_BODY_BYTES, Settings
+
+    try:
+        settings = Settings(
+            db_path=args.db or default_db_path(),
+            token=args.token or None,
+            max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+        )
+        app = create_app(settings)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(
+        f"shardwise dashboard on http://{shown}:{args.port} (history in {settings.db_path})",
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,  # ranks post several times a second each
+        timeout_graceful_shutdown=2,  # live streams never end on their own
+    )
+    uvicorn.Server(config).run()

@@ -1,0 +1,1 @@
+"""One router per resource: ingestion, runs, the live stream, the page."""

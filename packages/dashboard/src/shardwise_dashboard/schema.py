@@ -1,0 +1,128 @@
+"""The telemetry event schema, version 1, as the dashboard validates it.
+
+shardwise's ranks send `{"events": [...]}` batches; each event is a JSON object described in
+`shardwise.telemetry.events` (which this module mirrors without importing torch or shardwise). Every
+field is checked strictly: types are not coerced ("1" is not an int), unknown fields are refused,
+strings and lists are bounded, and an event of another schema version is refused with a message
+naming the version seen. tests/dashboard check that SCHEMA_VERSION equals core's.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SCHEMA_VERSION = 1
+"""The one place the dashboard states which event schema it speaks."""
+
+MAX_EVENTS_PER_BATCH = 10_000
+MAX_CHUNKS_PER_SNAPSHOT = 1_000_000
+_MAX_RANK = 1_000_000
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+Rank = Annotated[int, Field(ge=0, lt=_MAX_RANK)]
+Pool = Literal["device", "host"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class _Base(_Strict):
+    schema_version: int = Field(alias="schema", description=f"Must be {SCHEMA_VERSION}.")
+    run_id: Name
+    rank: Rank
+    time: float = Field(ge=0, description="Unix seconds on the sending rank.")
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if value != SCHEMA_VERSION:
+            raise ValueError(
+                f"event schema version {value} is not supported: this dashboard reads version "
+                f"{SCHEMA_VERSION}; use a shardwise-dashboard release matching your shardwise"
+            )
+        return value
+
+
+class RunStarted(_Base):
+    """A rank joined a run."""
+
+    type: Literal["run_started"]
+    world_size: int = Field(ge=1, le=_MAX_RANK)
+    config: dict[str, Any] = Field(description="The engine configuration (any JSON object).")
+    num_params: NonNegativeInt
+    host: str = Field(max_length=255)
+
+
+class MovedBytes(_Strict):
+    to_device: NonNegativeInt
+    to_host: NonNegativeInt
+
+
+class MemoryByPool(_Strict):
+    device: NonNegativeInt
+    host: NonNegativeInt
+
+
+class Step(_Base):
+    """One optimizer step on one rank."""
+
+    type: Literal["step"]
+    step: NonNegativeInt
+    loss: float | None = Field(description="null when not finite or unknown")
+    loss_scale: float = Field(ge=0)
+    overflow: bool = Field(description="the step was skipped because gradients overflowed")
+    grad_norm: float | None
+    step_time_s: float = Field(ge=0)
+    comm_bytes: dict[Name, NonNegativeInt] = Field(
+        max_length=64, description="bytes sent this step per collective kind"
+    )
+    moved_bytes: MovedBytes
+    memory: MemoryByPool
+
+
+class ChunkRow(_Strict):
+    """Where one chunk's buffers live on one rank."""
+
+    id: NonNegativeInt
+    numel: NonNegativeInt
+    state: Literal["sharded", "gathered"]
+    sharded: bool
+    payload: Pool = Field(description="pool of the 16-bit payload")
+    optim: Pool | None = Field(description="pool of fp32 master and optimizer state (null: frozen)")
+    tensor_states: dict[Name, NonNegativeInt] = Field(max_length=16)
+
+
+class Chunks(_Base):
+    """A snapshot of every chunk on one rank."""
+
+    type: Literal["chunks"]
+    step: NonNegativeInt
+    chunks: list[ChunkRow] = Field(max_length=MAX_CHUNKS_PER_SNAPSHOT)
+
+
+class RunFinished(_Base):
+    """A rank left a run, cleanly or not."""
+
+    type: Literal["run_finished"]
+    status: Literal["finished", "failed"]
+    error: str | None = Field(max_length=2000)
+
+
+class Dropped(_Base):
+    """Events a rank's emitter could not deliver."""
+
+    type: Literal["dropped"]
+    count: NonNegativeInt
+
+
+Event = Annotated[RunStarted | Step | Chunks | RunFinished | Dropped, Field(discriminator="type")]
+
+
+class EventBatch(_Strict):
+    """The body of POST /api/v1/events."""
+
+    events: list[Event] = Field(min_length=1, max_length=MAX_EVENTS_PER_BATCH)

@@ -1,0 +1,399 @@
+// The dashboard page: a runs list, and for the selected run one card per rank (chunk map
+// and charts). History comes from /api/v1/runs/{id}; live events from the /api/v1/stream
+// Server-Sent Events. Events only update state and mark it dirty; drawing happens at most
+// once per animation frame, so 8 ranks at 10 steps/s cost a few redraws per second each.
+
+import { LineChart, formatBytes, formatNumber } from "./charts.js";
+import { renderChunkMap } from "./chunkmap.js";
+
+const API = "/api/v1";
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  runs: [], // summaries, newest first
+  selected: null, // run id shown
+  follow: true, // no explicit choice: show the newest run as it appears
+  view: null, // RunView of the selected run
+  listDirty: true,
+};
+
+// ---- drawing is scheduled, never done per event ------------------------------------------
+
+let frameRequested = false;
+function scheduleRender() {
+  if (frameRequested) return;
+  frameRequested = true;
+  requestAnimationFrame(() => {
+    frameRequested = false;
+    if (state.listDirty) renderRunList();
+    if (state.view) state.view.render();
+  });
+}
+
+// ---- one rank --------------------------------------------------------------------------
+
+const CHARTS = [
+  { key: "loss", title: "loss", series: [["loss", "#2f6fd6"]], format: formatNumber, marks: true },
+  { key: "loss-scale", title: "loss scale (log2)", series: [["scale", "#7a3fd6"]], format: formatNumber, log2: true, marks: true },
+  { key: "memory", title: "memory: device / host", series: [["device", "#2f6fd6"], ["host", "#e08a1e"]], format: formatBytes },
+  { key: "comm", title: "bytes sent / to device / to host", series: [["sent", "#2e9d4f"], ["to_device", "#2f6fd6"], ["to_host", "#e08a1e"]], format: formatBytes },
+  { key: "step-time", title: "step time", series: [["ms", "#444448"]], format: (v) => `${formatNumber(v)} ms` },
+  { key: "grad-norm", title: "grad norm", series: [["norm", "#8a520d"]], format: formatNumber },
+];
+
+class RankView {
+  constructor(rank) {
+    this.rank = rank;
+    this.steps = []; // sorted step numbers; every series below is aligned with it
+    this.seen = new Set();
+    this.series = { loss: [], scale: [], device: [], host: [], sent: [], to_device: [], to_host: [], ms: [], norm: [] };
+    this.overflows = [];
+    this.chunks = null;
+    this.status = "running";
+    this.host = "";
+    this.error = null;
+    this.dropped = 0;
+    this.droppedSeen = new Set();
+    this.dirty = true;
+    this.build();
+  }
+
+  build() {
+    const card = document.createElement("article");
+    card.className = "rank";
+    card.dataset.rank = String(this.rank);
+    const title = document.createElement("h3");
+    this.meta = document.createElement("span");
+    this.meta.className = "rank-meta";
+    title.append(`rank ${this.rank} `, this.meta);
+    this.map = document.createElement("div");
+    this.map.className = "chunk-map";
+    this.map.dataset.rank = String(this.rank);
+    this.map.dataset.chunkCount = "0";
+    this.errorLine = document.createElement("p");
+    this.errorLine.className = "error";
+    this.errorLine.hidden = true;
+    const charts = document.createElement("div");
+    charts.className = "charts";
+    this.charts = CHARTS.map((spec) => {
+      const figure = document.createElement("figure");
+      figure.className = "chart";
+      const caption = document.createElement("figcaption");
+      const name = document.createElement("span");
+      name.textContent = spec.title;
+      const latest = document.createElement("span");
+      latest.className = "latest";
+      caption.append(name, latest);
+      const canvas = document.createElement("canvas");
+      canvas.dataset.chart = spec.key;
+      canvas.dataset.rank = String(this.rank);
+      canvas.dataset.points = "0";
+      figure.append(caption, canvas);
+      charts.append(figure);
+      const chart = new LineChart(canvas, {
+        series: spec.series.map(([name, colour]) => ({ name, colour })),
+        log2: spec.log2,
+        format: spec.format,
+      });
+      return { spec, chart, latest };
+    });
+    card.append(title, this.map, this.errorLine, charts);
+    this.element = card;
+  }
+
+  addStep(e) {
+    if (this.seen.has(e.step)) return;
+    this.seen.add(e.step);
+    const sent = Object.values(e.comm_bytes).reduce((a, b) => a + b, 0);
+    const values = {
+      loss: e.loss, scale: e.loss_scale, device: e.memory.device, host: e.memory.host,
+      sent, to_device: e.moved_bytes.to_device, to_host: e.moved_bytes.to_host,
+      ms: e.step_time_s * 1000, norm: e.grad_norm,
+    };
+    // Steps nearly always arrive in order; an old one is inserted where it belongs.
+    let at = this.steps.length;
+    if (at > 0 && this.steps[at - 1] > e.step) {
+      let lo = 0;
+      while (lo < at) {
+        const mid = (lo + at) >> 1;
+        if (this.steps[mid] < e.step) lo = mid + 1;
+        else at = mid;
+      }
+    }
+    this.steps.splice(at, 0, e.step);
+    for (const [key, value] of Object.entries(values)) this.series[key].splice(at, 0, value);
+    if (e.overflow) this.overflows.push(e.step);
+    this.dirty = true;
+  }
+
+  setChunks(e) {
+    if (this.chunks && this.chunks.step > e.step) return;
+    this.chunks = e;
+    this.dirty = true;
+  }
+
+  apply(e) {
+    if (e.type === "step") this.addStep(e);
+    else if (e.type === "chunks") this.setChunks(e);
+    else if (e.type === "run_started") this.host = e.host;
+    else if (e.type === "run_finished") {
+      this.status = e.status;
+      this.error = e.error;
+    } else if (e.type === "dropped") {
+      const key = `${e.time}:${e.count}`;
+      if (!this.droppedSeen.has(key)) {
+        this.droppedSeen.add(key);
+        this.dropped += e.count;
+      }
+    }
+    this.dirty = true;
+  }
+
+  merge(r) {
+    for (const e of r.steps) this.addStep(e);
+    if (r.chunks) this.setChunks(r.chunks);
+    if (r.status !== "running") this.status = r.status;
+    this.error = r.error ?? this.error;
+    this.host = r.host ?? this.host;
+    this.dropped = Math.max(this.dropped, r.dropped);
+    this.dirty = true;
+  }
+
+  render() {
+    if (!this.dirty) return;
+    this.dirty = false;
+    const last = this.steps.length ? this.steps[this.steps.length - 1] : null;
+    const parts = [this.host, this.status, last === null ? "no step yet" : `step ${last}`];
+    if (this.dropped) parts.push(`${this.dropped} events dropped`);
+    this.meta.textContent = parts.filter(Boolean).join(" · ");
+    this.element.dataset.status = this.status;
+    this.element.dataset.steps = String(this.steps.length);
+    this.errorLine.hidden = !this.error;
+    this.errorLine.textContent = this.error ?? "";
+    renderChunkMap(this.map, this.chunks);
+    const s = this.series;
+    const data = {
+      loss: [s.loss], "loss-scale": [s.scale], memory: [s.device, s.host],
+      comm: [s.sent, s.to_device, s.to_host], "step-time": [s.ms], "grad-norm": [s.norm],
+    };
+    for (const { spec, chart, latest } of this.charts) {
+      const ys = data[spec.key];
+      chart.setData(this.steps, ys, spec.marks ? this.overflows : []);
+      chart.draw();
+      const value = ys[0].length ? ys[0][ys[0].length - 1] : null;
+      latest.textContent = value === null ? "" : spec.format(value);
+    }
+  }
+}
+
+// ---- one run ---------------------------------------------------------------------------
+
+class RunView {
+  constructor(runId) {
+    this.runId = runId;
+    this.summary = null;
+    this.config = null;
+    this.ranks = new Map();
+    this.headerDirty = true;
+    const section = $("run");
+    section.dataset.runId = runId;
+    section.dataset.loaded = "false";
+    $("ranks").replaceChildren();
+    $("no-run-selected").hidden = true;
+    $("run-header").hidden = false;
+    $("legend").hidden = false;
+  }
+
+  rankView(rank) {
+    let view = this.ranks.get(rank);
+    if (!view) {
+      view = new RankView(rank);
+      this.ranks.set(rank, view);
+      const container = $("ranks");
+      const after = [...container.children].find((el) => Number(el.dataset.rank) > rank);
+      container.insertBefore(view.element, after ?? null);
+    }
+    return view;
+  }
+
+  apply(e) {
+    this.rankView(e.rank).apply(e);
+    if (e.type === "run_started" && this.summary) this.summary.world_size = e.world_size;
+    if (e.type === "run_started" && !this.config) this.config = e.config;
+    this.headerDirty = true;
+  }
+
+  merge(detail) {
+    this.summary = detail;
+    this.config = detail.config;
+    for (const r of detail.ranks) this.rankView(r.rank).merge(r);
+    this.headerDirty = true;
+    $("run").dataset.loaded = "true";
+  }
+
+  render() {
+    if (this.headerDirty) {
+      this.headerDirty = false;
+      renderHeader(this);
+    }
+    for (const view of this.ranks.values()) view.render();
+  }
+}
+
+function renderHeader(view) {
+  const listed = state.runs.find((r) => r.run_id === view.runId);
+  const s = listed ?? view.summary;
+  $("run-title").textContent = view.runId;
+  const facts = [];
+  if (s) {
+    facts.push(["status", s.status], ["world size", s.world_size ?? "?"]);
+    facts.push(["ranks finished", `${s.ranks_finished} / ${s.world_size ?? s.ranks_seen}`]);
+    if (s.num_params !== null) facts.push(["parameters", s.num_params.toLocaleString()]);
+    facts.push(["started", new Date(s.started * 1000).toLocaleString()]);
+  }
+  for (const [key, value] of Object.entries(view.config ?? {})) {
+    facts.push([key, typeof value === "object" ? JSON.stringify(value) : String(value)]);
+  }
+  const dropped = [...view.ranks.values()].reduce((n, r) => n + r.dropped, 0);
+  if (dropped) facts.push(["events dropped", String(dropped)]);
+  $("run-facts").replaceChildren(
+    ...facts.map(([key, value]) => {
+      const row = document.createElement("div");
+      const dt = document.createElement("dt");
+      const dd = document.createElement("dd");
+      dt.textContent = key;
+      dd.textContent = String(value);
+      row.append(dt, dd);
+      return row;
+    }),
+  );
+  $("run").dataset.status = s ? s.status : "";
+}
+
+// ---- the runs list ---------------------------------------------------------------------
+
+function renderRunList() {
+  state.listDirty = false;
+  $("no-runs").hidden = state.runs.length > 0;
+  $("run-list").replaceChildren(
+    ...state.runs.map((run) => {
+      const li = document.createElement("li");
+      li.dataset.runId = run.run_id;
+      li.dataset.status = run.status;
+      if (run.run_id === state.selected) li.className = "selected";
+      const id = document.createElement("div");
+      id.className = "run-id";
+      id.textContent = run.run_id;
+      const meta = document.createElement("div");
+      meta.className = "run-meta";
+      const badge = document.createElement("span");
+      badge.className = `status status-${run.status}`;
+      badge.textContent = run.status;
+      const started = new Date(run.started * 1000).toLocaleTimeString();
+      meta.append(badge, ` ${run.world_size ?? "?"} ranks · step ${Math.max(run.last_step, 0)} · ${started}`);
+      li.append(id, meta);
+      li.addEventListener("click", () => {
+        location.hash = `run=${encodeURIComponent(run.run_id)}`;
+      });
+      return li;
+    }),
+  );
+  if (state.view) state.view.headerDirty = true;
+}
+
+let listTimer = null;
+function refreshRunsSoon() {
+  if (listTimer !== null) return;
+  listTimer = setTimeout(() => {
+    listTimer = null;
+    loadRuns();
+  }, 300);
+}
+
+async function loadRuns() {
+  const response = await fetch(`${API}/runs`);
+  if (!response.ok) return;
+  state.runs = await response.json();
+  state.listDirty = true;
+  if (state.follow && state.runs.length && state.runs[0].run_id !== state.selected) {
+    select(state.runs[0].run_id);
+  }
+  scheduleRender();
+}
+
+// ---- selection and history ---------------------------------------------------------------
+
+function select(runId) {
+  state.selected = runId;
+  state.view = new RunView(runId);
+  state.listDirty = true;
+  loadRun(state.view);
+  scheduleRender();
+}
+
+async function loadRun(view) {
+  const response = await fetch(`${API}/runs/${encodeURIComponent(view.runId)}`);
+  if (view !== state.view) return; // another run was selected meanwhile
+  if (response.status === 404) {
+    $("run").dataset.loaded = "true"; // nothing stored yet; live events will fill it
+    return;
+  }
+  if (!response.ok) return;
+  view.merge(await response.json());
+  scheduleRender();
+}
+
+function fromHash() {
+  const match = /^#run=(.+)$/.exec(location.hash);
+  if (match) {
+    state.follow = false;
+    const runId = decodeURIComponent(match[1]);
+    if (runId !== state.selected) select(runId);
+  }
+}
+
+// ---- live events -----------------------------------------------------------------------
+
+function onEvents(events) {
+  for (const e of events) {
+    const run = state.runs.find((r) => r.run_id === e.run_id);
+    if (!run || e.type === "run_started" || e.type === "run_finished") refreshRunsSoon();
+    else if (e.type === "step" && e.step > run.last_step) {
+      run.last_step = e.step;
+      state.listDirty = true;
+    }
+    if (state.view && e.run_id === state.view.runId) state.view.apply(e);
+  }
+  scheduleRender();
+}
+
+function connect() {
+  const source = new EventSource(`${API}/stream`);
+  const indicator = $("connection");
+  // "hello" comes once the server has subscribed this stream: history loaded after it,
+  // merged with what the stream brings, misses nothing.
+  source.addEventListener("hello", () => {
+    indicator.dataset.state = "live";
+    indicator.textContent = "live";
+    loadRuns();
+    if (state.view) loadRun(state.view);
+  });
+  source.addEventListener("resync", () => {
+    loadRuns();
+    if (state.view) loadRun(state.view);
+  });
+  source.addEventListener("events", (message) => onEvents(JSON.parse(message.data)));
+  source.addEventListener("error", () => {
+    // EventSource reconnects by itself; "hello" will bring the page up to date.
+    indicator.dataset.state = "offline";
+    indicator.textContent = "reconnecting";
+  });
+}
+
+window.addEventListener("hashchange", fromHash);
+window.addEventListener("resize", () => {
+  if (state.view) for (const r of state.view.ranks.values()) r.dirty = true;
+  scheduleRender();
+});
+fromHash();
+connect();

@@ -1,0 +1,165 @@
+// A small canvas line chart: several series over one x axis (the step), optional log2 y
+// axis, and marks at chosen x positions (overflow steps). Drawing is explicit (draw()), so
+// the page decides when: at most once per animation frame, and only when data changed.
+
+const PAD = { left: 44, right: 6, top: 6, bottom: 16 };
+
+export class LineChart {
+  /**
+   * @param {HTMLCanvasElement} canvas
+   * @param {{series: {name: string, colour: string}[], log2?: boolean, format: (v: number) => string}} options
+   */
+  constructor(canvas, options) {
+    this.canvas = canvas;
+    this.options = options;
+    this.xs = [];
+    this.ys = options.series.map(() => []);
+    this.marks = [];
+  }
+
+  /** Point the chart at its data (arrays are read, not copied, at each draw). */
+  setData(xs, ys, marks) {
+    this.xs = xs;
+    this.ys = ys;
+    this.marks = marks;
+  }
+
+  draw() {
+    const canvas = this.canvas;
+    const ratio = window.devicePixelRatio || 1;
+    const width = Math.max(1, Math.round(canvas.clientWidth * ratio));
+    const height = Math.max(1, Math.round(canvas.clientHeight * ratio));
+    if (canvas.width !== width || canvas.height !== height) {
+      canvas.width = width;
+      canvas.height = height;
+    }
+    const points = this.ys.reduce((n, ys) => n + ys.filter((y) => y !== null).length, 0);
+    canvas.dataset.points = String(this.xs.length);
+    canvas.dataset.values = String(points);
+    canvas.dataset.marks = String(this.marks.length);
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    const w = width / ratio;
+    const h = height / ratio;
+    ctx.clearRect(0, 0, w, h);
+    ctx.font = "10px system-ui, sans-serif";
+    ctx.fillStyle = "#6b6b70";
+    if (this.xs.length === 0) {
+      ctx.fillText("no data yet", PAD.left, h / 2);
+      return;
+    }
+    const log2 = Boolean(this.options.log2);
+    const transform = (v) => (log2 ? Math.log2(Math.max(v, Number.MIN_VALUE)) : v);
+    let lo = Infinity;
+    let hi = -Infinity;
+    for (const ys of this.ys) {
+      for (const y of ys) {
+        if (y === null || (log2 && y <= 0)) continue;
+        const t = transform(y);
+        if (t < lo) lo = t;
+        if (t > hi) hi = t;
+      }
+    }
+    if (!Number.isFinite(lo)) {
+      lo = 0;
+      hi = 1;
+    }
+    if (hi - lo < 1e-12) {
+      hi += Math.abs(hi) * 0.05 + (log2 ? 1 : 1e-9);
+      lo -= Math.abs(lo) * 0.05 + (log2 ? 1 : 1e-9);
+    }
+    const x0 = this.xs[0];
+    const x1 = this.xs[this.xs.length - 1];
+    const span = Math.max(x1 - x0, 1);
+    const plotW = w - PAD.left - PAD.right;
+    const plotH = h - PAD.top - PAD.bottom;
+    const px = (x) => PAD.left + ((x - x0) / span) * plotW;
+    const py = (t) => PAD.top + (1 - (t - lo) / (hi - lo)) * plotH;
+
+    // Axes: y range and x range as text, no gridlines (the shape matters here, not ticks).
+    const fmt = this.options.format;
+    const label = (t) => fmt(log2 ? 2 ** t : t);
+    ctx.textAlign = "right";
+    ctx.fillText(label(hi), PAD.left - 4, PAD.top + 8);
+    ctx.fillText(label(lo), PAD.left - 4, PAD.top + plotH);
+    ctx.textAlign = "left";
+    ctx.fillText(String(x0), PAD.left, h - 3);
+    ctx.textAlign = "right";
+    ctx.fillText(String(x1), w - PAD.right, h - 3);
+
+    ctx.strokeStyle = "rgba(214, 47, 47, 0.55)";
+    ctx.lineWidth = 1;
+    for (const x of this.marks) {
+      const X = Math.round(px(x)) + 0.5;
+      ctx.beginPath();
+      ctx.moveTo(X, PAD.top);
+      ctx.lineTo(X, PAD.top + plotH);
+      ctx.stroke();
+    }
+
+    // Lines: several points falling in one pixel column collapse to their min..max segment,
+    // so a long run costs one pass over its data and at most a few strokes per pixel.
+    this.options.series.forEach((series, i) => {
+      const ys = this.ys[i];
+      ctx.strokeStyle = series.colour;
+      ctx.lineWidth = 1.4;
+      ctx.beginPath();
+      let pen = false;
+      let column = -1;
+      let cmin = 0;
+      let cmax = 0;
+      const flush = () => {
+        if (column < 0) return;
+        const a = py(cmin);
+        const b = py(cmax);
+        if (pen) ctx.lineTo(column, a);
+        else ctx.moveTo(column, a);
+        if (b !== a) ctx.lineTo(column, b);
+        pen = true;
+      };
+      for (let k = 0; k < ys.length; k++) {
+        const y = ys[k];
+        if (y === null || (log2 && y <= 0)) {
+          flush();
+          column = -1;
+          pen = false;
+          continue;
+        }
+        const t = transform(y);
+        const X = Math.round(px(this.xs[k]));
+        if (X !== column) {
+          flush();
+          column = X;
+          cmin = t;
+          cmax = t;
+        } else {
+          if (t < cmin) cmin = t;
+          if (t > cmax) cmax = t;
+        }
+      }
+      flush();
+      ctx.stroke();
+      if (ys.length === 1 && ys[0] !== null) {
+        ctx.fillStyle = series.colour;
+        ctx.fillRect(px(this.xs[0]) - 1.5, py(transform(ys[0])) - 1.5, 3, 3);
+      }
+    });
+  }
+}
+
+export function formatBytes(v) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  let x = Math.abs(v);
+  while (x >= 1024 && i < units.length - 1) {
+    x /= 1024;
+    i++;
+  }
+  return `${(Math.sign(v) * x).toFixed(x >= 100 || i === 0 ? 0 : 1)} ${units[i]}`;
+}
+
+export function formatNumber(v) {
+  const a = Math.abs(v);
+  if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(1);
+  return a >= 100 ? v.toFixed(0) : a >= 1 ? v.toFixed(2) : v.toFixed(3);
+}

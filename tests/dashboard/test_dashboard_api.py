@@ -1,0 +1,260 @@
+"""The dashboard's HTTP API through FastAPI's test client: ingestion, validation, history,
+the live stream, restarts."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dashboard_support import chunks_event, finished_event, started_event, step_event
+from fastapi.testclient import TestClient
+
+from shardwise_dashboard.app import create_app
+from shardwise_dashboard.settings import Settings
+
+MAX_BODY = 64 * 1024
+
+
+def make_client(db: Path, token: str | None = None) -> TestClient:
+    return TestClient(create_app(Settings(db_path=db, token=token, max_body_bytes=MAX_BODY)))
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    with make_client(tmp_path / "runs.sqlite") as test_client:
+        yield test_client
+
+
+def post(client: TestClient, events: list[dict[str, Any]], **kwargs: Any) -> Any:
+    return client.post("/api/v1/events", json={"events": events}, **kwargs)
+
+
+def a_run(run_id: str = "run-a", steps: int = 3) -> list[dict[str, Any]]:
+    events = []
+    for rank in range(2):
+        events.append(started_event(run_id, rank))
+        events += [step_event(run_id, rank, s, loss=1.0 + rank + s / 8) for s in range(steps)]
+        events.append(chunks_event(run_id, rank, 0))
+        events.append(finished_event(run_id, rank))
+    return events
+
+
+def assert_healthy_and_empty(client: TestClient) -> None:
+    health = client.get("/api/v1/health").json()
+    assert health["status"] == "ok" and health["num_events"] == 0
+    assert client.get("/api/v1/runs").json() == []
+
+
+def test_a_valid_batch_is_stored_and_described(client: TestClient) -> None:
+    response = post(client, a_run())
+    assert response.status_code == 200, response.text
+    assert response.json() == {"accepted": 12}
+    (summary,) = client.get("/api/v1/runs").json()
+    assert summary["run_id"] == "run-a" and summary["status"] == "finished"
+    assert (summary["world_size"], summary["ranks_seen"], summary["ranks_finished"]) == (2, 2, 2)
+    assert (summary["last_step"], summary["num_params"]) == (2, 1234)
+    detail = client.get("/api/v1/runs/run-a").json()
+    assert detail["config"] == {"stage": 3, "chunks": 2}
+    for rank, rank_detail in enumerate(detail["ranks"]):
+        assert rank_detail["rank"] == rank and rank_detail["status"] == "finished"
+        assert [e["step"] for e in rank_detail["steps"]] == [0, 1, 2]
+        assert [e["loss"] for e in rank_detail["steps"]] == [1.0 + rank + s / 8 for s in range(3)]
+        assert rank_detail["chunks"] == chunks_event("run-a", rank, 0)
+        assert rank_detail["host"] == "node-0"
+
+
+def test_a_run_is_running_until_every_rank_finished(client: TestClient) -> None:
+    events = a_run()
+    post(client, [e for e in events if not (e["type"] == "run_finished" and e["rank"] == 1)])
+    assert client.get("/api/v1/runs").json()[0]["status"] == "running"
+    failed = {**finished_event("run-a", 1), "status": "failed", "error": "rank 1: out of memory"}
+    post(client, [failed])
+    detail = client.get("/api/v1/runs/run-a").json()
+    assert detail["status"] == "failed"
+    assert detail["ranks"][1]["error"] == "rank 1: out of memory"
+
+
+def test_malformed_json_is_refused_and_the_server_stays_healthy(client: TestClient) -> None:
+    for body in (b'{"events": [', b"not json", b"", b'{"events": "step"}', b"[]"):
+        response = client.post(
+            "/api/v1/events", content=body, headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == 422, (body, response.text)
+    assert_healthy_and_empty(client)
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        ({"step": "1"}, "step"),
+        ({"loss": "low"}, "loss"),
+        ({"overflow": 1}, "overflow"),
+        ({"rank": -1}, "rank"),
+        ({"step_time_s": -0.5}, "step_time_s"),
+        ({"comm_bytes": {"all_gather": 1.5}}, "comm_bytes"),
+        ({"memory": {"device": 1}}, "memory"),
+        ({"run_id": ""}, "run_id"),
+        ({"type": "reboot"}, "type"),
+        ({"surprise": True}, "surprise"),
+    ],
+)
+def test_wrong_fields_are_refused_whole(
+    client: TestClient, change: dict[str, Any], where: str
+) -> None:
+    # One bad event refuses the batch: the good one beside it is not stored either.
+    response = post(client, [step_event(step=0), {**step_event(step=1), **change}])
+    assert response.status_code == 422
+    assert where in json.dumps(response.json()["detail"])
+    assert_healthy_and_empty(client)
+
+
+def test_a_bad_chunk_row_is_refused(client: TestClient) -> None:
+    event = chunks_event()
+    event["chunks"][1]["payload"] = "disk"
+    response = post(client, [event])
+    assert response.status_code == 422 and "payload" in response.text
+    assert_healthy_and_empty(client)
+
+
+def test_another_schema_version_is_refused_by_name(client: TestClient) -> None:
+    response = post(client, [step_event(schema=2)])
+    assert response.status_code == 422
+    assert "schema version 2 is not supported" in response.text
+    assert_healthy_and_empty(client)
+
+
+def test_an_oversized_body_is_refused(client: TestClient) -> None:
+    many = [step_event(step=s) for s in range(300)]
+    assert len(json.dumps({"events": many}, separators=(",", ":"))) > MAX_BODY
+    assert post(client, many).status_code == 413
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"events": ['
+        for s in range(299):
+            yield json.dumps(step_event(step=s)).encode() + b","
+        yield json.dumps(step_event(step=299)).encode() + b"]}"
+
+    response = client.post(
+        "/api/v1/events", content=chunked(), headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert_healthy_and_empty(client)
+    assert post(client, many[:100]).status_code == 200
+
+
+def test_a_token_guards_ingestion_when_set(tmp_path: Path) -> None:
+    with make_client(tmp_path / "runs.sqlite", token="s3cret") as client:
+        missing = post(client, a_run())
+        assert missing.status_code == 401 and "SHARDWISE_DASHBOARD_TOKEN" in missing.text
+        wrong = post(client, a_run(), headers={"Authorization": "Bearer guess"})
+        assert wrong.status_code == 403
+        basic = post(client, a_run(), headers={"Authorization": "Basic s3cret"})
+        assert basic.status_code == 401
+        assert_healthy_and_empty(client)
+        right = post(client, a_run(), headers={"Authorization": "Bearer s3cret"})
+        assert right.status_code == 200
+        assert client.get("/api/v1/runs").json()[0]["run_id"] == "run-a"
+
+
+def test_an_unknown_run_is_404(client: TestClient) -> None:
+    response = client.get("/api/v1/runs/nope")
+    assert response.status_code == 404 and "nope" in response.text
+
+
+def _read_stream(client: TestClient, query: str, out: dict[str, str]) -> None:
+    out["body"] = client.get(f"/api/v1/stream?{query}").text
+
+
+def _wait_for_streams(client: TestClient, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while client.get("/api/v1/health").json()["num_streams"] < count:
+        assert time.monotonic() < deadline, "the stream never subscribed"
+        time.sleep(0.01)
+
+
+def _messages(body: str) -> list[tuple[str, Any]]:
+    messages = []
+    for block in body.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "event" in fields:
+            messages.append((fields["event"], json.loads(fields["data"])))
+    return messages
+
+
+def test_the_live_stream_delivers_ingested_events(client: TestClient) -> None:
+    every, one_run = {}, {}
+    readers = [
+        threading.Thread(target=_read_stream, args=(client, "limit=2", every)),
+        threading.Thread(target=_read_stream, args=(client, "run_id=run-b&limit=1", one_run)),
+    ]
+    for reader in readers:
+        reader.start()
+    _wait_for_streams(client, 2)
+    first, second = step_event("run-a", step=0), step_event("run-b", rank=1, step=7)
+    assert post(client, [first]).status_code == 200
+    assert post(client, [second]).status_code == 200
+    for reader in readers:
+        reader.join(10)
+        assert not reader.is_alive()
+    assert _messages(every["body"]) == [
+        ("hello", {}),
+        ("events", [first]),
+        ("events", [second]),
+    ]
+    assert _messages(one_run["body"]) == [("hello", {}), ("events", [second])]
+    assert client.get("/api/v1/health").json()["num_streams"] == 0
+
+
+def test_a_restart_on_the_same_file_keeps_history(tmp_path: Path) -> None:
+    db = tmp_path / "runs.sqlite"
+    with make_client(db) as client:
+        post(client, a_run("run-a"))
+        post(client, a_run("run-b", steps=5))
+        before = (client.get("/api/v1/runs").json(), client.get("/api/v1/runs/run-b").json())
+    with make_client(db) as client:
+        after = (client.get("/api/v1/runs").json(), client.get("/api/v1/runs/run-b").json())
+        assert after == before
+        assert {run["run_id"] for run in after[0]} == {"run-a", "run-b"}
+        assert client.get("/api/v1/health").json()["num_events"] == 12 + 16
+
+
+def test_openapi_describes_every_endpoint(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    assert set(spec["paths"]) == {
+        "/api/v1/events",
+        "/api/v1/runs",
+        "/api/v1/runs/{run_id}",
+        "/api/v1/stream",
+        "/api/v1/health",
+    }
+    ingest = spec["paths"]["/api/v1/events"]["post"]
+    body = ingest["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/EventBatch")
+    assert {"200", "401", "403", "413", "422"} <= set(ingest["responses"])
+    assert (
+        "text/event-stream" in spec["paths"]["/api/v1/stream"]["get"]["responses"]["200"]["content"]
+    )
+    assert {"RunStarted", "Step", "Chunks", "RunFinished", "Dropped", "RunDetail"} <= set(
+        spec["components"]["schemas"]
+    )
+
+
+def test_the_page_and_its_assets_are_served_from_the_package(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    links = re.findall(r'(?:src|href)="([^"]*)"', page.text)
+    assert {"/static/app.js", "/static/style.css"} <= set(links)
+    assert all(link.startswith(("/static/", "data:")) for link in links), links  # no CDN
+    script = client.get("/static/app.js").text
+    modules = re.findall(r'from "\./([a-z]+\.js)"', script)
+    assert sorted(modules) == ["charts.js", "chunkmap.js"]
+    for module in [*modules, "style.css"]:
+        response = client.get(f"/static/{module}")
+        assert response.status_code == 200 and len(response.text) > 100, module

@@ -1,0 +1,123 @@
+"""The contract with core (same schema version, core's events accepted), the no-torch rule,
+the command line's refusals, settings validation and the live hub's back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.telemetry import SCHEMA_VERSION as CORE_SCHEMA_VERSION
+from shardwise.telemetry import events as core_events
+from shardwise_dashboard import cli
+from shardwise_dashboard.live import LiveHub
+from shardwise_dashboard.schema import SCHEMA_VERSION, EventBatch
+from shardwise_dashboard.settings import Settings
+
+
+def test_the_schema_version_is_core_s() -> None:
+    assert SCHEMA_VERSION == CORE_SCHEMA_VERSION
+
+
+def test_every_event_core_builds_is_accepted() -> None:
+    report = [
+        {
+            "chunk_id": 0,
+            "numel": 3001,
+            "state": "gathered",
+            "sharded": True,
+            "payload": "device",
+            "optim": "host",
+            "tensors": {"a.weight": "hold", "a.bias": "compute"},
+        },
+        {
+            "chunk_id": 1,
+            "numel": 12,
+            "state": "sharded",
+            "sharded": False,
+            "payload": "host",
+            "optim": None,
+            "tensors": {"frozen.weight": "free"},
+        },
+    ]
+    built = [
+        core_events.run_started("r", 0, world_size=2, config={"stage": 3}, num_params=9, host="h"),
+        core_events.step(
+            "r",
+            0,
+            step_index=0,
+            loss=float("nan"),
+            loss_scale=65536.0,
+            overflow=True,
+            grad_norm=float("inf"),
+            step_time_s=0.01,
+            comm_bytes={"all_gather": 10, "reduce_scatter": 5},
+            moved_bytes={"to_device": 1, "to_host": 2},
+            memory={"device": 100, "host": 50},
+        ),
+        core_events.chunks("r", 0, step_index=0, report=report),
+        core_events.run_finished("r", 0, error="boom"),
+        core_events.run_finished("r", 0),
+        core_events.dropped("r", 0, 7),
+    ]
+    batch = EventBatch.model_validate({"events": built})
+    assert [e.type for e in batch.events] == [e["type"] for e in built]
+    dumped = [e.model_dump(mode="json", by_alias=True) for e in batch.events]
+    assert dumped == built  # nothing lost or renamed on the way through
+
+
+def test_the_dashboard_never_imports_torch_or_shardwise() -> None:
+    code = (
+        "import sys, shardwise_dashboard.app, shardwise_dashboard.cli\n"
+        "shardwise_dashboard.app.create_app\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'shardwise'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_binding_beyond_loopback_without_a_token_is_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SHARDWISE_DASHBOARD_TOKEN", raising=False)
+    for host in ("0.0.0.0", "192.168.1.5", "::", "my-host"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["serve", "--host", host])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert f"refusing to listen on {host} without a token" in error and "--token" in error
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--port", "70000"])
+    assert "--port must be in 1..65535, got 70000" in capsys.readouterr().err
+
+
+def test_loopback_addresses() -> None:
+    assert all(cli.is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "localhost"))
+    assert not any(cli.is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "example.org"))
+
+
+def test_settings_refuse_what_they_cannot_honour(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_body_bytes must be >= 1024, got 10"):
+        Settings(db_path=tmp_path / "x.sqlite", max_body_bytes=10)
+    with pytest.raises(ValueError, match="token must be a non-empty string"):
+        Settings(db_path=tmp_path / "x.sqlite", token=" padded ")
+    with pytest.raises(TypeError, match=r"db_path must be a pathlib\.Path"):
+        Settings(db_path="x.sqlite")  # type: ignore[arg-type]
+
+
+def test_a_slow_stream_loses_its_oldest_messages_and_is_told_to_resync() -> None:
+    async def scenario() -> tuple[list[str], bool, int]:
+        hub = LiveHub(queue_size=3)
+        slow = hub.subscribe(None)
+        other = hub.subscribe("elsewhere")
+        for step in range(5):
+            hub.publish([{"run_id": "r", "step": step}])
+        pending = [slow.queue.get_nowait() for _ in range(slow.queue.qsize())]
+        return pending, slow.lagged, other.queue.qsize()
+
+    pending, lagged, other_pending = asyncio.run(scenario())
+    assert pending == [f'[{{"run_id": "r", "step": {s}}}]' for s in (2, 3, 4)]
+    assert lagged and other_pending == 0
