@@ -1,0 +1,86 @@
+"""The training run the end-to-end dashboard tests stream: ZeRO stage 3 on CPU ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import urllib.request
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import CHUNK_NUMEL, batch_slice, make_model
+
+from shardwise import telemetry, zero_model_wrapper, zero_optim_wrapper
+
+CHUNK_EVERY = 5
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _wait_until_ingested(url: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/api/v1/health", timeout=1) as response:
+            if b'"num_events":0' not in response.read():
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"no event reached {url} within {timeout_s} s")
+
+
+def train(url: str | None, steps: int, kill_at: int = -1, server_pid: int = 0) -> dict[str, Any]:
+    """Train `steps` steps on this rank, streaming telemetry to `url` when given. With
+    `kill_at`, rank 0 SIGKILLs the dashboard (`server_pid`) before that step, once the
+    dashboard holds some of this run's events."""
+    rank = dist.get_rank()
+    warnings = _Collect()
+    logging.getLogger("shardwise.telemetry").addHandler(warnings)
+    model = make_model()
+    wrapped = zero_model_wrapper(
+        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL}
+    )
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    recorder = None
+    if url is not None:
+        recorder = telemetry.enable(wrapped, optimizer, url=url, chunk_every=CHUNK_EVERY)
+        assert recorder is not None
+    losses = []
+    for step in range(steps):
+        if rank == 0 and step == kill_at:
+            assert url is not None
+            _wait_until_ingested(url)
+            os.kill(server_pid, signal.SIGKILL)
+        optimizer.zero_grad()
+        loss = wrapped(*batch_slice(step, 0, rank, dist.get_world_size()))
+        optimizer.backward(loss)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    result: dict[str, Any] = {
+        "losses": losses,
+        "chunk_ids": [chunk.chunk_id for chunk in wrapped.chunk_manager.chunks],
+    }
+    if recorder is not None:
+        recorder.finish()
+        result.update(
+            run_id=recorder.emitter.run_id,
+            dropped=recorder.emitter.dropped,
+            delivered=recorder.emitter.delivered,
+            warnings=warnings.messages,
+        )
+    return result
+
+
+def train_without_then_with_telemetry(
+    url: str, steps: int, kill_at: int, server_pid: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same run twice in one process group: plain, then streaming (see `train`)."""
+    return train(None, steps), train(url, steps, kill_at, server_pid)

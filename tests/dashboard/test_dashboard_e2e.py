@@ -1,0 +1,135 @@
+"""End to end: a 2-rank training run streams into a real dashboard server, and headless
+Chromium, which loaded the page before the run began, shows it live."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dashboard_support import Server
+from dashboard_training import CHUNK_EVERY, train
+
+from shardwise.testing import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACT = ROOT / "runs" / "test-artifacts" / "dashboard-e2e.png"  # runs/ is git-ignored
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--no-first-run",
+]
+STEPS = 12
+WORLD = 2
+
+
+def _page_state(page: Any, run_id: str) -> dict[str, Any]:
+    return page.evaluate(
+        """(runId) => ({
+            listed: [...document.querySelectorAll('#run-list li')].map(li => li.dataset.runId),
+            shown: document.getElementById('run').dataset.runId,
+            status: document.getElementById('run').dataset.status,
+            ranks: [...document.querySelectorAll('#ranks .rank')].map(card => ({
+                rank: Number(card.dataset.rank),
+                status: card.dataset.status,
+                mapRank: Number(card.querySelector('.chunk-map').dataset.rank),
+                cells: [...card.querySelectorAll('.chunk-map [data-chunk-id]')].map(
+                    cell => [Number(cell.dataset.chunkId), cell.dataset.payload]),
+                lossPoints: Number(card.querySelector('canvas[data-chart="loss"]').dataset.points),
+                lossValues: Number(card.querySelector('canvas[data-chart="loss"]').dataset.values),
+                scalePoints: Number(
+                    card.querySelector('canvas[data-chart="loss-scale"]').dataset.points),
+            })),
+            reloaded: window.__sameDocument !== true,
+        })""",
+        run_id,
+    )
+
+
+def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: the dashboard's browser test drives Debian's chromium; "
+            "`./dev test` installs it (apt-get install chromium)"
+        )
+    from playwright.sync_api import sync_playwright
+
+    server = Server(tmp_path / "runs.sqlite")
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.on(
+                "console",
+                lambda message: errors.append(message.text) if message.type == "error" else None,
+            )
+            page.goto(server.url + "/")
+            page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
+            assert page.locator("#run-list li").count() == 0
+            page.evaluate("window.__sameDocument = true")
+
+            results = run_ranks(train, WORLD, server.url, STEPS, timeout_s=120)
+
+            run_id = results[0]["run_id"]
+            assert all(r["run_id"] == run_id for r in results)  # one run, shared by the ranks
+            chunk_counts = [len(r["chunk_ids"]) for r in results]
+            assert all(count > 1 for count in chunk_counts)
+            # Wait (without reloading) until the page shows the finished run in full.
+            page.wait_for_function(
+                """([runId, steps, counts]) => {
+                    const cards = document.querySelectorAll('#ranks .rank');
+                    return document.getElementById('run').dataset.runId === runId
+                        && document.getElementById('run').dataset.status === 'finished'
+                        && cards.length === counts.length
+                        && [...cards].every((card, r) =>
+                            card.querySelectorAll('.chunk-map [data-chunk-id]').length === counts[r]
+                            && card.querySelector('canvas[data-chart="loss"]').dataset.points
+                               === String(steps));
+                }""",
+                arg=[run_id, STEPS, chunk_counts],
+                timeout=20_000,
+            )
+            state = _page_state(page, run_id)
+            screenshot = tmp_path / "dashboard-e2e.png"
+            page.screenshot(path=str(screenshot), full_page=True)
+            browser.close()
+    finally:
+        server.stop()
+    ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(screenshot, ARTIFACT)
+
+    assert not errors, errors
+    assert not state["reloaded"], "the page was reloaded: the run must arrive live"
+    assert state["listed"] == [run_id] and state["shown"] == run_id
+    for rank, (shown, result) in enumerate(zip(state["ranks"], results, strict=True)):
+        assert (shown["rank"], shown["mapRank"], shown["status"]) == (rank, rank, "finished")
+        # One cell per chunk of the engine, in its order; placement "cuda" on a CPU host keeps
+        # every payload on the compute device.
+        assert shown["cells"] == [[chunk_id, "device"] for chunk_id in result["chunk_ids"]]
+        assert shown["lossPoints"] == shown["lossValues"] == shown["scalePoints"] == STEPS
+    assert screenshot.stat().st_size > 10_000
+
+    # What the server kept is exactly what the ranks computed.
+    server = Server(tmp_path / "runs.sqlite")  # a restart, too
+    try:
+        with urllib.request.urlopen(f"{server.url}/api/v1/runs/{run_id}", timeout=10) as answer:
+            detail = json.load(answer)
+    finally:
+        server.stop()
+    assert detail["status"] == "finished" and detail["world_size"] == WORLD
+    for rank_detail, result in zip(detail["ranks"], results, strict=True):
+        assert [e["loss"] for e in rank_detail["steps"]] == result["losses"]
+        assert rank_detail["chunks"]["step"] == (STEPS - 1) // CHUNK_EVERY * CHUNK_EVERY
+        assert rank_detail["dropped"] == 0 and result["dropped"] == 0
