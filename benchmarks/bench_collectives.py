@@ -5,7 +5,8 @@
 DDP reduces gradients with one all-reduce; ZeRO stages 1-2 with a reduce-scatter and then an
 all-gather of the updated parameters, stage 3 with two all-gathers and a reduce-scatter. Their
 bytes on the wire are the same or fewer, but their times depend on how well the backend
-implements each collective.
+implements each collective. The reduce-scatter is timed both as gloo's own and as shardwise
+runs it on gloo (an all-to-all and a local sum, `comm.reduce_to_shard`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from shardwise.comm import CommStats, ReduceScatterMethod, reduce_to_shard
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
@@ -48,6 +51,10 @@ def main() -> None:
         "all_reduce_ms": timed(lambda: dist.all_reduce(full), args.repeats),
         "reduce_scatter_ms": timed(lambda: dist.reduce_scatter_single(shard, full), args.repeats),
         "all_gather_ms": timed(lambda: dist.all_gather_single(full, shard), args.repeats),
+        "all_to_all_reduce_scatter_ms": timed(
+            lambda: reduce_to_shard(full, ReduceScatterMethod.ALL_TO_ALL, CommStats()),
+            args.repeats,
+        ),
     }
     if dist.get_rank() == 0:
         with open(args.out, "w") as handle:

@@ -37,7 +37,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--telemetry", action="store_true", help="stream telemetry to a file")
     parser.add_argument(
-        "--reduction", default="auto", choices=["auto", "reduce_scatter", "all_reduce"],
+        "--reduction", default="auto",
+        choices=["auto", "reduce_scatter", "all_to_all", "all_reduce"],
         help="shardwise's gradient_reduction",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="share of time in shardwise code")
@@ -52,6 +53,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--chunk-mib", type=float, default=8.0, help="chunk / bucket size")
     return parser.parse_args()
+
+
+# Engine-name suffixes of the gradient_reduction methods ("auto" is all-to-all on gloo).
+REDUCTION_SUFFIX = {"auto": "", "reduce_scatter": "-rs", "all_to_all": "-a2a", "all_reduce": "-ar"}
 
 
 def torch_step(module: torch.nn.Module) -> Step:
@@ -180,7 +185,7 @@ def main() -> None:
             "engine": args.engine
             + ("-" + args.placement if args.engine == "zero3" else "")
             + ("+telemetry" if args.telemetry else "")
-            + ("-rs" if args.reduction == "reduce_scatter" else ""),
+            + REDUCTION_SUFFIX[args.reduction],
             "world": world,
             "params": num_params,
             "median_ms": statistics.median(times),

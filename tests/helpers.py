@@ -79,6 +79,7 @@ class Run:
     frozen: bool = False
     no_sync: bool = False
     overlap: bool = False
+    reduction: str = "auto"  # gradient_reduction
     optim: Callable[[Any], torch.optim.Optimizer] = adamw
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
 
@@ -119,7 +120,11 @@ def sharded(run: Run) -> tuple[list[float], dict[str, torch.Tensor], dict[str, A
     """The same training on this rank under shardwise (call inside run_ranks)."""
     rank = dist.get_rank()
     model = make_model(run.branch, run.frozen)
-    config: dict[str, Any] = {"device": torch.device("cpu"), "mixed_precision": run.mixed_precision}
+    config: dict[str, Any] = {
+        "device": torch.device("cpu"),
+        "mixed_precision": run.mixed_precision,
+        "gradient_reduction": run.reduction,
+    }
     optim_config = None
     if run.stage == 3:
         config["chunk_size_numel"] = CHUNK_NUMEL

@@ -5,10 +5,10 @@ a gradient and an Adam moment each take 4 bytes. Per step and rank, a bandwidth-
 all-gather or reduce-scatter of Psi elements sends Psi * 4 * (N-1)/N bytes: stages 1 and 2 send
 two of them (2 Psi), stage 3 three (3 Psi: gather for forward, again for backward, reduce-scatter
 of gradients). The engine adds only chunk padding (under N elements a chunk) and one all-reduce
-of the gradient norm. On gloo the engine reduces gradients with an all-reduce by default (twice
-the bytes of a reduce-scatter, a third of the time there: see the note in chunk.py); the ZeRO
-figures are checked with `gradient_reduction="reduce_scatter"`, and the all-reduce mode against
-its own count (one psi more per step).
+of the gradient norm. On gloo the engine reduce-scatters gradients with an all-to-all and a
+local sum (gloo's own reduce-scatter is slow: see the note in comm/collectives.py), which sends
+what a reduce-scatter sends; the all-reduce method is checked against its own count (one psi
+more per step).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import torch.distributed as dist
 from helpers import CHUNK_NUMEL, CONFIG, batch_slice
 
 from shardwise import CommOp, zero_model_wrapper, zero_optim_wrapper
+from shardwise.comm import ReduceScatterMethod
 from shardwise.testing import GPT, run_ranks
+from shardwise.zero.config import gradient_reduction_method
 
 
 def _measure(stage: int, reduction: str = "reduce_scatter") -> dict[str, float]:
@@ -59,8 +61,11 @@ def _measure(stage: int, reduction: str = "reduce_scatter") -> dict[str, float]:
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(("stage", "psi_multiple"), [(1, 2), (2, 2), (3, 3)])
-def test_bytes_sent_per_step_match_zero_analysis(stage: int, psi_multiple: int, world: int) -> None:
-    result = run_ranks(_measure, world, stage)[0]
+@pytest.mark.parametrize("reduction", ["reduce_scatter", "auto"])
+def test_bytes_sent_per_step_match_zero_analysis(
+    stage: int, psi_multiple: int, world: int, reduction: str
+) -> None:
+    result = run_ranks(_measure, world, stage, reduction)[0]
     theory = psi_multiple * result["psi"] * 4 * (world - 1) / world
     assert 1.0 <= result["sent"] / theory <= 1.02
     if stage == 3:
@@ -83,3 +88,22 @@ def test_model_state_bytes_per_rank_match_zero_formula(world: int) -> None:
     formula[1] += 4 * psi / world
     for stage, result in results.items():
         assert 1.0 <= result["model_state"] / formula[stage] <= 1.03, stage
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_all_reduce_method_sends_one_psi_more(stage: int) -> None:
+    world = 2
+    result = run_ranks(_measure, world, stage, "all_reduce")[0]
+    theory = (2 if stage == 2 else 3) * result["psi"] * 4 * (world - 1) / world
+    extra = result["psi"] * 4 * (world - 1) / world
+    assert 1.0 <= result["sent"] / (theory + extra) <= 1.02
+
+
+def test_auto_reduction_exchanges_slices_on_gloo() -> None:
+    def resolve() -> str:
+        return gradient_reduction_method("auto", None).value
+
+    assert run_ranks(resolve, 2) == ["all_to_all", "all_to_all"]
+    assert gradient_reduction_method("all_reduce", None) is ReduceScatterMethod.ALL_REDUCE
+    with pytest.raises(ValueError, match="gradient_reduction must be one of"):
+        gradient_reduction_method("ring", None)

@@ -15,13 +15,11 @@
 - `grad_full`: gradients of the whole chunk, in the reduce dtype, filled by gradient hooks and
   reduce-scattered into `grad_shard` (fp32), which the optimizer reads.
 
-[Note: reducing with all-reduce]
-A reduce-scatter sends (N-1)/N of the gradient per rank, half of what an all-reduce sends,
-and is what the ZeRO analysis counts. gloo, however, runs its reduce-scatter slower than its
-all-reduce (measured here for 21 MB on 2 ranks: 28 to 59 ms against 17 to 18 ms, see
-benchmarks/RESULTS.md), so on gloo the engine all-reduces the gradient buffer and keeps its
-own slice: twice the bytes, less time. `gradient_reduction="reduce_scatter"` forces
-the bandwidth-optimal collective (the default on NCCL).
+[Note: reducing gradients]
+Gradients reach the rank owning them through `comm.reduce_to_shard` with the chunk's
+`reduce_method`: a reduce-scatter, an all-to-all plus a local sum (gloo, whose own
+reduce-scatter is slow), or an all-reduce keeping this rank's slice. See [Note: reduce-scatter
+methods] in comm/collectives.py.
 
 [Note: pools]
 Gathered buffers (`full`, `full_compute`, `grad_full`) always live on the compute device. The
@@ -127,12 +125,12 @@ class Chunk:
         # Gradients are divided by this before the reduction and by N / this after it, which
         # keeps fp16 sums of many ranks from overflowing.
         self.predivide_factor = 1.0
-        # See [Note: reducing with all-reduce].
-        self.reduce_via_all_reduce = False
+        # See [Note: reducing gradients].
+        self.reduce_method = comm.ReduceScatterMethod.NATIVE
         # See reuse_payload_for_grads().
         self.grads_in_payload_mode = False
         self.grads_in_payload = False
-        self._pending_reduce: tuple[torch.distributed.Work | None, torch.Tensor] | None = None
+        self._pending_reduce: tuple[comm.Waitable | None, torch.Tensor] | None = None
 
     # ---- packing ---------------------------------------------------------------------------
 
@@ -414,14 +412,9 @@ class Chunk:
 
     def start_reduce(self) -> None:
         """Launch the reduction of the gradient buffer without waiting."""
-        full = self.prepare_reduce()
-        if self.reduce_via_all_reduce:
-            work = comm.all_reduce(full, self.stats, self.group, async_op=True)
-            reduced = full[self.shard_begin : self.shard_begin + self.shard_numel]
-        else:
-            reduced = torch.empty(self.shard_numel, dtype=self.dtypes.reduce, device=self.device)
-            work = comm.reduce_scatter(reduced, full, self.stats, self.group, async_op=True)
-        self._pending_reduce = (work, reduced)
+        self._pending_reduce = comm.reduce_to_shard(
+            self.prepare_reduce(), self.reduce_method, self.stats, self.group, async_op=True
+        )
 
     def finish_reduce(self, *, keep_full: bool) -> None:
         """Wait for the reduce-scatter started by `start_reduce` and accept its result."""

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise.chunk.chunk import Chunk, ChunkDtypes
-from shardwise.comm import CommStats
+from shardwise.comm import CommStats, ReduceScatterMethod
 
 
 class ChunkManager:
@@ -29,8 +29,8 @@ class ChunkManager:
         stats: collective counters shared with the model and optimizer (default: new ones).
         keep_gathered: keep full payloads resident (stages 0-2); stage 3 shards them.
         predivide_factor: divide gradients by this before reducing them, by N / this after.
-        reduce_via_all_reduce: reduce gradients with an all-reduce instead of a reduce-scatter
-            (see [Note: reducing with all-reduce] in chunk.py).
+        reduce_method: how gradients are reduce-scattered (see [Note: reduce-scatter methods]
+            in comm/collectives.py).
     """
 
     def __init__(
@@ -43,7 +43,7 @@ class ChunkManager:
         stats: CommStats | None = None,
         keep_gathered: bool = False,
         predivide_factor: float = 1.0,
-        reduce_via_all_reduce: bool = False,
+        reduce_method: ReduceScatterMethod = ReduceScatterMethod.NATIVE,
     ) -> None:
         if not isinstance(chunk_size_numel, int) or chunk_size_numel < 1:
             raise ValueError(f"chunk_size_numel must be a positive int, got {chunk_size_numel!r}")
@@ -58,7 +58,7 @@ class ChunkManager:
         if not predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide_factor!r}")
         self.predivide_factor = float(predivide_factor)
-        self.reduce_via_all_reduce = reduce_via_all_reduce
+        self.reduce_method = reduce_method
         self.chunks: list[Chunk] = []
         self._where: dict[int, tuple[Chunk, int]] = {}  # id(param) -> (chunk, tensor index)
 
@@ -94,7 +94,7 @@ class ChunkManager:
                 open_chunks[trainable] = chunk
                 new_chunks.append(chunk)
             chunk.predivide_factor = self.predivide_factor
-            chunk.reduce_via_all_reduce = self.reduce_via_all_reduce
+            chunk.reduce_method = self.reduce_method
             self._where[id(param)] = (chunk, len(chunk.tensors))
             chunk.append(name, param)
         num_sharded = math.ceil(sharded_fraction * len(new_chunks))

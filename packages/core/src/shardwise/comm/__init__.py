@@ -1,11 +1,14 @@
 """Collectives that count their bytes, and the counters they write to."""
 
 from shardwise.comm.collectives import (
+    ReduceScatterMethod,
+    Waitable,
     all_gather,
     all_reduce,
     broadcast,
     rank,
     reduce_scatter,
+    reduce_to_shard,
     world_size,
 )
 from shardwise.comm.stats import CommOp, CommStats, OpCount
@@ -14,10 +17,13 @@ __all__ = [
     "CommOp",
     "CommStats",
     "OpCount",
+    "ReduceScatterMethod",
+    "Waitable",
     "all_gather",
     "all_reduce",
     "broadcast",
     "rank",
     "reduce_scatter",
+    "reduce_to_shard",
     "world_size",
 ]

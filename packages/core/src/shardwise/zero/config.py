@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shardwise.chunk import ChunkDtypes
+from shardwise.comm import ReduceScatterMethod
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_CHUNK_SIZE_NUMEL = 32 * 1024 * 1024
@@ -21,17 +22,20 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-GRADIENT_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce")
+GRADIENT_REDUCTIONS = ("auto", *(method.value for method in ReduceScatterMethod))
 
 
-def reduces_via_all_reduce(mode: str, group: ProcessGroup | None) -> bool:
-    """Resolve `gradient_reduction`: "auto" all-reduces on gloo, whose reduce-scatter is slow
-    (see [Note: reducing with all-reduce] in chunk.py), and reduce-scatters elsewhere."""
+def gradient_reduction_method(mode: str, group: ProcessGroup | None) -> ReduceScatterMethod:
+    """Resolve `gradient_reduction`: "auto" exchanges slices with an all-to-all on gloo, whose
+    reduce-scatter is slow (see [Note: reduce-scatter methods] in comm/collectives.py), and
+    uses the backend's reduce-scatter elsewhere."""
     if mode not in GRADIENT_REDUCTIONS:
         raise ValueError(f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, got {mode!r}")
     if mode != "auto":
-        return mode == "all_reduce"
-    return dist.is_initialized() and dist.get_backend(group) == "gloo"
+        return ReduceScatterMethod(mode)
+    if dist.is_initialized() and dist.get_backend(group) == "gloo":
+        return ReduceScatterMethod.ALL_TO_ALL
+    return ReduceScatterMethod.NATIVE
 
 
 def _check_dtype(name: str, value: object) -> None:
@@ -100,8 +104,9 @@ class ZeroConfig:
         force_outputs_fp32: cast floating-point outputs of the model to fp32.
         reduce_scatter_bucket_bytes: reduce the gradients of consecutive chunks in one
             reduce-scatter until they reach this many bytes (0: one per chunk; stages 2-3).
-        gradient_reduction: "reduce_scatter", "all_reduce" (keep this rank's slice), or "auto":
-            all-reduce on gloo, reduce-scatter otherwise.
+        gradient_reduction: "reduce_scatter", "all_to_all" (exchange slices, sum locally),
+            "all_reduce" (keep this rank's slice), or "auto": all-to-all on gloo,
+            reduce-scatter otherwise.
     """
 
     stage: int

@@ -16,8 +16,9 @@ from shardwise.zero.config import (
     MixedPrecision,
     ZeroConfig,
     default_device,
-    reduces_via_all_reduce,
+    gradient_reduction_method,
 )
+from shardwise.zero.init_context import whole_numel
 from shardwise.zero.model import ZeroModel
 
 # The seeds' defaults, in bytes: search 64 MiB above a 32 MiB minimum, in 4096 steps.
@@ -45,6 +46,7 @@ _GEMINI_CONFIG_KEYS = (
     "min_chunk_size",
     "gpu_margin_mem_ratio",
     "gradient_reduction",
+    "reduce_scatter_bucket_bytes",
 )
 
 
@@ -66,6 +68,8 @@ class GeminiDDP(ZeroModel):
         strict_ddp_mode: replicate every tensor instead of sharding; refused here, since that
             is plain data parallelism: use `ColoDDP` or `zero_model_wrapper(zero_stage=1)`.
         prefetch: gather the next chunk of the recorded order ahead of its use.
+        reduce_scatter_bucket_bytes: reduce the gradients of consecutive chunks together until
+            they reach this many bytes (0: one reduction per chunk).
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class GeminiDDP(ZeroModel):
         strict_ddp_mode: bool = False,
         *,
         prefetch: bool = True,
+        reduce_scatter_bucket_bytes: int = 0,
     ) -> None:
         if not isinstance(gemini_manager, GeminiManager):
             raise TypeError(
@@ -90,6 +95,15 @@ class GeminiDDP(ZeroModel):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        if (
+            isinstance(reduce_scatter_bucket_bytes, bool)
+            or not isinstance(reduce_scatter_bucket_bytes, int)
+            or reduce_scatter_bucket_bytes < 0
+        ):
+            raise ValueError(
+                f"reduce_scatter_bucket_bytes must be an int >= 0 (0: one reduction per chunk), "
+                f"got {reduce_scatter_bucket_bytes!r}"
+            )
         if strict_ddp_mode:
             raise ValueError(
                 "strict_ddp_mode=True replicates every tensor, which is plain data parallelism: "
@@ -109,11 +123,10 @@ class GeminiDDP(ZeroModel):
             ),
             chunk_size_numel=chunk_manager.chunk_size_numel,
             process_group=chunk_manager.group,
-            gradient_reduction=(
-                "all_reduce" if chunk_manager.reduce_via_all_reduce else "reduce_scatter"
-            ),
+            gradient_reduction=chunk_manager.reduce_method.value,
             prefetch=prefetch,
             force_outputs_fp32=force_outputs_fp32,
+            reduce_scatter_bucket_bytes=reduce_scatter_bucket_bytes,
         )
         self.pin_memory = pin_memory
         gemini_manager.pin_memory = pin_memory
@@ -132,7 +145,8 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
     (elements per chunk; None or absent: searched with chunk_search_range and min_chunk_size,
     in bytes, and chunk_search_n_grids); hidden_dim (chunk sizes rounded up to a multiple);
     mixed_precision (a `MixedPrecision`, or a torch dtype for parameters); process_group;
-    prefetch; gradient_reduction ("auto", "reduce_scatter" or "all_reduce", see ZeroConfig).
+    prefetch; gradient_reduction ("auto", "reduce_scatter", "all_to_all" or "all_reduce", see
+    ZeroConfig).
     """
     config = dict(gemini_config)
     unknown = sorted(set(config) - set(_GEMINI_CONFIG_KEYS))
@@ -163,7 +177,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         device=device,
         dtypes=mixed_precision.chunk_dtypes(),
         group=config.get("process_group"),
-        reduce_via_all_reduce=reduces_via_all_reduce(
+        reduce_method=gradient_reduction_method(
             config.get("gradient_reduction", "auto"), config.get("process_group")
         ),
     )
@@ -183,6 +197,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         force_outputs_fp32=config.get("force_outputs_fp32", False),
         strict_ddp_mode=config.get("strict_ddp_mode", False),
         prefetch=config.get("prefetch", True),
+        reduce_scatter_bucket_bytes=config.get("reduce_scatter_bucket_bytes", 0),
     )
 
 
@@ -202,8 +217,8 @@ def _searched_chunk_size(
     unique = list(dict.fromkeys(model.parameters()))
     result = search_chunk_size(
         [
-            [p.numel() for p in unique if p.requires_grad],
-            [p.numel() for p in unique if not p.requires_grad],
+            [whole_numel(p) for p in unique if p.requires_grad],
+            [whole_numel(p) for p in unique if not p.requires_grad],
         ],
         world_size=comm.world_size(config.get("process_group")),
         search_range_numel=search_range // element_size,

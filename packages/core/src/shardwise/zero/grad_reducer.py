@@ -145,16 +145,12 @@ class GradReducer:
         chunks, self._bucket, self._bucket_filled = self._bucket, [], 0
         if not chunks:
             return
-        world, rank = chunks[0].world_size, chunks[0].rank
+        world = chunks[0].world_size
         rows = [c.prepare_reduce().view(world, c.shard_numel) for c in chunks]
         stacked = torch.cat(rows, dim=1).reshape(-1)
-        stats, group = self.chunk_manager.stats, self.chunk_manager.group
-        if chunks[0].reduce_via_all_reduce:  # see [Note: reducing with all-reduce]
-            comm.all_reduce(stacked, stats, group)
-            reduced = stacked.view(world, -1)[rank]
-        else:
-            reduced = stacked.new_empty(sum(c.shard_numel for c in chunks))
-            comm.reduce_scatter(reduced, stacked, stats, group)
+        _, reduced = comm.reduce_to_shard(
+            stacked, chunks[0].reduce_method, self.chunk_manager.stats, self.chunk_manager.group
+        )
         offset = 0
         for chunk in chunks:
             chunk.accept_reduced(reduced[offset : offset + chunk.shard_numel], keep_full=False)

@@ -56,6 +56,12 @@ def sliced(param: torch.Tensor) -> bool:
     return getattr(param, _SLICE, None) is not None
 
 
+def whole_numel(param: torch.Tensor) -> int:
+    """Elements of `param` as built, also when it holds only this rank's slice."""
+    piece: _Slice | None = getattr(param, _SLICE, None)
+    return piece.numel if piece is not None else param.numel()
+
+
 def gather_whole(param: nn.Parameter, stats: CommStats, group: ProcessGroup | None) -> torch.Tensor:
     """The whole values of a sliced parameter, gathered from every rank's slice."""
     piece: _Slice = getattr(param, _SLICE)

@@ -16,7 +16,7 @@ from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager
-from shardwise.zero.config import ZeroConfig, reduces_via_all_reduce
+from shardwise.zero.config import ZeroConfig, gradient_reduction_method
 from shardwise.zero.gather_scheduler import GatherScheduler
 from shardwise.zero.grad_reducer import GradReducer
 from shardwise.zero.init_context import sliced, unslice
@@ -76,7 +76,7 @@ class ZeroModel(nn.Module):
             group=self.config.process_group,
             stats=stats,
             keep_gathered=self.config.stage < 3,
-            reduce_via_all_reduce=reduces_via_all_reduce(
+            reduce_method=gradient_reduction_method(
                 self.config.gradient_reduction, self.config.process_group
             ),
         )

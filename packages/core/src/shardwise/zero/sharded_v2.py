@@ -21,7 +21,7 @@ from shardwise.zero.config import (
     MixedPrecision,
     ZeroConfig,
     default_device,
-    reduces_via_all_reduce,
+    gradient_reduction_method,
 )
 from shardwise.zero.init_context import sliced, unslice
 from shardwise.zero.model import ZeroModel
@@ -106,7 +106,7 @@ class ShardedModelV2(ZeroModel):
             group=process_group,
             stats=CommStats(),
             predivide_factor=gradient_predivide_factor,
-            reduce_via_all_reduce=reduces_via_all_reduce("auto", process_group),
+            reduce_method=gradient_reduction_method("auto", process_group),
         )
         super().__init__(module, config, chunk_manager, GeminiManager(placement, chunk_manager))
         self.reuse_fp16_shard = reuse_fp16_shard
