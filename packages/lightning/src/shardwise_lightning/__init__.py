@@ -1,3 +1,23 @@
-"""PyTorch Lightning strategies over the shardwise engine."""
+"""PyTorch Lightning strategies over the shardwise engine.
+
+Importing this package registers the strategy names "shardwise_gemini",
+"shardwise_gemini_offload", "shardwise_gemini_auto", "shardwise_fsdp" and
+"shardwise_fsdp_offload" in Lightning's strategy registry.
+"""
+
+from shardwise_lightning.fully_sharded import FullyShardedStrategy
+from shardwise_lightning.gemini import GeminiStrategy
+from shardwise_lightning.precision import ShardwisePrecision
+from shardwise_lightning.registry import register_strategies
 
 __version__ = "0.1.0"
+
+STRATEGY_NAMES = register_strategies()
+
+__all__ = [
+    "STRATEGY_NAMES",
+    "FullyShardedStrategy",
+    "GeminiStrategy",
+    "ShardwisePrecision",
+    "register_strategies",
+]

@@ -1,0 +1,221 @@
+"""GeminiStrategy: the arguments of Lightning's former ColossalAIStrategy over shardwise."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from pytorch_lightning.accelerators import Accelerator
+from pytorch_lightning.plugins.precision import Precision
+from torch.distributed.constants import default_pg_timeout
+
+from shardwise import ChunkManager, GeminiManager
+from shardwise.zero.config import default_device
+from shardwise_lightning.base import ShardwiseStrategyBase
+
+
+class GeminiStrategy(ShardwiseStrategyBase):
+    """ZeRO stage 3 with chunk placement by the Gemini memory manager.
+
+    Parameters, gradients and optimizer state are sharded in chunks over the ranks; each chunk
+    is gathered just before the modules that use it run and released after. Any elementwise
+    optimizer from `configure_optimizers` works (HybridAdam is the fast one), with LR
+    schedulers, `accumulate_grad_batches`, `gradient_clip_val` (global norm, clipped by the
+    engine) and precision "32-true", "16-mixed" or "bf16-mixed". Models built in
+    `configure_model` are sharded as they are built.
+
+    Args:
+        use_chunk: pack many tensors per chunk; False gives every tensor a chunk of its own.
+        chunk_size: elements per chunk; None searches one with `chunk_search_range`,
+            `chunk_search_n_grids` and `min_chunk_size`.
+        enable_distributed_storage: shard parameters (1/N per rank); False keeps every chunk
+            gathered on the compute device and shards only gradients and optimizer state.
+        placement_policy: "cuda" (alias "device": everything on the compute device, fastest,
+            also the right choice on a CPU host), "cpu" (shards and optimizer state in host
+            memory), "auto" (moved under a device budget; needs `device_budget_bytes` without
+            CUDA), or "static" (fixed fractions, see below).
+        force_outputs_fp32: cast the model's floating-point outputs to fp32.
+        gpu_margin_mem_ratio: "auto" only: share of the device room left after warm-up that
+            optimizer state may use.
+        chunk_search_range, chunk_search_n_grids, min_chunk_size: the chunk-size search, in
+            bytes of the parameter dtype and grid steps.
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+            max_scale: the dynamic loss scale, used with "16-mixed".
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            as for Lightning's DDPStrategy.
+        device_budget_bytes: "auto": bytes of model state the compute device may hold.
+        shard_param_frac, offload_optim_frac, offload_param_frac: "static": the share of
+            chunks sharded, and of optimizer sides and shards kept in host memory.
+        process_group_backend, timeout, start_method: as for Lightning's DDPStrategy.
+    """
+
+    def __init__(
+        self,
+        use_chunk: bool = True,
+        chunk_size: int | None = None,
+        enable_distributed_storage: bool = True,
+        placement_policy: str = "auto",
+        force_outputs_fp32: bool = False,
+        gpu_margin_mem_ratio: float = 0.0,
+        chunk_search_range: int = 64 * 1024**2,
+        chunk_search_n_grids: int = 4096,
+        min_chunk_size: int = 32 * 1024**2,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        *,
+        device_budget_bytes: int | None = None,
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        offload_param_frac: float = 0.0,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+    ) -> None:
+        for name, value in (
+            ("use_chunk", use_chunk),
+            ("enable_distributed_storage", enable_distributed_storage),
+            ("force_outputs_fp32", force_outputs_fp32),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        if chunk_size is not None:
+            if not use_chunk:
+                raise ValueError(
+                    f"chunk_size={chunk_size} has no meaning with use_chunk=False (every tensor "
+                    f"gets a chunk of its own); drop one of them"
+                )
+            if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+                raise ValueError(
+                    f"chunk_size must be a positive int (elements), got {chunk_size!r}"
+                )
+        for name, number in (
+            ("chunk_search_range", chunk_search_range),
+            ("min_chunk_size", min_chunk_size),
+            ("chunk_search_n_grids", chunk_search_n_grids),
+        ):
+            if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {number!r}")
+        placement: dict[str, Any] = {
+            "placement_policy": placement_policy,
+            "device_budget_bytes": device_budget_bytes,
+            "shard_param_frac": shard_param_frac,
+            "offload_optim_frac": offload_optim_frac,
+            "offload_param_frac": offload_param_frac,
+            "gpu_margin_mem_ratio": gpu_margin_mem_ratio,
+        }
+        if not enable_distributed_storage:
+            placement = _unsharded_placement(placement)
+        _check_placement(placement)
+        super().__init__(
+            loss_scale={
+                "initial_scale": initial_scale,
+                "min_scale": min_scale,
+                "growth_factor": growth_factor,
+                "backoff_factor": backoff_factor,
+                "growth_interval": growth_interval,
+                "hysteresis": hysteresis,
+                "max_scale": max_scale,
+            },
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._placement = placement
+        self._force_outputs_fp32 = force_outputs_fp32
+        self._chunking: dict[str, Any]
+        if not use_chunk:
+            self._chunking = {"chunk_size_numel": 1}  # capacity 1: each tensor alone
+        elif chunk_size is not None:
+            self._chunking = {"chunk_size_numel": chunk_size}
+        else:
+            self._chunking = {
+                "chunk_search_range": chunk_search_range,
+                "chunk_search_n_grids": chunk_search_n_grids,
+                "min_chunk_size": min_chunk_size,
+            }
+
+    def gemini_config(self, device: torch.device) -> dict[str, Any]:
+        """Our arguments as the core's `gemini_config` for `device`."""
+        config: dict[str, Any] = {
+            "device": device,
+            "mixed_precision": self.precision_plugin.mixed_precision(device),
+            "force_outputs_fp32": self._force_outputs_fp32,
+            # Host copies of chunks are pinned when they feed a CUDA device.
+            "pin_memory": device.type == "cuda",
+            **self._chunking,
+        }
+        config.update({k: v for k, v in self._placement.items() if v is not None})
+        return config
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register "shardwise_gemini" (chunks on the compute device), "shardwise_gemini_offload"
+        (in host memory) and "shardwise_gemini_auto" (moved under the device's capacity)."""
+        strategy_registry.register(
+            "shardwise_gemini",
+            cls,
+            override=True,
+            description="shardwise ZeRO-3 (Gemini), chunks on the compute device",
+            placement_policy="cuda",
+        )
+        strategy_registry.register(
+            "shardwise_gemini_offload",
+            cls,
+            override=True,
+            description="shardwise ZeRO-3 (Gemini), shards and optimizer state in host memory",
+            placement_policy="cpu",
+        )
+        strategy_registry.register(
+            "shardwise_gemini_auto",
+            cls,
+            override=True,
+            description="shardwise ZeRO-3 (Gemini), chunks moved under the CUDA device's capacity",
+            placement_policy="auto",
+        )
+
+
+def _unsharded_placement(placement: dict[str, Any]) -> dict[str, Any]:
+    """enable_distributed_storage=False: every chunk stays gathered on the compute device."""
+    policy = placement["placement_policy"]
+    if policy not in ("cuda", "device", "static"):
+        raise ValueError(
+            f"enable_distributed_storage=False keeps every chunk gathered on the compute device, "
+            f"which placement_policy={policy!r} cannot do; use 'cuda' or 'static'"
+        )
+    if placement["shard_param_frac"] != 1.0 or placement["offload_param_frac"] != 0.0:
+        raise ValueError(
+            "enable_distributed_storage=False already decides shard_param_frac (0) and "
+            "offload_param_frac (0); leave them at their defaults"
+        )
+    return {**placement, "placement_policy": "static", "shard_param_frac": 0.0}
+
+
+def _check_placement(placement: dict[str, Any]) -> None:
+    """Validate the placement arguments through the core now, not inside fit."""
+    probe = ChunkManager(chunk_size_numel=1, device=default_device())
+    GeminiManager(
+        placement["placement_policy"],
+        probe,
+        device_budget_bytes=placement["device_budget_bytes"],
+        shard_param_frac=placement["shard_param_frac"],
+        offload_optim_frac=placement["offload_optim_frac"],
+        offload_param_frac=placement["offload_param_frac"],
+        gpu_margin_mem_ratio=placement["gpu_margin_mem_ratio"],
+    )

@@ -1,0 +1,204 @@
+"""Trainer.fit with the shardwise strategies against Lightning's own `ddp`, on 2 CPU ranks.
+
+Both run in the same forked ranks (see lightning_cases.py) on the same seed, data and global
+batch. In fp32 the sharded runs are bit-identical to `ddp`, losses and final parameters: with 2
+ranks each averaged gradient element is (a + b) / 2 in both, and the engine's optimizer applies
+the same elementwise update to its shard. Gradient clipping differs in the last bits (the
+global norm is summed over shards in another order than clip_grad_norm_ sums it), which Adam
+can grow to ~1e-6 here: compared to 1e-5. 16-bit payloads round parameters to 8 (bf16) or 11
+(fp16) bits each step, so those runs are compared with the fp32 `ddp` run to 5e-2 on the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from lightning_cases import FitResult, Net, fit, trainer
+
+from shardwise import DynamicGradScaler
+from shardwise.testing import run_ranks
+from shardwise_lightning import FullyShardedStrategy, GeminiStrategy, ShardwisePrecision
+
+EXACT_CASES: dict[str, Any] = {
+    "registered_gemini": lambda: "shardwise_gemini",
+    "registered_fsdp": lambda: "shardwise_fsdp",
+    "gemini_offload": lambda: "shardwise_gemini_offload",
+    "gemini_small_chunks": lambda: GeminiStrategy(placement_policy="cuda", chunk_size=500),
+    "gemini_no_chunk": lambda: GeminiStrategy(placement_policy="cuda", use_chunk=False),
+    "gemini_unsharded_storage": lambda: GeminiStrategy(
+        placement_policy="cuda", chunk_size=500, enable_distributed_storage=False
+    ),
+    "gemini_static": lambda: GeminiStrategy(
+        placement_policy="static", chunk_size=500, offload_optim_frac=0.5, offload_param_frac=0.5
+    ),
+    "fsdp_small_units_buckets": lambda: FullyShardedStrategy(min_num_params=700, bucket_cap_mb=0),
+    "fsdp_offload": lambda: FullyShardedStrategy(cpu_offload=True, min_num_params=700),
+}
+
+
+# Cases that add the same numbers in another order than ddp (see the module docstring).
+ROUNDED = ("clip", "accumulate")
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _fp32_cases() -> dict[str, tuple[FitResult, FitResult]]:
+    """Per case: (ddp, shardwise) on this rank."""
+    results: dict[str, tuple[FitResult, FitResult]] = {}
+    reference = fit("ddp", max_epochs=2)
+    for name, make in EXACT_CASES.items():
+        results[name] = (reference, fit(make(), max_epochs=2))
+    # Built in configure_model: sliced at creation, from rank 0's random state.
+    late = partial(Net, build_late=True)
+    results["configure_model"] = (
+        fit("ddp", late),
+        fit(GeminiStrategy(placement_policy="cuda", chunk_size=500), late),
+    )
+    results["accumulate"] = (
+        fit("ddp", accumulate_grad_batches=2, max_epochs=2),
+        fit("shardwise_gemini", accumulate_grad_batches=2, max_epochs=2),
+    )
+    sgd = partial(Net, optimizer="sgd")
+    results["sgd_momentum"] = (fit("ddp", sgd), fit("shardwise_fsdp", sgd))
+    results["clip"] = (
+        fit("ddp", gradient_clip_val=0.05),
+        fit(GeminiStrategy(placement_policy="cuda", chunk_size=500), gradient_clip_val=0.05),
+    )
+    return results
+
+
+def test_fit_matches_ddp_fp32() -> None:
+    per_rank = run_ranks(_fp32_cases, 2, timeout_s=120)
+    for rank, results in enumerate(per_rank):
+        for name, (ddp, ours) in results.items():
+            assert len(ours.losses) == len(ddp.losses) > 0, (rank, name)
+            if name in ROUNDED:
+                assert ours.losses == pytest.approx(ddp.losses, abs=1e-5), name
+                assert _max_diff(ours.state, ddp.state) < 1e-5, name
+            else:
+                assert ours.losses == ddp.losses, (rank, name)
+                assert _max_diff(ours.state, ddp.state) == 0.0, (rank, name)
+    # The runs trained: later epochs' loss below the first steps'.
+    losses = per_rank[0]["registered_gemini"][1].losses
+    assert sum(losses[-4:]) < sum(losses[:4])
+    # Accumulation halves the number of optimizer steps: its losses differ from plain runs'.
+    assert per_rank[0]["accumulate"][1].losses != per_rank[0]["registered_gemini"][1].losses[:16]
+
+
+def _sharded_layout() -> dict[str, Any]:
+    """Where the model lives after fit: in chunks, each rank holding half of every chunk."""
+    strategy = GeminiStrategy(placement_policy="cuda", chunk_size=500)
+    module = Net(build_late=True)
+    run = trainer(strategy)
+    run.fit(module)
+    engine = strategy.zero_model
+    assert engine is not None
+    optimizer = strategy.zero_optimizer()
+    assert optimizer is not None
+    return {
+        "stage": engine.stage,
+        "visible_numel": sum(p.numel() for p in module.parameters()),
+        "model_numel": sum(v.numel() for v in strategy.lightning_module_state_dict().values()),
+        "master_numel": sum(v.numel() for v in optimizer.shard_views.values()),
+        "optimizer": type(optimizer.optim).__name__,
+        "scheduler_steps": run.lr_scheduler_configs[0].scheduler.last_epoch,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+def test_model_is_sharded_and_scheduler_drives_inner_optimizer() -> None:
+    layouts = run_ranks(_sharded_layout, 2, timeout_s=60)
+    total = layouts[0]["model_numel"]
+    assert total == 16 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4
+    for layout in layouts:
+        assert layout["stage"] == 3
+        assert layout["visible_numel"] == 0  # every parameter is released between uses
+        assert layout["optimizer"] == "AdamW"
+        assert layout["scheduler_steps"] == 1  # one epoch, interval "epoch"
+        assert layout["lr"] == pytest.approx(1e-2)  # StepLR(step_size=3) not yet decayed
+    # Together the ranks' fp32 masters cover the model exactly once.
+    assert sum(layout["master_numel"] for layout in layouts) == total
+
+
+def _loops() -> dict[str, Any]:
+    """Validation during fit, then test and predict, for ddp and shardwise."""
+    out: dict[str, Any] = {}
+    for name, strategy in (("ddp", "ddp"), ("ours", "shardwise_fsdp")):
+        torch.manual_seed(0)
+        module = Net()
+        run = trainer(strategy, max_epochs=2, limit_val_batches=3, val_check_interval=4)
+        run.fit(module)
+        val_metric = float(run.callback_metrics["val_loss"])
+        tested = run.test(module, verbose=False)
+        predicted = run.predict(module)
+        assert predicted is not None
+        out[name] = {
+            "val": module.val_losses,
+            "val_metric": val_metric,
+            "test": tested[0]["test_loss"],
+            "predict": torch.cat([p for p in predicted if isinstance(p, torch.Tensor)]),
+        }
+    return out
+
+
+def test_validation_test_and_predict_match_ddp() -> None:
+    for result in run_ranks(_loops, 2, timeout_s=60):
+        ddp, ours = result["ddp"], result["ours"]
+        assert len(ours["val"]) == 2 * 2 * 3  # 2 checks per epoch, 3 batches each
+        assert ours["val"] == ddp["val"]
+        assert ours["val_metric"] == ddp["val_metric"]
+        assert ours["test"] == ddp["test"]
+        assert ours["predict"].shape == (32, 4)
+        assert torch.equal(ours["predict"], ddp["predict"])
+
+
+def _mixed() -> dict[str, Any]:
+    out: dict[str, Any] = {"ddp": fit("ddp")}
+    for precision in ("bf16-mixed", "16-mixed"):
+        strategy = GeminiStrategy(
+            placement_policy="cuda",
+            chunk_size=500,
+            precision_plugin=ShardwisePrecision(precision),
+            initial_scale=2**10,
+        )
+        result = fit(strategy)
+        engine = strategy.zero_model
+        optimizer = strategy.zero_optimizer()
+        assert engine is not None and optimizer is not None
+        chunk = engine.chunk_manager.chunks[0]
+        out[precision] = (
+            result,
+            chunk.dtypes,
+            isinstance(optimizer.grad_scaler, DynamicGradScaler),
+            optimizer.loss_scale,
+        )
+    # Trainer(precision="bf16-mixed") reaches the engine through our plugin.
+    strategy = GeminiStrategy(placement_policy="cuda")
+    run = trainer(strategy, precision="bf16-mixed")
+    out["trainer_flag"] = (
+        type(run.strategy.precision_plugin).__name__,
+        run.strategy.precision_plugin.precision,
+    )
+    return out
+
+
+def test_mixed_precision_close_to_fp32_ddp() -> None:
+    for result in run_ranks(_mixed, 2, timeout_s=60):
+        ddp: FitResult = result["ddp"]
+        for precision, payload in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)):
+            ours, dtypes, dynamic, scale = result[precision]
+            assert dtypes.payload == payload
+            assert dtypes.compute == torch.float32  # fp32 math on CPU
+            assert dynamic == (precision == "16-mixed")
+            assert scale == (2**10 if precision == "16-mixed" else 1.0)
+            assert ours.losses == pytest.approx(ddp.losses, abs=5e-2), precision
+            assert ours.losses != ddp.losses  # 16-bit storage is really in play
+            assert all(math.isfinite(v) for v in ours.losses)
+        assert result["trainer_flag"] == ("ShardwisePrecision", "bf16-mixed")
