@@ -1,0 +1,247 @@
+"""ShardwiseCallback: add it to a transformers.Trainer and the model trains sharded."""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from typing import Any
+
+import torch.distributed as dist
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
+
+from shardwise import ZeroModel, ZeroOptimizer, telemetry, zero_model_wrapper, zero_optim_wrapper
+from shardwise.telemetry import TelemetryRecorder
+from shardwise_hf import engine_state
+from shardwise_hf.compat import check_transformers_version, find_trainer
+from shardwise_hf.model_hooks import ModelHooks
+from shardwise_hf.settings import CallbackOptions, EngineSettings, resolve
+from shardwise_hf.trainer_objects import EngineLossScaler, TrainerModel, TrainerOptimizer
+
+
+class ShardwiseCallback(TrainerCallback, ExportableState):
+    """Train a `transformers.Trainer`'s model with the shardwise ZeRO engine.
+
+    Add it to an existing script launched with torchrun:
+    `Trainer(..., callbacks=[ShardwiseCallback()])`. When the Trainer is built, the callback
+    wraps its model (parameters, gradients and optimizer state sharded over the ranks), wraps
+    the optimizer the Trainer would build (`optim`, `learning_rate`, weight decay groups, or the
+    one passed in `optimizers=`), and puts both where the Trainer's loop calls them (see
+    [Note: how the Trainer's loop reaches the engine]). Precision follows `fp16` / `bf16`,
+    clipping follows `max_grad_norm`, accumulation `gradient_accumulation_steps`; the LR
+    scheduler keeps stepping the inner optimizer's param groups. `trainer.save_model()` writes
+    an ordinary Hugging Face checkpoint; Trainer checkpoints also hold the sharded engine state,
+    so `train(resume_from_checkpoint=...)` continues exactly. Loss scale and model-state bytes
+    are added to the Trainer's logs; telemetry streams when configured
+    (`SHARDWISE_DASHBOARD_URL` or `SHARDWISE_TELEMETRY_FILE`).
+
+    Args:
+        zero_stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
+        placement_policy: where stage-3 chunks live ("cuda"/"device", "cpu", "static",
+            "auto"); "auto" keeps them on the compute device on a CPU host without
+            `device_budget_bytes`, and lets Gemini place them against the budget otherwise.
+        chunk_size: elements per chunk (stage 3) or gradient bucket (stages 1-2); None searches
+            a chunk size at stage 3.
+        precision: "auto" (from TrainingArguments' fp16/bf16), "fp32", "bf16" or "fp16".
+            16-bit parameters are stored and communicated in 16 bits with fp32 master weights;
+            on a CPU the compute runs in fp32.
+        device_budget_bytes: the device memory the "auto" placement may fill with model state.
+        initial_scale, growth_interval, hysteresis, min_scale, max_scale: the dynamic loss
+            scale used with fp16.
+    """
+
+    def __init__(
+        self,
+        zero_stage: int = 3,
+        placement_policy: str = "auto",
+        chunk_size: int | None = None,
+        *,
+        precision: str = "auto",
+        device_budget_bytes: int | None = None,
+        initial_scale: float = 2**16,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1,
+        max_scale: float = 2**32,
+    ) -> None:
+        self.options = CallbackOptions(
+            zero_stage=zero_stage,
+            placement_policy=placement_policy,
+            chunk_size=chunk_size,
+            precision=precision,
+            device_budget_bytes=device_budget_bytes,
+            initial_scale=initial_scale,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        self.settings: EngineSettings | None = None
+        self.model: ZeroModel | None = None
+        self.optimizer: ZeroOptimizer | None = None
+        self.checkpoint_token = secrets.token_hex(8)
+        self._hooks: ModelHooks | None = None
+        self._recorder: TelemetryRecorder | None = None
+        self._resumed_at: int | None = None
+        self._saving_to: str | None = None
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.model is None:
+            self.attach(find_trainer(self))
+
+    def attach(self, trainer: Trainer) -> None:
+        """Shard `trainer`'s model and optimizer and hand the Trainer the objects its loop
+        calls. Runs by itself when the Trainer is built with this callback."""
+        check_transformers_version()
+        if self.model is not None:
+            raise ValueError("this ShardwiseCallback already drives a Trainer; make a new one")
+        if trainer.model is None:
+            raise ValueError("the Trainer has no model: pass Trainer(model=...)")
+        settings = resolve(self.options, trainer.args, trainer)
+        # In order: the engine takes over the module's parameters (same Parameter objects, now
+        # views of chunks), so the optimizer the Trainer builds over them can be wrapped next.
+        model = zero_model_wrapper(
+            trainer.model, zero_stage=settings.zero_stage, gemini_config=settings.gemini_config
+        )
+        inner = trainer.optimizer if trainer.optimizer is not None else trainer.create_optimizer()
+        optimizer = zero_optim_wrapper(
+            model,
+            inner,
+            max_norm=settings.max_grad_norm,
+            optim_config=settings.optim_config or None,
+            initial_scale=self.options.initial_scale,
+            growth_interval=self.options.growth_interval,
+            hysteresis=self.options.hysteresis,
+            min_scale=self.options.min_scale,
+            max_scale=self.options.max_scale,
+        )
+        facing = TrainerOptimizer(optimizer)
+        trainer.model_wrapped = TrainerModel(model)
+        trainer.optimizer = facing
+        trainer.accelerator.scaler = EngineLossScaler(facing)
+        self.settings, self.model, self.optimizer = settings, model, optimizer
+        if dist.is_initialized():
+            # Every rank stamps the engine state alike (rank 0's token).
+            chosen = [self.checkpoint_token]
+            dist.broadcast_object_list(chosen, src=0)
+            self.checkpoint_token = str(chosen[0])
+        self._hooks = ModelHooks(model)
+
+    def _engine(self) -> tuple[ZeroModel, ZeroOptimizer, ModelHooks]:
+        if self.model is None or self.optimizer is None or self._hooks is None:
+            raise RuntimeError("ShardwiseCallback is not attached to a Trainer")
+        return self.model, self.optimizer, self._hooks
+
+    # ---- training ----------------------------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model, optimizer, hooks = self._engine()
+        hooks.drop()
+        if state.global_step > 0 and self._resumed_at != state.global_step:
+            recorded = _recorded_state(state, type(self).__name__)
+            token = recorded.get("checkpoint_token")
+            if not token:
+                raise ValueError(
+                    f"resuming at step {state.global_step} from a checkpoint without shardwise "
+                    f"engine state: it was written by a run without ShardwiseCallback"
+                )
+            places = engine_state.candidates(args.output_dir or ".", state.global_step, recorded)
+            engine_state.load_matching(places, token, model, optimizer)
+            self._resumed_at = state.global_step
+        if self._recorder is None:
+            self._recorder = telemetry.enable(model, optimizer)
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._engine()[2].drop()
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._before_save(args, state, control)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._before_save(args, state, control)
+
+    def _before_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl
+    ) -> None:
+        """A checkpoint follows: gather the whole model for rank 0's save_pretrained (see
+        [Note: whole weights for save_pretrained]) and note where the engine state will go."""
+        if control.should_save:
+            self._engine()[2].gather()
+            self._saving_to = os.path.abspath(_checkpoint_dir(args, state))
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model, optimizer, hooks = self._engine()
+        hooks.drop()
+        engine_state.save(_checkpoint_dir(args, state), model, optimizer, self.checkpoint_token)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if logs is None or "loss" not in logs:
+            return
+        model, optimizer, _ = self._engine()
+        added: dict[str, Any] = {
+            "loss_scale": optimizer.loss_scale,
+            "model_state_bytes": sum(model.memory_report().values()),
+            "optimizer_state_bytes": optimizer.state_bytes(),
+        }
+        if "grad_norm" in logs:
+            # The Trainer's own norm saw no .grad; the engine's is over every rank's shards.
+            norm = optimizer.last_grad_norm
+            added["grad_norm"] = norm if math.isfinite(norm) else float("nan")
+        logs.update(added)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(added)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # trainer.save_model() usually follows, and runs on rank 0 only.
+        self._engine()[2].gather()
+        if self._recorder is not None:
+            self._recorder.finish()
+            self._recorder = None
+
+    # ---- ExportableState: the stamp of the engine state, kept in trainer_state.json ------------
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "args": {},
+            "attributes": {
+                "checkpoint_token": self.checkpoint_token,
+                "checkpoint_dir": self._saving_to,
+            },
+        }
+
+
+def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:
+    return os.path.join(args.output_dir or ".", f"checkpoint-{state.global_step}")
+
+
+def _recorded_state(state: TrainerState, name: str) -> dict[str, Any]:
+    callbacks: Any = state.stateful_callbacks or {}
+    stored = callbacks.get(name, {})
+    if isinstance(stored, list):
+        stored = stored[0] if stored else {}
+    attributes = stored.get("attributes", {}) if isinstance(stored, dict) else {}
+    return attributes if isinstance(attributes, dict) else {}

@@ -1,0 +1,173 @@
+"""The callback's options and TrainingArguments, resolved once into one engine configuration.
+
+Every setting that conflicts between the two, or that the engine cannot honour under the
+Trainer, is collected and reported in a single ValueError, so a user fixes a script in one go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwise import MixedPrecision
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CallbackOptions:
+    """What the user gave `ShardwiseCallback`; "auto" means "as TrainingArguments say"."""
+
+    zero_stage: int = 3
+    placement_policy: str = "auto"
+    chunk_size: int | None = None
+    precision: str = "auto"
+    device_budget_bytes: int | None = None
+    initial_scale: float = 2**16
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1
+    max_scale: float = 2**32
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSettings:
+    """The resolved configuration handed to the core wrappers."""
+
+    zero_stage: int
+    device: torch.device
+    precision: str
+    mixed_precision: MixedPrecision
+    gemini_config: dict[str, Any]
+    optim_config: dict[str, Any]
+    max_grad_norm: float
+
+
+def _precision_of(args: Any) -> str:
+    if getattr(args, "fp16", False):
+        return "fp16"
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return "fp32"
+
+
+def _mixed_precision(precision: str, device: torch.device) -> MixedPrecision:
+    """16-bit storage and communication; the compute dtype is fp32 on a CPU, where 16-bit
+    matrix math is tens of times slower, and the 16-bit dtype elsewhere."""
+    dtype = _DTYPES[precision]
+    compute = torch.float32 if device.type == "cpu" else dtype
+    return MixedPrecision(param_dtype=dtype, compute_dtype=compute)
+
+
+def _argument_conflicts(args: Any, trainer: Any) -> list[str]:
+    """TrainingArguments (and Trainer set-ups) the sharded engine cannot honour."""
+    found = []
+    if getattr(args, "deepspeed", None):
+        found.append("deepspeed is set: DeepSpeed and shardwise both shard the model; drop one")
+    if getattr(args, "fsdp", None):
+        found.append(f"fsdp={args.fsdp!r}: FSDP and shardwise both shard the model; drop one")
+    if getattr(args, "torch_compile", False):
+        found.append("torch_compile=True: compiled graphs bypass the gather hooks; set it False")
+    if getattr(args, "auto_find_batch_size", False):
+        found.append("auto_find_batch_size=True rebuilds the model wrapper; set it False")
+    checkpointing = getattr(args, "activation_checkpointing", False) or getattr(
+        args, "gradient_checkpointing", False
+    )
+    if checkpointing:
+        found.append("activation checkpointing is on: not supported with shardwise; turn it off")
+    if str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
+        found.append(
+            f"eval_strategy={str(args.eval_strategy)!r}: evaluation inside train() is not "
+            f"supported with shardwise; set eval_strategy='no'"
+        )
+    if getattr(args, "load_best_model_at_end", False) or str(args.save_strategy) in (
+        "best",
+        "SaveStrategy.BEST",
+    ):
+        found.append(
+            "save_strategy='best' / load_best_model_at_end need evaluation; use save_strategy "
+            "'steps' or 'epoch'"
+        )
+    if getattr(args, "restore_callback_states_from_checkpoint", False):
+        found.append(
+            "restore_callback_states_from_checkpoint=True would replace the ShardwiseCallback "
+            "that owns the engine; set it False (the engine state is restored anyway)"
+        )
+    if getattr(args, "n_gpu", 1) > 1:
+        found.append(
+            f"n_gpu={args.n_gpu} (one process driving several GPUs): launch one process per "
+            f"device with torchrun"
+        )
+    if trainer is not None and getattr(trainer, "model_init", None) is not None:
+        found.append("model_init is set: pass the model itself to Trainer(model=...)")
+    return found
+
+
+def resolve(options: CallbackOptions, args: Any, trainer: Any = None) -> EngineSettings:
+    """Fill the "auto" options from `args` (a TrainingArguments) and check both together.
+
+    Raises one ValueError listing every conflict found, each with its fix."""
+    problems: list[str] = []
+    stage = options.zero_stage
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        problems.append(f"zero_stage must be 1, 2 or 3, got {stage!r}")
+    if options.precision not in PRECISIONS:
+        problems.append(f"precision must be one of {PRECISIONS}, got {options.precision!r}")
+    chunk = options.chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        problems.append(f"chunk_size must be a positive number of elements or None, got {chunk!r}")
+    if stage in (1, 2) and (
+        options.placement_policy != "auto" or options.device_budget_bytes is not None
+    ):
+        problems.append(
+            f"placement_policy / device_budget_bytes place stage-3 chunks; at zero_stage={stage} "
+            f"leave them unset or use zero_stage=3"
+        )
+    args_precision = _precision_of(args)
+    precision = options.precision if options.precision != "auto" else args_precision
+    if (
+        options.precision in _DTYPES
+        and args_precision != "fp32"
+        and options.precision != args_precision
+    ):
+        problems.append(
+            f"precision={options.precision!r} but TrainingArguments ask for {args_precision} "
+            f"({args_precision}=True): make them agree or leave precision='auto'"
+        )
+    problems.extend(_argument_conflicts(args, trainer))
+    if problems:
+        listed = "\n".join(f"  - {problem}" for problem in problems)
+        raise ValueError(
+            f"ShardwiseCallback cannot train with these settings ({len(problems)} problem"
+            f"{'s' if len(problems) > 1 else ''}):\n{listed}"
+        )
+    device = torch.device(args.device)
+    policy = options.placement_policy
+    if policy == "auto" and device.type == "cpu" and options.device_budget_bytes is None:
+        # "auto" placement needs a budget to decide against; on a CPU host both pools are host
+        # memory, and keeping every chunk where it computes is the fastest choice.
+        policy = "device"
+    gemini_config: dict[str, Any] = {
+        "device": device,
+        "mixed_precision": _mixed_precision(precision, device)
+        if precision != "fp32"
+        else MixedPrecision(),
+    }
+    if stage == 3:
+        gemini_config["placement_policy"] = policy
+        gemini_config["chunk_size_numel"] = chunk
+        if options.device_budget_bytes is not None:
+            gemini_config["device_budget_bytes"] = options.device_budget_bytes
+    optim_config = {"reduce_bucket_size": chunk} if stage != 3 and chunk is not None else {}
+    return EngineSettings(
+        zero_stage=stage,
+        device=device,
+        precision=precision,
+        mixed_precision=gemini_config["mixed_precision"],
+        gemini_config=gemini_config,
+        optim_config=optim_config,
+        max_grad_norm=float(args.max_grad_norm or 0.0),
+    )

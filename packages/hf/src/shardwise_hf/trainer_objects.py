@@ -1,0 +1,185 @@
+"""The three objects the Trainer's own loop calls in place of its defaults.
+
+[Note: how the Trainer's loop reaches the engine]
+transformers.Trainer runs forward, backward, clipping, `optimizer.step()` and the scheduler
+inline. The callback hands it three objects that speak the interfaces it already calls:
+- `TrainerModel` becomes `trainer.model_wrapped`: the Trainer then skips
+  `accelerator.prepare(model)` (no DDP around sharded parameters) and its loop calls this
+  module, whose forward runs the engine. Its `no_sync` is what accelerate calls between
+  micro-batches of gradient accumulation.
+- `TrainerOptimizer` becomes `trainer.optimizer` (accelerate wraps it like any optimizer, the
+  LR scheduler steps its param groups, which are the inner optimizer's own dicts).
+- `EngineLossScaler` becomes `trainer.accelerator.scaler`, the slot accelerate keeps for a
+  torch GradScaler: `accelerator.backward` scales the loss with the engine's loss scale, and
+  accelerate's optimizer learns from `step` whether the engine skipped the update on overflow,
+  so the Trainer does not step the LR scheduler then, exactly as with its own fp16 scaler.
+The Trainer's own clipping sees no `.grad` (the engine moved every gradient into its chunks) and
+does nothing; `max_grad_norm` is the engine's clipping, over the shards of all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import ZeroModel, ZeroOptimizer
+
+_STATE_MARKER = "shardwise"
+_STATE_FORMAT = 1
+
+
+class TrainerModel(nn.Module):
+    """The Trainer-facing wrapper of the engine.
+
+    Args:
+        engine: the wrapped model (`zero_model_wrapper`'s result around `trainer.model`).
+    """
+
+    def __init__(self, engine: ZeroModel) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Between micro-batches: stage 3 accumulates gradients in their shards (reducing each
+        backward), stages 1 and 2 skip the reduction until the last micro-batch."""
+        if self.engine.stage == 3:
+            yield
+            return
+        with self.engine.no_sync():
+            yield
+
+
+class TrainerOptimizer(torch.optim.Optimizer):
+    """The engine's optimizer under the torch.optim.Optimizer interface the Trainer, accelerate
+    and LR schedulers expect. Like accelerate's own wrapper it does not call
+    `Optimizer.__init__`: its state lives in the wrapped optimizer.
+
+    `state_dict()` is a marker: each rank's optimizer state is a shard, saved by the callback
+    with `shardwise.checkpoint` next to the Trainer's checkpoint files.
+
+    Args:
+        zero: the engine's `ZeroOptimizer`.
+    """
+
+    def __init__(self, zero: ZeroOptimizer) -> None:
+        self.zero = zero
+        self._taken_by_scaler = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.zero.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.zero.optim.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.zero.optim.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.zero.optim.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.zero.optim.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.zero.optim.defaults = value
+
+    def engine_step(self) -> bool:
+        """Unscale, check overflow on all ranks, clip, step the shards; then clear the
+        gradients (the Trainer zeroes only `.grad`, which the engine does not use). Returns
+        False when the step was skipped on overflow."""
+        taken = self.zero.step()
+        self.zero.zero_grad()
+        return taken
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("a closure cannot be honoured: the engine steps sharded weights")
+        if self._taken_by_scaler:
+            # EngineLossScaler.step already stepped the engine; this call tells accelerate so.
+            self._taken_by_scaler = False
+            return
+        self.engine_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {_STATE_MARKER: {"format": _STATE_FORMAT, "where": "shardwise/ beside this file"}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        marker = state_dict.get(_STATE_MARKER) if isinstance(state_dict, dict) else None
+        if not isinstance(marker, dict) or marker.get("format") != _STATE_FORMAT:
+            raise ValueError(
+                "this optimizer state was not saved by ShardwiseCallback (keys "
+                f"{sorted(state_dict)[:5] if isinstance(state_dict, dict) else state_dict!r}); "
+                "resume from a checkpoint written by a run with the callback"
+            )
+        # The sharded state itself is loaded by the callback when training begins.
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ValueError("parameter groups cannot be added once the engine shards the optimizer")
+
+    def __repr__(self) -> str:
+        return f"TrainerOptimizer({self.zero!r})"
+
+
+class EngineLossScaler:
+    """The engine's loss scale behind the interface accelerate uses for a torch GradScaler.
+
+    Args:
+        optimizer: the Trainer-facing optimizer over the engine.
+    """
+
+    def __init__(self, optimizer: TrainerOptimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def zero(self) -> ZeroOptimizer:
+        return self.optimizer.zero
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        self.zero.last_loss = loss.detach()
+        scale = self.zero.loss_scale
+        return loss * scale if scale != 1.0 else loss
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Nothing to do: the engine unscales inside its step, fused with clipping."""
+
+    def step(self, optimizer: Any, closure: Callable[[], float] | None = None) -> None:
+        """Step the engine; call `optimizer.step()` (accelerate's marker of a taken step) only
+        when the engine did not skip the update."""
+        if closure is not None:
+            raise ValueError("a closure cannot be honoured: the engine steps sharded weights")
+        if self.optimizer.engine_step():
+            self.optimizer._taken_by_scaler = True
+            optimizer.step()
+
+    def update(self, new_scale: float | None = None) -> None:
+        if new_scale is not None:
+            raise ValueError("the engine's loss scale is dynamic; it cannot be set by hand")
+
+    def get_scale(self) -> float:
+        return self.zero.loss_scale
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.zero.grad_scaler.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.zero.grad_scaler.load_state_dict(state)

@@ -1,0 +1,84 @@
+"""Single-process checks of the callback's set-up: settings resolved from TrainingArguments,
+every conflict in one error, and the transformers version gate."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from shardwise_hf import check_transformers_version
+from shardwise_hf.settings import CallbackOptions, resolve
+
+
+def _args(**overrides: Any) -> SimpleNamespace:
+    values: dict[str, Any] = {
+        "fp16": False,
+        "bf16": False,
+        "device": torch.device("cpu"),
+        "max_grad_norm": 1.0,
+        "save_strategy": "steps",
+        "eval_strategy": "no",
+    }
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def test_auto_values_come_from_training_arguments() -> None:
+    settings = resolve(CallbackOptions(), _args(bf16=True, max_grad_norm=0.5))
+    assert settings.precision == "bf16"
+    assert settings.mixed_precision.param_dtype == torch.bfloat16
+    assert settings.mixed_precision.compute_dtype == torch.float32  # CPU computes in fp32
+    assert settings.max_grad_norm == 0.5
+    # "auto" placement without a budget on a CPU host keeps chunks where they compute.
+    assert settings.gemini_config["placement_policy"] == "device"
+    budgeted = resolve(CallbackOptions(device_budget_bytes=2**20), _args())
+    assert budgeted.gemini_config["placement_policy"] == "auto"
+    assert budgeted.precision == "fp32"
+
+
+def test_explicit_fp16_on_fp32_arguments_is_honoured() -> None:
+    settings = resolve(CallbackOptions(precision="fp16"), _args())
+    assert settings.mixed_precision.uses_loss_scaling
+
+
+def test_stage_two_takes_the_chunk_size_as_bucket() -> None:
+    settings = resolve(CallbackOptions(zero_stage=2, chunk_size=1024), _args())
+    assert settings.optim_config == {"reduce_bucket_size": 1024}
+    assert "placement_policy" not in settings.gemini_config
+
+
+def test_every_conflict_is_reported_at_once() -> None:
+    with pytest.raises(ValueError) as raised:
+        resolve(
+            CallbackOptions(zero_stage=4, placement_policy="cpu", precision="bf16"),
+            _args(
+                fp16=True,
+                deepspeed="ds.json",
+                fsdp="full_shard",
+                torch_compile=True,
+                eval_strategy="steps",
+                load_best_model_at_end=True,
+            ),
+        )
+    message = str(raised.value)
+    assert "7 problems" in message
+    for expected in (
+        "zero_stage must be 1, 2 or 3, got 4",
+        "precision='bf16' but TrainingArguments ask for fp16",
+        "deepspeed",
+        "fsdp='full_shard'",
+        "torch_compile=True",
+        "eval_strategy='steps'",
+        "load_best_model_at_end",
+    ):
+        assert expected in message, expected
+
+
+def test_unsupported_transformers_is_refused() -> None:
+    check_transformers_version("5.23.0")
+    for version in ("4.57.1", "6.0.0"):
+        with pytest.raises(RuntimeError, match=f"found {version}"):
+            check_transformers_version(version)
