@@ -41,15 +41,78 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Train a small GPT with ZeRO stage 3 on 2 CPU ranks under torchrun."""
-    session.run(
-        "torchrun",
-        "--standalone",
-        "--nproc-per-node=2",
-        "examples/train_gpt.py",
-        *session.posargs,
-        env={"OMP_NUM_THREADS": "1"},
-    )
+    """Train a small GPT with ZeRO stage 3 on 2 CPU ranks under torchrun, live in the dashboard.
+
+    Starts the dashboard on a free loopback port (8265 when free; history in
+    runs/dashboard.sqlite), prints its URL, streams the run into it, then keeps it up for
+    --hold seconds (default 30; 0 ends at once; Ctrl-C ends early) and stops it. Options:
+    `./dev demo --hold 0 --port 8300 --steps 100` (the others go to examples/train_gpt.py).
+    """
+    import argparse
+    import contextlib
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    def free_port(preferred: int) -> int:
+        for candidate in (preferred, 0):
+            with socket.socket() as probe:
+                # As uvicorn binds: a port whose old connections linger in TIME_WAIT is free.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(("127.0.0.1", candidate))
+                except OSError:
+                    continue
+                return int(probe.getsockname()[1])
+        raise AssertionError("no free port on 127.0.0.1")
+
+    parser = argparse.ArgumentParser(prog="./dev demo", add_help=False)
+    parser.add_argument("--hold", type=float, default=30.0)
+    parser.add_argument("--port", type=int, default=0)
+    options, train_args = parser.parse_known_args([a for a in session.posargs if a != "--"])
+    if options.hold < 0:
+        session.error(f"--hold must be >= 0 seconds, got {options.hold}")
+    port = options.port or free_port(8265)
+    url = f"http://127.0.0.1:{port}"
+    db = "runs/dashboard.sqlite"
+    serve = [sys.executable, "-m", "shardwise_dashboard", "serve", "--port", str(port)]
+    dashboard = subprocess.Popen([*serve, "--db", db])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/api/v1/health", timeout=1):
+                    break
+            except OSError:
+                if dashboard.poll() is not None or time.monotonic() > deadline:
+                    session.error(f"the dashboard did not start on {url} (see above)")
+                time.sleep(0.1)
+        session.log(f"dashboard: open {url} to watch the run live")
+        session.run(
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node=2",
+            "examples/train_gpt.py",
+            *train_args,
+            env={"OMP_NUM_THREADS": "1", "SHARDWISE_DASHBOARD_URL": url},
+        )
+        if options.hold:
+            session.log(
+                f"training done; the dashboard stays at {url} for {options.hold:g} s "
+                f"(Ctrl-C stops it now). Later: shardwise-dashboard serve --db {db}"
+            )
+            with contextlib.suppress(KeyboardInterrupt):
+                time.sleep(options.hold)
+    finally:
+        dashboard.terminate()
+        try:
+            dashboard.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            dashboard.kill()
+            dashboard.wait()
+        session.log("dashboard stopped")
 
 
 @nox.session

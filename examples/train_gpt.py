@@ -76,6 +76,9 @@ def main() -> None:
     if rank == 0:
         chunks = len(model.chunk_manager.chunks)
         print(f"GPT, {num_params:,} parameters in {chunks} chunks, ZeRO stage 3 on {world} ranks")
+        if recorder is not None:
+            where = os.environ.get("SHARDWISE_DASHBOARD_URL") or "JSON-lines files"
+            print(f"telemetry of run {recorder.emitter.run_id} streams to {where}")
 
     progress = tqdm(range(args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
     for step in progress:
