@@ -1,0 +1,44 @@
+"""examples/hf_trainer.py under torchrun, as a user launches it."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_example_trains_and_saves(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(ROOT / "examples" / "hf_trainer.py"),
+            "--steps",
+            "10",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    losses = [
+        float(ast.literal_eval(line)["loss"])
+        for line in result.stdout.splitlines()
+        if line.startswith("{'loss'")
+    ]
+    assert len(losses) == 2  # logging_steps=5 over 10 steps, printed by rank 0
+    assert "loss_scale" in result.stdout and "model_state_bytes" in result.stdout
+    assert (tmp_path / "final" / "config.json").is_file()
+    assert (tmp_path / "final" / "model.safetensors").is_file()
