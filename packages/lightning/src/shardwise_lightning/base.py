@@ -40,8 +40,6 @@ from shardwise import (
 from shardwise import checkpoint as sharded_checkpoint
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
 
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
 
 class ShardwiseStrategyBase(DDPStrategy):
     """Base of the shardwise strategies (ZeRO stage 3 over the chunk engine).
@@ -49,9 +47,11 @@ class ShardwiseStrategyBase(DDPStrategy):
     Args:
         loss_scale: the `DynamicGradScaler` settings (used when fp16 is involved).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for Lightning's `DDPStrategy`
-            (`checkpoint_io` reads plain Lightning checkpoints; shardwise checkpoints are
-            written by the engine).
+            process_group_backend, timeout: as for Lightning's `DDPStrategy` (`checkpoint_io`
+            reads plain Lightning checkpoints; shardwise checkpoints are written by the
+            engine). Processes come from torchrun (or another external launcher) or from
+            Lightning relaunching the script; spawn/fork launchers are not offered, since they
+            copy weights back through the module's own, sharded, state_dict.
     """
 
     def __init__(
@@ -65,13 +65,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        start_method: str = "popen",
     ) -> None:
-        if start_method not in _START_METHODS:
-            raise ValueError(
-                f"start_method must be one of {', '.join(map(repr, _START_METHODS))}, "
-                f"got {start_method!r}"
-            )
         DynamicGradScaler(**loss_scale)  # validates the scaler settings now, not inside fit
         super().__init__(
             accelerator=accelerator,
@@ -81,7 +75,7 @@ class ShardwiseStrategyBase(DDPStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            start_method=start_method,  # type: ignore[arg-type]
+            start_method="popen",
         )
         self._loss_scale = dict(loss_scale)
         self._zero_model: ZeroModel | None = None

@@ -44,7 +44,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             process_group_backend: as for Lightning's DDPStrategy.
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
             max_scale: the dynamic loss scale, used with "16-mixed".
-        timeout, start_method: as for Lightning's DDPStrategy.
+        timeout: as for Lightning's DDPStrategy.
     """
 
     def __init__(
@@ -73,7 +73,6 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         hysteresis: int = 2,
         max_scale: float = 2**32,
         timeout: timedelta | None = default_pg_timeout,
-        start_method: str = "popen",
     ) -> None:
         for name, value in (
             ("cpu_offload", cpu_offload),
@@ -130,7 +129,6 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            start_method=start_method,
         )
         self.cpu_offload = cpu_offload
         self.fp32_reduce_scatter = fp32_reduce_scatter

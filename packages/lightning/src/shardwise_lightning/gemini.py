@@ -48,7 +48,7 @@ class GeminiStrategy(ShardwiseStrategyBase):
         device_budget_bytes: "auto": bytes of model state the compute device may hold.
         shard_param_frac, offload_optim_frac, offload_param_frac: "static": the share of
             chunks sharded, and of optimizer sides and shards kept in host memory.
-        process_group_backend, timeout, start_method: as for Lightning's DDPStrategy.
+        process_group_backend, timeout: as for Lightning's DDPStrategy.
     """
 
     def __init__(
@@ -81,7 +81,6 @@ class GeminiStrategy(ShardwiseStrategyBase):
         offload_param_frac: float = 0.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        start_method: str = "popen",
     ) -> None:
         for name, value in (
             ("use_chunk", use_chunk),
@@ -135,7 +134,6 @@ class GeminiStrategy(ShardwiseStrategyBase):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            start_method=start_method,
         )
         self._placement = placement
         self._force_outputs_fp32 = force_outputs_fp32

@@ -1,0 +1,159 @@
+"""Arguments the engine cannot honour are refused when the strategy or Trainer is built, or at
+setup before the first step: a clear ValueError/TypeError, never a traceback inside fit."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from lightning_cases import Net, trainer
+
+from shardwise.testing import run_ranks
+from shardwise_lightning import (
+    STRATEGY_NAMES,
+    FullyShardedStrategy,
+    GeminiStrategy,
+    ShardwisePrecision,
+)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: GeminiStrategy(placement_policy="gpu"), ValueError, "'gpu'"),
+        (
+            lambda: GeminiStrategy(placement_policy="cuda", gpu_margin_mem_ratio=0.5),
+            ValueError,
+            "only to placement_policy='auto'",
+        ),
+        (
+            lambda: GeminiStrategy(placement_policy="cuda", shard_param_frac=0.5),
+            ValueError,
+            "only to placement_policy='static'",
+        ),
+        (
+            lambda: GeminiStrategy(placement_policy="cuda", use_chunk=False, chunk_size=64),
+            ValueError,
+            "use_chunk=False",
+        ),
+        (lambda: GeminiStrategy(placement_policy="cuda", chunk_size=0), ValueError, "chunk_size"),
+        (
+            lambda: GeminiStrategy(placement_policy="cpu", enable_distributed_storage=False),
+            ValueError,
+            "enable_distributed_storage=False",
+        ),
+        (lambda: GeminiStrategy(placement_policy="cuda", use_chunk=1), TypeError, "use_chunk"),
+        (
+            lambda: GeminiStrategy(placement_policy="cuda", growth_factor=0.5),
+            ValueError,
+            "growth_factor",
+        ),
+        (lambda: FullyShardedStrategy(flatten_parameters=False), ValueError, "flatten_parameters"),
+        (
+            lambda: FullyShardedStrategy(reshard_after_forward=False),
+            ValueError,
+            "reshard_after_forward",
+        ),
+        (lambda: FullyShardedStrategy(move_grads_to_cpu=True), ValueError, "move_grads_to_cpu"),
+        (lambda: FullyShardedStrategy(compute_dtype=torch.int8), ValueError, "compute_dtype"),
+        (lambda: FullyShardedStrategy(min_num_params=0), ValueError, "min_num_params"),
+        (lambda: FullyShardedStrategy(hysteresis=0), ValueError, "hysteresis"),
+        (lambda: ShardwisePrecision("16-true"), ValueError, "'16-true'"),
+        (
+            lambda: GeminiStrategy(
+                placement_policy="cuda", precision_plugin=pl.plugins.HalfPrecision()
+            ),
+            TypeError,
+            "HalfPrecision",
+        ),
+    ],
+)
+def test_construction_refuses(make: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA gives 'auto' a default budget")
+def test_auto_placement_without_cuda_needs_a_budget() -> None:
+    with pytest.raises(ValueError, match="device_budget_bytes"):
+        GeminiStrategy()  # the seed's default placement_policy="auto"
+    assert GeminiStrategy(device_budget_bytes=2**20) is not None
+
+
+def test_registered_names_build_their_strategies() -> None:
+    assert STRATEGY_NAMES == [
+        "shardwise_fsdp",
+        "shardwise_fsdp_offload",
+        "shardwise_gemini",
+        "shardwise_gemini_auto",
+        "shardwise_gemini_offload",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offload = pl.Trainer(strategy="shardwise_fsdp_offload", accelerator="cpu", devices=2)
+        gemini = pl.Trainer(strategy="shardwise_gemini", accelerator="cpu", devices=2)
+        mixed = pl.Trainer(strategy="shardwise_fsdp", accelerator="cpu", precision="bf16-mixed")
+    assert isinstance(offload.strategy, FullyShardedStrategy) and offload.strategy.cpu_offload
+    assert isinstance(gemini.strategy, GeminiStrategy)
+    assert gemini.strategy.gemini_config(torch.device("cpu"))["placement_policy"] == "cuda"
+    assert isinstance(mixed.strategy.precision_plugin, ShardwisePrecision)
+    assert mixed.strategy.precision_plugin.precision == "bf16-mixed"
+
+
+def test_trainer_refuses_true_half_precision() -> None:
+    with warnings.catch_warnings(), pytest.raises(TypeError, match="HalfPrecision"):
+        warnings.simplefilter("ignore")
+        pl.Trainer(strategy="shardwise_gemini", accelerator="cpu", precision="16-true")
+
+
+class _TwoOptimizers(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        raise AssertionError("setup must refuse before any step")
+
+    def configure_optimizers(self) -> Any:
+        return [
+            torch.optim.SGD(self.parameters(), lr=0.1),
+            torch.optim.SGD(self.parameters(), lr=0.1),
+        ]
+
+
+class _Lbfgs(Net):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters())
+
+
+class _ClipOverride(Net):
+    def configure_gradient_clipping(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _setup_errors() -> dict[str, str]:
+    cases: dict[str, tuple[Net, dict[str, Any]]] = {
+        "clip_by_value": (Net(), {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}),
+        "two_optimizers": (_TwoOptimizers(), {}),
+        "lbfgs": (_Lbfgs(), {}),
+        "clip_override": (_ClipOverride(), {}),
+    }
+    messages: dict[str, str] = {}
+    for name, (module, kwargs) in cases.items():
+        try:
+            trainer("shardwise_gemini", **kwargs).fit(module)
+        except (ValueError, TypeError) as error:
+            messages[name] = f"{type(error).__name__}: {error}"
+        assert module.losses == [], name  # refused before the first step
+    return messages
+
+
+def test_setup_refuses_before_the_first_step() -> None:
+    messages = run_ranks(_setup_errors, 1, timeout_s=60)[0]
+    assert "gradient_clip_algorithm='value'" in messages["clip_by_value"]
+    assert "exactly one optimizer" in messages["two_optimizers"]
+    assert "LBFGS" in messages["lbfgs"]
+    assert "configure_gradient_clipping" in messages["clip_override"]
