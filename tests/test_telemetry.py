@@ -117,3 +117,29 @@ def test_nothing_configured_means_nothing_happens(monkeypatch: Any) -> None:
         return telemetry.enable(wrapped, optimizer) is None
 
     assert run_ranks(check, 1) == [True]
+
+
+class _DeadSink:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def write(self, events: list[dict[str, Any]]) -> None:
+        self.calls += 1
+        raise ConnectionRefusedError("the dashboard is gone")
+
+    def close(self) -> None:
+        pass
+
+
+def test_undelivered_events_are_counted_and_reported_once(caplog: Any) -> None:
+    sink = _DeadSink()
+    emitter = TelemetryEmitter(sink, run_id="r", rank=3, queue_size=100, batch_size=10)
+    for i in range(25):
+        emitter.emit({"type": "step", "step": i})
+    with caplog.at_level("WARNING", logger="shardwise.telemetry"):
+        emitter.close(timeout_s=2.0)
+        emitter.close(timeout_s=2.0)  # closing twice reports nothing more
+    assert emitter.dropped == 25 and emitter.delivered == 0
+    (record,) = caplog.records
+    assert "run r, rank 3: 25 events could not be delivered" in record.getMessage()
+    assert sink.calls >= 3 + 1  # the batches, then the "dropped" event, all refused

@@ -12,6 +12,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 
 def step_event(
     run_id: str = "run-a", rank: int = 0, step: int = 0, **changes: Any
@@ -83,6 +85,30 @@ def finished_event(run_id: str = "run-a", rank: int = 0) -> dict[str, Any]:
         "status": "finished",
         "error": None,
     }
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--no-first-run",
+]
+
+
+def launch_chromium(playwright: Any) -> Any:
+    """Debian's headless chromium under Playwright; a missing browser fails the test, loudly."""
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: the dashboard's browser tests drive Debian's chromium; "
+            "`./dev test` installs it (apt-get install chromium)"
+        )
+    return playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
 
 
 def free_port() -> int:

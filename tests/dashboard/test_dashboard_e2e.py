@@ -9,26 +9,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
-from dashboard_support import Server
+from dashboard_support import Server, launch_chromium
 from dashboard_training import CHUNK_EVERY, train
 
 from shardwise.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACT = ROOT / "runs" / "test-artifacts" / "dashboard-e2e.png"  # runs/ is git-ignored
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-quic",
-    "--no-first-run",
-]
 STEPS = 12
 WORLD = 2
 
@@ -57,17 +44,12 @@ def _page_state(page: Any, run_id: str) -> dict[str, Any]:
 
 
 def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
-    if not CHROMIUM.exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: the dashboard's browser test drives Debian's chromium; "
-            "`./dev test` installs it (apt-get install chromium)"
-        )
     from playwright.sync_api import sync_playwright
 
     server = Server(tmp_path / "runs.sqlite")
     try:
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            browser = launch_chromium(playwright)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             errors: list[str] = []
             page.on("pageerror", lambda error: errors.append(str(error)))

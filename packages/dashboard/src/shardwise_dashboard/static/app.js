@@ -19,14 +19,48 @@ const state = {
 
 // ---- drawing is scheduled, never done per event ------------------------------------------
 
+// Everything is drawn inside animation frames, each part at its own pace: rank headers and
+// chunk maps in the next frame after they change, charts at most every CHART_INTERVAL_MS,
+// the runs list at most every LIST_INTERVAL_MS (it only shows progress counters).
+const CHART_INTERVAL_MS = 200;
+const LIST_INTERVAL_MS = 500;
+const drawnAt = { charts: -Infinity, list: -Infinity };
+// Read by the browser tests (data-messages, data-renders, data-render-ms on <body>): stream
+// messages received, frames drawn for them, and the time spent drawing.
+const counters = { messages: 0, renders: 0, renderMs: 0 };
 let frameRequested = false;
+let retryTimer = null;
+
 function scheduleRender() {
   if (frameRequested) return;
   frameRequested = true;
-  requestAnimationFrame(() => {
+  requestAnimationFrame((now) => {
     frameRequested = false;
-    if (state.listDirty) renderRunList();
-    if (state.view) state.view.render();
+    const start = performance.now();
+    let waitMs = Infinity;
+    if (state.listDirty) {
+      const wait = drawnAt.list + LIST_INTERVAL_MS - now;
+      if (wait <= 0) {
+        drawnAt.list = now;
+        renderRunList();
+      } else waitMs = Math.min(waitMs, wait);
+    }
+    if (state.view) {
+      const chartsDue = now - drawnAt.charts >= CHART_INTERVAL_MS;
+      const { drewCharts, chartsPending } = state.view.render(chartsDue);
+      if (drewCharts) drawnAt.charts = now;
+      if (chartsPending) waitMs = Math.min(waitMs, drawnAt.charts + CHART_INTERVAL_MS - now);
+    }
+    if (Number.isFinite(waitMs) && retryTimer === null) {
+      retryTimer = setTimeout(() => {
+        retryTimer = null;
+        scheduleRender();
+      }, Math.max(waitMs, 0));
+    }
+    counters.renders += 1;
+    counters.renderMs += performance.now() - start;
+    document.body.dataset.renders = String(counters.renders);
+    document.body.dataset.renderMs = counters.renderMs.toFixed(1);
   });
 }
 
@@ -49,12 +83,14 @@ class RankView {
     this.series = { loss: [], scale: [], device: [], host: [], sent: [], to_device: [], to_host: [], ms: [], norm: [] };
     this.overflows = [];
     this.chunks = null;
+    this.chunksDirty = true;
     this.status = "running";
     this.host = "";
     this.error = null;
     this.dropped = 0;
     this.droppedSeen = new Set();
-    this.dirty = true;
+    this.dirty = true; // header text
+    this.chartsDirty = true;
     this.build();
   }
 
@@ -124,11 +160,13 @@ class RankView {
     for (const [key, value] of Object.entries(values)) this.series[key].splice(at, 0, value);
     if (e.overflow) this.overflows.push(e.step);
     this.dirty = true;
+    this.chartsDirty = true;
   }
 
   setChunks(e) {
     if (this.chunks && this.chunks.step > e.step) return;
     this.chunks = e;
+    this.chunksDirty = true;
     this.dirty = true;
   }
 
@@ -159,18 +197,27 @@ class RankView {
     this.dirty = true;
   }
 
-  render() {
-    if (!this.dirty) return;
-    this.dirty = false;
-    const last = this.steps.length ? this.steps[this.steps.length - 1] : null;
-    const parts = [this.host, this.status, last === null ? "no step yet" : `step ${last}`];
-    if (this.dropped) parts.push(`${this.dropped} events dropped`);
-    this.meta.textContent = parts.filter(Boolean).join(" · ");
-    this.element.dataset.status = this.status;
-    this.element.dataset.steps = String(this.steps.length);
-    this.errorLine.hidden = !this.error;
-    this.errorLine.textContent = this.error ?? "";
-    renderChunkMap(this.map, this.chunks);
+  /** Draw what changed; charts only when `chartsDue`. Says whether charts were drawn and
+   * whether some still wait for their turn. */
+  render(chartsDue) {
+    if (this.dirty) {
+      this.dirty = false;
+      const last = this.steps.length ? this.steps[this.steps.length - 1] : null;
+      const parts = [this.host, this.status, last === null ? "no step yet" : `step ${last}`];
+      if (this.dropped) parts.push(`${this.dropped} events dropped`);
+      this.meta.textContent = parts.filter(Boolean).join(" · ");
+      this.element.dataset.status = this.status;
+      this.element.dataset.steps = String(this.steps.length);
+      this.errorLine.hidden = !this.error;
+      this.errorLine.textContent = this.error ?? "";
+    }
+    if (this.chunksDirty) {
+      this.chunksDirty = false;
+      renderChunkMap(this.map, this.chunks);
+    }
+    if (!this.chartsDirty) return { drewCharts: false, chartsPending: false };
+    if (!chartsDue) return { drewCharts: false, chartsPending: true };
+    this.chartsDirty = false;
     const s = this.series;
     const data = {
       loss: [s.loss], "loss-scale": [s.scale], memory: [s.device, s.host],
@@ -183,6 +230,7 @@ class RankView {
       const value = ys[0].length ? ys[0][ys[0].length - 1] : null;
       latest.textContent = value === null ? "" : spec.format(value);
     }
+    return { drewCharts: true, chartsPending: false };
   }
 }
 
@@ -220,7 +268,7 @@ class RunView {
     this.rankView(e.rank).apply(e);
     if (e.type === "run_started" && this.summary) this.summary.world_size = e.world_size;
     if (e.type === "run_started" && !this.config) this.config = e.config;
-    this.headerDirty = true;
+    if (e.type !== "step" && e.type !== "chunks") this.headerDirty = true;
   }
 
   merge(detail) {
@@ -231,12 +279,19 @@ class RunView {
     $("run").dataset.loaded = "true";
   }
 
-  render() {
+  render(chartsDue) {
     if (this.headerDirty) {
       this.headerDirty = false;
       renderHeader(this);
     }
-    for (const view of this.ranks.values()) view.render();
+    let drewCharts = false;
+    let chartsPending = false;
+    for (const view of this.ranks.values()) {
+      const drawn = view.render(chartsDue);
+      drewCharts ||= drawn.drewCharts;
+      chartsPending ||= drawn.chartsPending;
+    }
+    return { drewCharts, chartsPending };
   }
 }
 
@@ -301,11 +356,11 @@ function renderRunList() {
   if (state.view) state.view.headerDirty = true;
 }
 
-let listTimer = null;
+let reloadTimer = null;
 function refreshRunsSoon() {
-  if (listTimer !== null) return;
-  listTimer = setTimeout(() => {
-    listTimer = null;
+  if (reloadTimer !== null) return;
+  reloadTimer = setTimeout(() => {
+    reloadTimer = null;
     loadRuns();
   }, 300);
 }
@@ -355,6 +410,8 @@ function fromHash() {
 // ---- live events -----------------------------------------------------------------------
 
 function onEvents(events) {
+  counters.messages += 1;
+  document.body.dataset.messages = String(counters.messages);
   for (const e of events) {
     const run = state.runs.find((r) => r.run_id === e.run_id);
     if (!run || e.type === "run_started" || e.type === "run_finished") refreshRunsSoon();
@@ -392,7 +449,7 @@ function connect() {
 
 window.addEventListener("hashchange", fromHash);
 window.addEventListener("resize", () => {
-  if (state.view) for (const r of state.view.ranks.values()) r.dirty = true;
+  if (state.view) for (const r of state.view.ranks.values()) r.chartsDirty = true;
   scheduleRender();
 });
 fromHash();
