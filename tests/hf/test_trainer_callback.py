@@ -135,3 +135,18 @@ def test_conflicting_settings_reported_together(seen: dict[str, Any]) -> None:
     assert "precision='fp16' but TrainingArguments ask for bf16" in message
     assert "auto_find_batch_size=True" in message
     assert "restore_callback_states_from_checkpoint=True" in message
+
+
+def test_fp16_loss_scale_skips_steps_and_the_scheduler(seen: dict[str, Any]) -> None:
+    flooded = seen["fp16"]["overflowing"]
+    # Every step overflows: the update and the LR scheduler step are both skipped (the
+    # warm-up learning rate stays 0), and the scale halves each time (hysteresis=1).
+    assert flooded["overflows"] == 6
+    assert flooded["learning_rate"] == [0.0] * 6
+    assert flooded["loss_scale"] == [2.0**39 / 2**i for i in range(6)]
+    normal = seen["fp16"]["default"]
+    assert normal["overflows"] == 0 and normal["loss_scale"] == [2.0**16] * 6
+    # fp16 storage of fp32-computed weights: close to the fp32 run, and learning.
+    plain = seen["llama"]["plain_loss"]
+    assert all(math.isclose(a, b, rel_tol=2e-3) for a, b in zip(normal["loss"], plain, strict=True))
+    assert normal["loss"][-1] < normal["loss"][0]

@@ -166,6 +166,33 @@ def conflicts(out: Path) -> str:
     return ""
 
 
+def fp16_runs(out: Path) -> dict[str, Any]:
+    """fp16 storage and loss scaling asked of the callback (a CPU Trainer refuses fp16=True):
+    one run whose scale starts far too high, so every step overflows and is skipped, and one
+    with the default scale."""
+    seen: dict[str, Any] = {}
+    for name, scale in (
+        ("overflowing", {"initial_scale": 2**40, "max_scale": 2**48}),
+        ("default", {}),
+    ):
+        callback = ShardwiseCallback(precision="fp16", hysteresis=1, **scale)
+        trainer = Trainer(
+            model=build("llama"),
+            args=arguments(out / f"fp16_{name}"),
+            train_dataset=dataset(),
+            callbacks=[callback],
+        )
+        trainer.train()
+        assert callback.optimizer is not None
+        seen[name] = {
+            "loss": history(trainer, "loss"),
+            "loss_scale": history(trainer, "loss_scale"),
+            "learning_rate": history(trainer, "learning_rate"),
+            "overflows": callback.optimizer.grad_scaler.num_overflows,
+        }
+    return seen
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
@@ -173,6 +200,7 @@ def main() -> None:
     results = {
         "llama": run_kind("llama", out / "llama", stage=3, chunk=4096),
         "gpt2": run_kind("gpt2", out / "gpt2", stage=3, chunk=None),
+        "fp16": fp16_runs(out),
         "conflict_error": conflicts(out),
     }
     if dist.get_rank() == 0:
