@@ -162,6 +162,21 @@ def test_a_token_guards_ingestion_when_set(tmp_path: Path) -> None:
         assert client.get("/api/v1/runs").json()[0]["run_id"] == "run-a"
 
 
+def test_history_can_be_thinned_without_losing_overflows(client: TestClient) -> None:
+    events = [
+        step_event(rank=r, step=s, overflow=s in (13, 57)) for r in (0, 1) for s in range(100)
+    ]
+    post(client, events)
+    full = client.get("/api/v1/runs/run-a").json()["ranks"]
+    assert [len(rank["steps"]) for rank in full] == [100, 100]
+    thin = client.get("/api/v1/runs/run-a?max_points=10").json()["ranks"]
+    for rank in thin:
+        steps = [e["step"] for e in rank["steps"]]
+        assert steps == sorted({*range(0, 100, 10), 13, 57, 99})
+        assert [e["step"] for e in rank["steps"] if e["overflow"]] == [13, 57]
+    assert client.get("/api/v1/runs/run-a?max_points=1").status_code == 422
+
+
 def test_an_unknown_run_is_404(client: TestClient) -> None:
     response = client.get("/api/v1/runs/nope")
     assert response.status_code == 404 and "nope" in response.text
@@ -227,6 +242,7 @@ def test_a_restart_on_the_same_file_keeps_history(tmp_path: Path) -> None:
 def test_openapi_describes_every_endpoint(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     assert set(spec["paths"]) == {
+        "/",
         "/api/v1/events",
         "/api/v1/runs",
         "/api/v1/runs/{run_id}",

@@ -90,6 +90,19 @@ GROUP BY r.run_id ORDER BY r.started DESC, r.run_id
 """
 
 
+# Every k-th step of each rank, k = ceil(steps / max_points), plus its last and its overflows.
+_THINNED_STEPS = """
+SELECT e.rank, e.body FROM events e
+JOIN ranks k ON k.run_id = e.run_id AND k.rank = e.rank
+WHERE e.run_id = ?1 AND e.type = 'step' AND (
+    e.step % max(1, (k.last_step + ?2) / ?3) = 0
+    OR e.step = k.last_step
+    OR json_extract(e.body, '$.overflow')
+)
+ORDER BY e.rank, e.step, e.id
+"""
+
+
 class RunStore:
     """Run history over one SQLite file.
 
@@ -180,9 +193,15 @@ class RunStore:
             rows = self._db.execute(_RUN_SUMMARIES.format(where="")).fetchall()
         return [_summary(row) for row in rows]
 
-    def run(self, run_id: str) -> dict[str, Any] | None:
-        """One run: its summary and config, and per rank its status, every step event (in
-        step order) and its latest chunk snapshot; None when the run is unknown."""
+    def run(self, run_id: str, max_points: int | None = None) -> dict[str, Any] | None:
+        """One run: its summary and config, and per rank its status, its step events (in
+        step order) and its latest chunk snapshot; None when the run is unknown.
+
+        Args:
+            run_id: the run.
+            max_points: when set, a rank's steps are thinned to about this many (every k-th
+                step, plus its last step and every overflow, so no overflow mark is lost).
+        """
         with self._lock:
             row = self._db.execute(
                 _RUN_SUMMARIES.format(where="WHERE r.run_id = ?"), (run_id,)
@@ -197,11 +216,16 @@ class RunStore:
                 "FROM ranks WHERE run_id = ? ORDER BY rank",
                 (run_id,),
             ).fetchall()
-            steps = self._db.execute(
-                "SELECT rank, body FROM events WHERE run_id = ? AND type = 'step' "
-                "ORDER BY rank, step, id",
-                (run_id,),
-            ).fetchall()
+            if max_points is None:
+                steps = self._db.execute(
+                    "SELECT rank, body FROM events WHERE run_id = ? AND type = 'step' "
+                    "ORDER BY rank, step, id",
+                    (run_id,),
+                ).fetchall()
+            else:
+                steps = self._db.execute(
+                    _THINNED_STEPS, (run_id, max_points, max_points)
+                ).fetchall()
             snapshots = self._db.execute(
                 "SELECT rank, body FROM events WHERE id IN (SELECT max(id) FROM events "
                 "WHERE run_id = ? AND type = 'chunks' GROUP BY rank)",

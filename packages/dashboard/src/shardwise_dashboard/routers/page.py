@@ -23,7 +23,7 @@ def static_files() -> StaticFiles:
     return StaticFiles(packages=[("shardwise_dashboard", "static")])
 
 
-@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+@router.get("/", response_class=HTMLResponse)
 async def index() -> HTMLResponse:
     """The dashboard page."""
     html = files("shardwise_dashboard").joinpath("static", "index.html").read_text("utf-8")

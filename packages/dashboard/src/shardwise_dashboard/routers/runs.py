@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path
+from fastapi import APIRouter, HTTPException, Path, Query
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -27,11 +27,20 @@ async def list_runs(store: StoreDep) -> JSONResponse:
     responses={404: {"description": "No event of this run was ever ingested."}},
 )
 async def get_run(
-    run_id: Annotated[str, Path(min_length=1, max_length=128)], store: StoreDep
+    run_id: Annotated[str, Path(min_length=1, max_length=128)],
+    store: StoreDep,
+    max_points: Annotated[
+        int | None,
+        Query(
+            ge=2,
+            description="Thin each rank's steps to about this many (every k-th, the last, "
+            "and every overflow); default: all.",
+        ),
+    ] = None,
 ) -> JSONResponse:
-    """One run: its summary and engine config and, per rank, every step event in step order
+    """One run: its summary and engine config and, per rank, its step events in step order
     and the latest chunk snapshot."""
-    detail = await run_in_threadpool(store.run, run_id)
+    detail = await run_in_threadpool(store.run, run_id, max_points)
     if detail is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
     # The events were validated when ingested: skip validating thousands of them again.

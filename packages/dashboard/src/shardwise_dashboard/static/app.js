@@ -7,6 +7,7 @@ import { LineChart, formatBytes, formatNumber } from "./charts.js";
 import { renderChunkMap } from "./chunkmap.js";
 
 const API = "/api/v1";
+const HISTORY_POINTS = 4000;
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -387,7 +388,9 @@ function select(runId) {
 }
 
 async function loadRun(view) {
-  const response = await fetch(`${API}/runs/${encodeURIComponent(view.runId)}`);
+  // History is thinned to what a chart can show; live events then arrive at full resolution.
+  const query = `max_points=${HISTORY_POINTS}`;
+  const response = await fetch(`${API}/runs/${encodeURIComponent(view.runId)}?${query}`);
   if (view !== state.view) return; // another run was selected meanwhile
   if (response.status === 404) {
     $("run").dataset.loaded = "true"; // nothing stored yet; live events will fill it
