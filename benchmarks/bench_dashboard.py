@@ -250,7 +250,8 @@ def write_results(
         "",
         f"Written by `{command}` on {datetime.date.today().isoformat()}: {machine()}; server "
         f"(uvicorn, one process) and {args.ranks} simulated ranks (threads of one client "
-        f"process) on the same machine, over loopback. Load average before the run: {load}.",
+        f"process) on the same machine, over loopback, while other jobs shared it (load average "
+        f"before the run: {load}, on {os.cpu_count()} cores).",
         "Paced: each rank posts one step event per step at the target rate, plus a "
         f"{NUM_CHUNKS}-chunk snapshot every 10 steps, one POST and one new connection per step "
         "(as a rank's emitter does at that rate). Saturation: each rank posts batches of "
@@ -299,7 +300,7 @@ def main() -> None:
             f"{args.rate}, {args.seconds}, {args.batch}"
         )
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    command = "python benchmarks/bench_dashboard.py " + " ".join(sys.argv[1:])
+    command = " ".join(["python benchmarks/bench_dashboard.py", *sys.argv[1:]])
     with tempfile.TemporaryDirectory() as scratch:
         db = Path(scratch) / "bench.sqlite"
         port = free_port()
