@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from helpers import CHUNK_NUMEL, batch_slice, make_model
 
 from shardwise import telemetry, zero_model_wrapper, zero_optim_wrapper
-from shardwise.telemetry import TelemetryEmitter
+from shardwise.telemetry import HttpSink, TelemetryEmitter, sinks
 from shardwise.testing import run_ranks
 
 
@@ -143,3 +144,49 @@ def test_undelivered_events_are_counted_and_reported_once(caplog: Any) -> None:
     (record,) = caplog.records
     assert "run r, rank 3: 25 events could not be delivered" in record.getMessage()
     assert sink.calls >= 3 + 1  # the batches, then the "dropped" event, all refused
+
+
+def _crash_after_one_step(path: str) -> None:
+    model = make_model()
+    wrapped = zero_model_wrapper(model, 2, {"device": torch.device("cpu")})
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    recorder = telemetry.enable(wrapped, optimizer, path=path, run_id="crash")
+    assert recorder is not None
+    optimizer.backward(wrapped(*batch_slice(0, 0, 0, 1)))
+    optimizer.step()
+    # What the interpreter does with an exception nobody caught, before the atexit handlers.
+    sys.excepthook(RuntimeError, RuntimeError("out of memory on step 1"), None)
+
+
+def test_an_uncaught_exception_reports_the_run_failed(tmp_path: Path) -> None:
+    run_ranks(_crash_after_one_step, 1, str(tmp_path / "telemetry"))
+    lines = (tmp_path / "telemetry.rank0.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert [e["type"] for e in events] == ["run_started", "step", "chunks", "run_finished"]
+    assert events[-1]["status"] == "failed"
+    assert events[-1]["error"] == "RuntimeError: out of memory on step 1"
+
+
+def test_the_http_sink_splits_a_batch_over_its_body_limit(monkeypatch: Any) -> None:
+    bodies: list[bytes] = []
+
+    class _Answer:
+        def __enter__(self) -> _Answer:
+            return self
+
+        def __exit__(self, *args: object) -> None:
+            pass
+
+        def read(self) -> bytes:
+            return b"{}"
+
+    def urlopen(request: Any, timeout: float) -> _Answer:
+        bodies.append(request.data)
+        return _Answer()
+
+    monkeypatch.setattr(sinks.urllib.request, "urlopen", urlopen)
+    events = [{"type": "step", "step": i, "pad": "x" * 100} for i in range(100)]
+    HttpSink("http://127.0.0.1:1", max_body_bytes=2048).write(events)
+    assert all(len(body) <= 2048 for body in bodies) and len(bodies) >= 6
+    sent = [e for body in bodies for e in json.loads(body)["events"]]
+    assert sent == events  # all of them, once, in order

@@ -80,6 +80,19 @@ def test_a_run_is_running_until_every_rank_finished(client: TestClient) -> None:
     assert detail["ranks"][1]["error"] == "rank 1: out of memory"
 
 
+def test_a_run_joined_midway_finishes_when_every_rank_seen_finished(client: TestClient) -> None:
+    # The dashboard came up after the ranks started: no run_started, world size unknown.
+    post(client, [step_event(rank=r, step=5) for r in (0, 1)] + [finished_event(rank=0)])
+    assert client.get("/api/v1/runs").json()[0]["status"] == "running"
+    post(client, [finished_event(rank=1)])
+    (summary,) = client.get("/api/v1/runs").json()
+    assert (summary["status"], summary["world_size"], summary["ranks_seen"]) == (
+        "finished",
+        None,
+        2,
+    )
+
+
 def test_malformed_json_is_refused_and_the_server_stays_healthy(client: TestClient) -> None:
     for body in (b'{"events": [', b"not json", b"", b'{"events": "step"}', b"[]"):
         response = client.post(

@@ -278,7 +278,8 @@ def _summary(row: tuple[Any, ...]) -> dict[str, Any]:
     run_id, started, last_seen, world_size, num_params, seen, finished, failed, step, dropped = row
     if failed:
         status = "failed"
-    elif world_size is not None and finished >= world_size:
+    elif finished and finished >= (world_size if world_size is not None else seen):
+        # Without a run_started (the dashboard came up mid-run) the ranks seen stand in.
         status = "finished"
     else:
         status = "running"

@@ -6,6 +6,8 @@ With no argument it reads SHARDWISE_DASHBOARD_URL (and SHARDWISE_DASHBOARD_TOKEN
 SHARDWISE_TELEMETRY_FILE (a JSON-lines file per rank: `{path}.rank{r}.jsonl`); with neither set
 it returns None and costs nothing. Each step adds one event to a bounded queue (see
 TelemetryEmitter); chunk snapshots go out at the first step and every `chunk_every` steps.
+The run is reported finished by `finish()` or at exit, and failed (with the exception) when an
+uncaught exception ends the process, so a crashed rank shows as failed, not as finished.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import atexit
 import os
 import secrets
 import socket
+import sys
 import time
 from typing import Any
 
@@ -157,8 +160,21 @@ def enable(
             "param_dtype": str(model.config.mixed_precision.param_dtype),
         }
     )
+    _report_uncaught_exceptions(recorder)
     atexit.register(recorder.finish)
     return recorder
+
+
+def _report_uncaught_exceptions(recorder: TelemetryRecorder) -> None:
+    # An uncaught exception runs sys.excepthook before the atexit handlers: report the run
+    # failed there, then let the previous hook print the traceback as usual.
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        recorder.finish(error=f"{kind.__name__}: {value}")
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def _shared_run_id(model: ZeroModel) -> str:

@@ -42,17 +42,33 @@ class HttpSink:
         url: the dashboard's base URL, e.g. http://127.0.0.1:8265.
         token: sent as a bearer token when the dashboard requires one.
         timeout_s: per request; a slow dashboard costs the emitter thread, never training.
+        max_body_bytes: a batch whose JSON is larger goes in several requests (the dashboard
+            refuses bodies over 8 MiB by default; big chunk snapshots add up).
     """
 
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 2.0,
+        max_body_bytes: int = 4 * 2**20,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"dashboard URL must start with http:// or https://, got {url!r}")
+        if max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
         self.endpoint = url.rstrip("/") + "/api/v1/events"
         self.token = token
         self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
 
     def write(self, events: list[dict[str, Any]]) -> None:
         body = json.dumps({"events": events}, allow_nan=False).encode()
+        if len(body) > self.max_body_bytes and len(events) > 1:
+            half = len(events) // 2
+            self.write(events[:half])
+            self.write(events[half:])
+            return
         request = urllib.request.Request(self.endpoint, data=body, method="POST")
         request.add_header("Content-Type", "application/json")
         if self.token:
