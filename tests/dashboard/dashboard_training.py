@@ -51,8 +51,11 @@ def train(url: str | None, steps: int, kill_at: int = -1, server_pid: int = 0) -
     optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
     recorder = None
     if url is not None:
-        recorder = telemetry.enable(wrapped, optimizer, url=url, chunk_every=CHUNK_EVERY)
+        # As a user turns it on (this rank is a forked process: the parent is untouched).
+        os.environ["SHARDWISE_DASHBOARD_URL"] = url
+        recorder = telemetry.enable(wrapped, optimizer, chunk_every=CHUNK_EVERY)
         assert recorder is not None
+        del os.environ["SHARDWISE_DASHBOARD_URL"]
     losses = []
     for step in range(steps):
         if rank == 0 and step == kill_at:

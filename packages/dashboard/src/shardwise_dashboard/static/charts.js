@@ -2,7 +2,7 @@
 // axis, and marks at chosen x positions (overflow steps). Drawing is explicit (draw()), so
 // the page decides when: at most once per animation frame, and only when data changed.
 
-const PAD = { left: 44, right: 6, top: 6, bottom: 16 };
+const PAD = { left: 56, right: 6, top: 6, bottom: 16 };
 
 export class LineChart {
   /**
