@@ -1,9 +1,22 @@
-"""Packing of a model's parameters into chunks, and lookups from a parameter to its chunk."""
+"""Packing of a model's parameters into chunks, and lookups from a parameter to its chunk.
+
+[Note: packing one chunk at a time]
+The layout of every chunk (which parameters, in which order, what capacity) is planned first
+from the parameters' element counts alone; then the parameters are packed in order and each
+chunk is closed (copied into its buffer, broadcast and, at stage 3, cut to this rank's shard)
+right after its last parameter goes in. A parameter that holds only a slice of its values (a
+model built in a ZeroInitContext) is made whole just before it is packed, so at most the
+parameters of the open chunks and one chunk buffer are whole at a time, never the model.
+Planning first also keeps `sharded_fraction` exact: the number of chunks is known before the
+first one closes. Every rank plans the same layout and so issues the same gathers and
+broadcasts in the same order.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,45 +76,68 @@ class ChunkManager:
         self._where: dict[int, tuple[Chunk, int]] = {}  # id(param) -> (chunk, tensor index)
 
     def register(
-        self, named_params: Iterable[tuple[str, nn.Parameter]], sharded_fraction: float = 1.0
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        sharded_fraction: float = 1.0,
+        *,
+        numel_of: Callable[[nn.Parameter], int] = torch.Tensor.numel,
+        make_whole: Callable[[nn.Parameter], None] | None = None,
     ) -> None:
-        """Pack the parameters into chunks, then close every chunk (same order on all ranks).
+        """Pack the parameters into chunks, closing each chunk as soon as its last parameter is
+        in (same order on all ranks; see [Note: packing one chunk at a time]).
 
         Args:
             named_params: (name, parameter) pairs in packing order.
             sharded_fraction: for a manager that shards, the share of chunks to shard: the
                 first ceil(fraction x chunks) in chunk order are sharded, the rest keep their
                 payload gathered (no gathers, more memory).
+            numel_of: elements a parameter will have once whole (default: `numel()`).
+            make_whole: called on each parameter just before it is packed, to give it its
+                whole values (a collective when it gathers them: every rank calls it on the
+                same parameters in the same order).
         """
-        open_chunks: dict[bool, Chunk] = {}
-        new_chunks: list[Chunk] = []
+        unique: dict[int, tuple[str, nn.Parameter]] = {}  # tied parameters are stored once
         for name, param in named_params:
-            if id(param) in self._where:
-                continue
-            trainable = param.requires_grad
-            chunk = open_chunks.get(trainable)
-            if chunk is None or not chunk.can_fit(param.numel()):
-                chunk = Chunk(
-                    chunk_id=len(self.chunks) + len(new_chunks),
-                    capacity_numel=max(self.chunk_size_numel, param.numel()),
-                    dtypes=self.dtypes,
-                    device=self.device,
-                    group=self.group,
-                    stats=self.stats,
-                    keep_gathered=self.keep_gathered,
-                    requires_grad=trainable,
-                )
-                open_chunks[trainable] = chunk
-                new_chunks.append(chunk)
+            if id(param) not in self._where:
+                unique.setdefault(id(param), (name, param))
+        params = list(unique.values())
+        numels = [numel_of(param) for _, param in params]
+        trainable = [param.requires_grad for _, param in params]
+        layouts = _plan_chunks(list(zip(numels, trainable, strict=True)), self.chunk_size_numel)
+        num_sharded = math.ceil(sharded_fraction * len(layouts))
+        new_chunks: list[Chunk] = []
+        owner: dict[int, Chunk] = {}  # index in `params` -> its chunk
+        last: dict[int, Chunk] = {}  # index of a chunk's last parameter -> the chunk
+        for position, layout in enumerate(layouts):
+            chunk = Chunk(
+                chunk_id=len(self.chunks) + position,
+                capacity_numel=layout.capacity_numel,
+                dtypes=self.dtypes,
+                device=self.device,
+                group=self.group,
+                stats=self.stats,
+                keep_gathered=self.keep_gathered or position >= num_sharded,
+                requires_grad=layout.trainable,
+            )
             chunk.predivide_factor = self.predivide_factor
             chunk.reduce_method = self.reduce_method
+            owner.update(dict.fromkeys(layout.members, chunk))
+            last[layout.members[-1]] = chunk
+            new_chunks.append(chunk)
+        for index, (name, param) in enumerate(params):
+            if make_whole is not None:
+                make_whole(param)
+            if param.numel() != numels[index]:
+                raise RuntimeError(
+                    f"{name} was planned with {numels[index]} elements but has "
+                    f"{param.numel()} when packed"
+                )
+            chunk = owner[index]
             self._where[id(param)] = (chunk, len(chunk.tensors))
             chunk.append(name, param)
-        num_sharded = math.ceil(sharded_fraction * len(new_chunks))
-        for position, chunk in enumerate(new_chunks):
-            if position >= num_sharded:
-                chunk.keep_gathered = True
-            chunk.close()
+            if index in last:
+                last[index].close()
+        assert all(chunk.closed for chunk in new_chunks)
         self.chunks.extend(new_chunks)
 
     def locate(self, param: torch.Tensor) -> tuple[Chunk, int]:
@@ -143,3 +179,29 @@ class ChunkManager:
 
     def __repr__(self) -> str:
         return f"ChunkManager(chunks={len(self.chunks)}, chunk_size_numel={self.chunk_size_numel})"
+
+
+@dataclass(slots=True)
+class _Layout:
+    """One planned chunk: its capacity, whether it is trainable, and its parameters' indices."""
+
+    capacity_numel: int
+    trainable: bool
+    members: list[int] = field(default_factory=list)
+    numel: int = 0
+
+
+def _plan_chunks(params: list[tuple[int, bool]], chunk_size_numel: int) -> list[_Layout]:
+    """Chunk layouts for parameters given as (numel, trainable), in order: each goes to the
+    open chunk of its kind if it fits, else opens a new one of max(chunk size, numel)."""
+    layouts: list[_Layout] = []
+    open_layouts: dict[bool, _Layout] = {}
+    for index, (numel, trainable) in enumerate(params):
+        layout = open_layouts.get(trainable)
+        if layout is None or layout.numel + numel > layout.capacity_numel:
+            layout = _Layout(max(chunk_size_numel, numel), trainable)
+            open_layouts[trainable] = layout
+            layouts.append(layout)
+        layout.members.append(index)
+        layout.numel += numel
+    return layouts

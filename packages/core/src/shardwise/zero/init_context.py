@@ -13,7 +13,9 @@ gathers the parameter's slices first, so it sees and changes the whole tensor; w
 parameter is touched, or the context closes, the changes are cut back into the slices. At most
 the parameters of one call are whole at a time, so a rank's peak while building stays near
 (model bytes / N) plus one layer. Every rank runs the same construction code, so the gathers
-match across ranks.
+match across ranks. Wrapping the model keeps the promise: a parameter is made whole only just
+before it is packed into a chunk, and each chunk is sharded as soon as it is full (see [Note:
+packing one chunk at a time] in chunk/manager.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from shardwise.gemini import GeminiManager
 from shardwise.zero.config import ZeroConfig, gradient_reduction_method
 from shardwise.zero.gather_scheduler import GatherScheduler
 from shardwise.zero.grad_reducer import GradReducer
-from shardwise.zero.init_context import sliced, unslice
+from shardwise.zero.init_context import sliced, unslice, whole_numel
 from shardwise.zero.state_dict import gather_full_state_dict, load_full_state_dict
 
 
@@ -105,13 +105,22 @@ class ZeroModel(nn.Module):
         )
 
     def _register_parameters(self, chunk_manager: ChunkManager, sharded_fraction: float) -> None:
-        """Pack the module's parameters into chunks, in `named_parameters()` order. Parameters
-        built in a ZeroInitContext are made whole first (all at once: ShardedModelV2 packs
-        them group by group instead)."""
-        for param in self.module.parameters():
+        """Pack the module's parameters into chunks, in `named_parameters()` order. A parameter
+        built in a ZeroInitContext is made whole only just before it is packed, and each chunk
+        is sharded as soon as it is full, so the whole model never exists on one rank (see
+        [Note: packing one chunk at a time] in chunk/manager.py)."""
+        stats, group = self.comm_stats, self.config.process_group
+
+        def make_whole(param: nn.Parameter) -> None:
             if sliced(param):
-                unslice(param, self.comm_stats, self.config.process_group)
-        chunk_manager.register(self.module.named_parameters(), sharded_fraction=sharded_fraction)
+                unslice(param, stats, group)
+
+        chunk_manager.register(
+            self.module.named_parameters(),
+            sharded_fraction=sharded_fraction,
+            numel_of=whole_numel,
+            make_whole=make_whole,
+        )
 
     def rebuild(self, *, chunk_size_numel: int, overlap_communication: bool) -> None:
         """Re-pack the parameters with a new chunk (bucket) size; stages 1 and 2 only, before
