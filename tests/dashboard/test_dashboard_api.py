@@ -7,6 +7,7 @@ import json
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,15 +116,38 @@ def test_malformed_json_is_refused_and_the_server_stays_healthy(client: TestClie
         ({"run_id": ""}, "run_id"),
         ({"type": "reboot"}, "type"),
         ({"surprise": True}, "surprise"),
+        ({"step": 2**70}, "step"),
+        ({"run_id": "\ud800"}, "run_id"),
     ],
 )
 def test_wrong_fields_are_refused_whole(
     client: TestClient, change: dict[str, Any], where: str
 ) -> None:
     # One bad event refuses the batch: the good one beside it is not stored either.
-    response = post(client, [step_event(step=0), {**step_event(step=1), **change}])
+    body = json.dumps({"events": [step_event(step=0), {**step_event(step=1), **change}]})
+    response = client.post(
+        "/api/v1/events", content=body, headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 422
     assert where in json.dumps(response.json()["detail"])
+    assert_healthy_and_empty(client)
+
+
+@pytest.mark.parametrize(
+    ("field", "literal"), [("loss", "NaN"), ("time", "Infinity"), ("loss_scale", "-Infinity")]
+)
+def test_non_json_numbers_are_refused(client: TestClient, field: str, literal: str) -> None:
+    # Python's JSON parser reads these words; the schema has no place for them.
+    body = json.dumps({"events": [{**step_event(), field: "@"}]}).replace('"@"', literal)
+    response = client.post(
+        "/api/v1/events", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 422 and field in response.text
+    started = json.dumps({"events": [started_event()]}).replace('"chunks": 2', '"chunks": NaN')
+    response = client.post(
+        "/api/v1/events", content=started, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 422 and "config must be plain JSON" in response.text
     assert_healthy_and_empty(client)
 
 
@@ -188,6 +212,14 @@ def test_history_can_be_thinned_without_losing_overflows(client: TestClient) -> 
         assert steps == sorted({*range(0, 100, 10), 13, 57, 99})
         assert [e["step"] for e in rank["steps"] if e["overflow"]] == [13, 57]
     assert client.get("/api/v1/runs/run-a?max_points=1").status_code == 422
+
+
+def test_any_run_id_can_be_read_back(client: TestClient) -> None:
+    for run_id in ("team/exp 1", "ünï-cødé", "a?b#c"):
+        post(client, [step_event(run_id)])
+        quoted = urllib.parse.quote(run_id, safe="")  # as the page's encodeURIComponent
+        detail = client.get(f"/api/v1/runs/{quoted}").json()
+        assert detail["run_id"] == run_id and detail["ranks"][0]["steps"][0]["run_id"] == run_id
 
 
 def test_an_unknown_run_is_404(client: TestClient) -> None:

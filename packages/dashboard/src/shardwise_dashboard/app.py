@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 from shardwise_dashboard import __version__
 from shardwise_dashboard.live import LiveHub
@@ -45,4 +47,16 @@ def create_app(settings: Settings) -> FastAPI:
     for router in (ingest.router, runs.router, stream.router, health.router, page.router):
         app.include_router(router)
     app.mount("/static", page.static_files(), name="static")
+    app.add_exception_handler(RequestValidationError, _invalid_request)
     return app
+
+
+async def _invalid_request(request: Request, error: Exception) -> JSONResponse:
+    """422 naming where and why, without echoing the input back: it may be megabytes, or hold
+    a NaN that JSON cannot carry."""
+    assert isinstance(error, RequestValidationError)
+    problems = [
+        {"loc": list(problem["loc"]), "msg": problem["msg"], "type": problem["type"]}
+        for problem in error.errors()
+    ]
+    return JSONResponse({"detail": problems}, status_code=422)

@@ -9,9 +9,10 @@ naming the version seen. tests/dashboard check that SCHEMA_VERSION equals core's
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 SCHEMA_VERSION = 1
 """The one place the dashboard states which event schema it speaks."""
@@ -20,14 +21,28 @@ MAX_EVENTS_PER_BATCH = 10_000
 MAX_CHUNKS_PER_SNAPSHOT = 1_000_000
 _MAX_RANK = 1_000_000
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
-Name = Annotated[str, Field(min_length=1, max_length=128)]
+_MAX_INT = 2**63 - 1  # SQLite's INTEGER
+
+
+def _utf8(value: str) -> str:
+    # A lone surrogate ("\ud800") is valid in a JSON string but not in UTF-8 text.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+NonNegativeInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
+Text = Annotated[str, AfterValidator(_utf8)]
+Name = Annotated[Text, Field(min_length=1, max_length=128)]
 Rank = Annotated[int, Field(ge=0, lt=_MAX_RANK)]
 Pool = Literal["device", "host"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    # Python's JSON parser accepts NaN and Infinity, which JSON itself has no word for.
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class _Base(_Strict):
@@ -54,7 +69,16 @@ class RunStarted(_Base):
     world_size: int = Field(ge=1, le=_MAX_RANK)
     config: dict[str, Any] = Field(description="The engine configuration (any JSON object).")
     num_params: NonNegativeInt
-    host: str = Field(max_length=255)
+    host: Text = Field(max_length=255)
+
+    @field_validator("config")
+    @classmethod
+    def _plain_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(value, allow_nan=False)
+        except ValueError as error:
+            raise ValueError(f"config must be plain JSON (no NaN or Infinity): {error}") from None
+        return value
 
 
 class MovedBytes(_Strict):
@@ -109,7 +133,7 @@ class RunFinished(_Base):
 
     type: Literal["run_finished"]
     status: Literal["finished", "failed"]
-    error: str | None = Field(max_length=2000)
+    error: Text | None = Field(max_length=2000)
 
 
 class Dropped(_Base):

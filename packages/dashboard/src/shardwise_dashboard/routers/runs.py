@@ -22,7 +22,7 @@ async def list_runs(store: StoreDep) -> JSONResponse:
 
 
 @router.get(
-    "/runs/{run_id}",
+    "/runs/{run_id:path}",
     response_model=RunDetail,
     responses={404: {"description": "No event of this run was ever ingested."}},
 )
