@@ -24,6 +24,7 @@ const state = {
 // chunk maps in the next frame after they change, charts at most every CHART_INTERVAL_MS,
 // the runs list at most every LIST_INTERVAL_MS (it only shows progress counters).
 const CHART_INTERVAL_MS = 200;
+const SILENT_AFTER_S = 30;
 const LIST_INTERVAL_MS = 500;
 const drawnAt = { charts: -Infinity, list: -Infinity };
 // Read by the browser tests (data-messages, data-renders, data-render-ms on <body>): stream
@@ -90,6 +91,7 @@ class RankView {
     this.error = null;
     this.dropped = 0;
     this.droppedSeen = new Set();
+    this.lastSeen = 0; // the newest event's time (the rank's clock)
     this.dirty = true; // header text
     this.chartsDirty = true;
     this.build();
@@ -172,6 +174,7 @@ class RankView {
   }
 
   apply(e) {
+    this.lastSeen = Math.max(this.lastSeen, e.time);
     if (e.type === "step") this.addStep(e);
     else if (e.type === "chunks") this.setChunks(e);
     else if (e.type === "run_started") this.host = e.host;
@@ -195,6 +198,7 @@ class RankView {
     this.error = r.error ?? this.error;
     this.host = r.host ?? this.host;
     this.dropped = Math.max(this.dropped, r.dropped);
+    this.lastSeen = Math.max(this.lastSeen, r.last_seen);
     this.dirty = true;
   }
 
@@ -206,6 +210,11 @@ class RankView {
       const last = this.steps.length ? this.steps[this.steps.length - 1] : null;
       const parts = [this.host, this.status, last === null ? "no step yet" : `step ${last}`];
       if (this.dropped) parts.push(`${this.dropped} events dropped`);
+      // A rank that died without a word (killed, machine lost) stays "running": say so.
+      const silentS = Date.now() / 1000 - this.lastSeen;
+      const silent = this.status === "running" && this.lastSeen > 0 && silentS > SILENT_AFTER_S;
+      if (silent) parts.push(`silent for ${Math.round(silentS)} s`);
+      this.element.dataset.silent = String(silent);
       this.meta.textContent = parts.filter(Boolean).join(" · ");
       this.element.dataset.status = this.status;
       this.element.dataset.steps = String(this.steps.length);
@@ -451,6 +460,11 @@ function connect() {
 }
 
 window.addEventListener("hashchange", fromHash);
+setInterval(() => {
+  if (!state.view) return;
+  for (const r of state.view.ranks.values()) if (r.status === "running") r.dirty = true;
+  scheduleRender();
+}, 5000);
 window.addEventListener("resize", () => {
   if (state.view) for (const r of state.view.ranks.values()) r.chartsDirty = true;
   scheduleRender();
