@@ -91,6 +91,7 @@ class ZeroModel(nn.Module):
         if gemini is not None:
             gemini.place_chunks()
         self.scheduler: GatherScheduler | None = None
+        self._forward_was_recorded = False
         if self.config.stage == 3:
             self.scheduler = GatherScheduler(
                 self.module, chunk_manager, prefetch=self.config.prefetch, gemini=gemini
@@ -103,6 +104,14 @@ class ZeroModel(nn.Module):
             on_reduced=self.scheduler.on_chunk_reduced if self.scheduler else None,
             after_grad=gemini.check_budget if gemini is not None else None,
         )
+        # See [Note: the inner module works on its own]. The pre-hook goes first and the post
+        # hook last, around the scheduler's own hooks on a root that owns parameters.
+        self._root_hooks = [
+            self.module.register_forward_pre_hook(
+                self._before_forward, prepend=True, with_kwargs=True
+            ),
+            self.module.register_forward_hook(self._after_forward, always_call=True),
+        ]
 
     def _register_parameters(self, chunk_manager: ChunkManager, sharded_fraction: float) -> None:
         """Pack the module's parameters into chunks, in `named_parameters()` order. A parameter
@@ -128,6 +137,8 @@ class ZeroModel(nn.Module):
         if self.stage == 3:
             raise ValueError("stage 3 chunks are fixed at wrap time (gemini_config)")
         self.reducer.remove()
+        for handle in self._root_hooks:
+            handle.remove()
         self.config = replace(
             self.config,
             chunk_size_numel=chunk_size_numel,
@@ -149,26 +160,37 @@ class ZeroModel(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
 
+    # [Note: the inner module works on its own]
+    # Everything a forward needs besides the per-module gathers (inputs cast to the compute
+    # dtype, the stage-3 pass bookkeeping, outputs cast to fp32) runs in hooks on the inner
+    # module's root, so calling `model.module(...)` directly works like calling the wrapper:
+    # the Hugging Face Trainer evaluates and `generate()` runs the inner model, for instance.
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _before_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         compute = self._dtypes.compute
         if compute != torch.float32:
             args, kwargs = tree_map(lambda x: _cast_floating(x, compute), (args, kwargs))
         if self.scheduler is not None:
-            recorded = bool(self.scheduler.forward_order())
+            self._forward_was_recorded = bool(self.scheduler.forward_order())
             self.scheduler.begin_forward()
             if self.gemini_manager is not None:
                 self.gemini_manager.begin_forward()
-            try:
-                output = self.module(*args, **kwargs)
-            finally:
-                if self.gemini_manager is not None:
-                    self.gemini_manager.end_forward()
-                self.scheduler.end_forward()
-            if not recorded:
+        return args, kwargs
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        # Runs when the forward raised too (always_call): chunks are released either way.
+        if self.scheduler is not None:
+            if self.gemini_manager is not None:
+                self.gemini_manager.end_forward()
+            self.scheduler.end_forward()
+            if not self._forward_was_recorded:
                 # Backward meets chunks roughly in reverse forward order: reduce them so.
                 self.reducer.suggest_order(self.scheduler.forward_order()[::-1])
-        else:
-            output = self.module(*args, **kwargs)
         if self.config.force_outputs_fp32:
             output = tree_map(lambda x: _cast_floating(x, torch.float32), output)
         return output
