@@ -116,6 +116,15 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def build(session: nox.Session) -> None:
+    """Wheels of the four packages in dist/ (hatchling, fetched by pip's build isolation)."""
+    for package in ("core", "lightning", "hf", "dashboard"):
+        session.run("pip", "wheel", "--no-deps", "-q", "-w", "dist", f"packages/{package}")
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks against torch DDP and FSDP2; writes benchmarks/RESULTS.md."""
+    """Benchmarks against torch DDP and FSDP2, then the dashboard's ingestion under load; both
+    write benchmarks/RESULTS.md (the suite keeps the load test's block)."""
     session.run("python", "benchmarks/suite.py", *session.posargs)
+    session.run("python", "benchmarks/bench_dashboard.py")
