@@ -104,7 +104,8 @@ def zero_optim_wrapper(
         max_norm: clip the global gradient norm to this; 0 disables clipping.
         norm_type: the clipping norm (2.0, math.inf, ...).
         optim_config: stage 1/2 options: `reduce_bucket_size` (elements per gradient bucket)
-            and `overlap_communication` (bool).
+            and `overlap_communication` (bool, default True: stage 2 reduces each bucket
+            while backward goes on, as DDP does; stage 1 reduces at the step either way).
     """
     if not isinstance(model, ZeroModel):
         raise TypeError(
@@ -123,7 +124,9 @@ def zero_optim_wrapper(
         )
     if isinstance(model, _LowLevelZeroModel):
         bucket = options.get("reduce_bucket_size", DEFAULT_CHUNK_SIZE_NUMEL)
-        overlap = options.get("overlap_communication", False)
+        # Overlapping was faster in every interleaved stage-2 measurement here, and costs only
+        # the in-flight buckets' receive buffers until backward ends.
+        overlap = options.get("overlap_communication", True)
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap_communication must be a bool, got {overlap!r}")
         model.rebuild(chunk_size_numel=bucket, overlap_communication=overlap)
