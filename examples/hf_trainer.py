@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node=2 examples/hf_trainer.py [--steps 20] [--out hf_out]
 
 A normal Trainer script: the one shardwise line is `callbacks=[ShardwiseCallback(...)]`.
-The model is built from a config (no download) and trains on random tokens; the trained model
-is saved as an ordinary Hugging Face checkpoint that `from_pretrained` loads.
+The model is built from a config (no download), trains on random tokens and is evaluated on
+held-out ones during and after training; the trained model is saved as an ordinary Hugging Face
+checkpoint that `from_pretrained` loads.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def main() -> None:
         max_position_embeddings=64,
     )
     model = LlamaForCausalLM(config)
-    tokens = torch.randint(0, config.vocab_size, (64, 32))
-    data = [{"input_ids": row, "labels": row} for row in tokens]
+    tokens = torch.randint(0, config.vocab_size, (80, 32))
+    data = [{"input_ids": row, "labels": row} for row in tokens[:64]]
+    held_out = [{"input_ids": row, "labels": row} for row in tokens[64:]]
 
     args = TrainingArguments(
         output_dir=options.out,
@@ -43,6 +45,9 @@ def main() -> None:
         gradient_accumulation_steps=2,
         learning_rate=3e-3,
         logging_steps=5,
+        eval_strategy="steps",
+        eval_steps=5,
+        per_device_eval_batch_size=4,
         save_strategy="no",
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
@@ -52,10 +57,13 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=data,
+        eval_dataset=held_out,
         callbacks=[ShardwiseCallback(zero_stage=3)],  # the one added line
     )
     trainer.train()
+    trainer.evaluate()
     trainer.save_model(f"{options.out}/final")
+    trainer.end()  # destroys the process group: a process exiting with it alive may abort
 
 
 if __name__ == "__main__":

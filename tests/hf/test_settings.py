@@ -59,22 +59,29 @@ def test_every_conflict_is_reported_at_once() -> None:
                 deepspeed="ds.json",
                 fsdp="full_shard",
                 torch_compile=True,
-                eval_strategy="steps",
-                load_best_model_at_end=True,
+                fp16_full_eval=True,
             ),
         )
     message = str(raised.value)
-    assert "7 problems" in message
+    assert "6 problems" in message
     for expected in (
         "zero_stage must be 1, 2 or 3, got 4",
         "precision='bf16' but TrainingArguments ask for fp16",
         "deepspeed",
         "fsdp='full_shard'",
         "torch_compile=True",
-        "eval_strategy='steps'",
-        "load_best_model_at_end",
+        "fp16_full_eval=True",
     ):
         assert expected in message, expected
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_evaluation_and_the_best_checkpoint_are_accepted(stage: int) -> None:
+    settings = resolve(
+        CallbackOptions(zero_stage=stage),
+        _args(eval_strategy="steps", save_strategy="best", load_best_model_at_end=True),
+    )
+    assert settings.zero_stage == stage
 
 
 def test_unsupported_transformers_is_refused() -> None:

@@ -1,8 +1,9 @@
 """ShardwiseCallback in a real transformers.Trainer under torchrun (2 CPU ranks, gloo).
 
 One torchrun launch (tests/hf/trainer_run.py) trains tiny Llama and GPT-2 models from configs
-with a plain Trainer and with the callback, saves, resumes and builds a conflicting set-up; the
-tests below assert on what it wrote. Loading the saved models happens in a plain process
+with a plain Trainer and with the callback (stage 3, and Llama at stages 1 and 2), evaluating
+during and after training, saves, resumes, loads the best checkpoint and builds a conflicting
+set-up; the tests below assert on what it wrote. Loading the saved models happens in a plain process
 without shardwise (tests/hf/load_plain.py).
 """
 
@@ -94,6 +95,105 @@ def test_model_state_is_one_half_per_rank(seen: dict[str, Any], kind: str) -> No
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_evaluation_matches_the_plain_trainer(seen: dict[str, Any], kind: str) -> None:
+    # Same tolerance as the training loss (see [Note: tolerance]): evaluation computes exactly
+    # as the plain Trainer does on the same weights, which differ in the last bits after a
+    # clipped step.
+    run = seen[kind]
+    # Before training both models hold the same weights: the evaluation itself adds nothing.
+    assert run["eval_before"] == run["plain_eval_before"]
+    assert [step for step, _ in run["eval_loss"]] == [3, 6]
+    assert [step for step, _ in run["plain_eval_loss"]] == [3, 6]
+    pairs = [
+        *zip([e for _, e in run["eval_loss"]], [e for _, e in run["plain_eval_loss"]], strict=True),
+        (run["eval_after"], run["plain_eval_after"]),
+        (run["predict_loss"], run["plain_predict_loss"]),
+    ]
+    for mine, plain in pairs:
+        assert math.isclose(mine, plain, rel_tol=1e-5), pairs
+    # predict() returns every held-out sample's logits, gathered from both ranks.
+    assert run["predict_shape"] == [12, 16, 96]
+    assert run["predict_max_diff"] < 1e-5
+    # The Trainer shards the evaluation data: each rank ran 3 batches of 2 of the 12 samples
+    # per evaluation (5 with the callback: before, steps 3 and 6, after, predict; 4 without).
+    assert run["eval_batches"] == [[15, 12], [15, 12]]
+    # Evaluation left the user's model as it was (accelerate did not wrap its forward).
+    assert run["forward_replaced"] is False
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_unclipped_evaluation_is_bit_identical(seen: dict[str, Any], stage: int) -> None:
+    # Llama's first clipped step is step 4, so the step-3 evaluation sees the plain Trainer's
+    # weights exactly at stages 1 and 2, which accumulate the two micro-batches' gradients
+    # before reducing them, as DDP does. (Stage 3 reduces each micro-batch's gradients and
+    # sums the results, another order: its weights differ in the last bits.)
+    plain = seen["llama"]
+    assert all(norm <= 1.0 for norm in plain["plain_grad_norm"][:3])
+    run = seen["lower_stages"][f"stage{stage}"]
+    assert run["eval_loss"][0] == plain["plain_eval_loss"][0]
+
+
+def test_evaluation_leaves_nothing_behind(seen: dict[str, Any]) -> None:
+    # After every evaluation (each rank): no chunk left gathered, no gradient in the chunks,
+    # no parameter with a .grad (the Trainer evaluates under torch.no_grad).
+    afters = [seen[kind]["after_eval"] for kind in KINDS] + [
+        seen["lower_stages"][stage]["after_eval"] for stage in ("stage1", "stage2")
+    ]
+    for ranks in afters:
+        assert len(ranks) == 2
+        for evaluations in ranks:
+            assert len(evaluations) >= 3
+            assert all(
+                e == {"gathered": 0, "grad_elements": 0, "param_grads": 0} for e in evaluations
+            )
+
+
+def test_evaluating_does_not_change_training(seen: dict[str, Any]) -> None:
+    # bf16 TrainingArguments turn on accelerate's autocast, which the Trainer's evaluation
+    # would wrap around the model's forward (and so around every later training step).
+    runs = seen["bf16"]
+    assert [step for step, _ in runs["evaluating"]["eval_loss"]] == [3, 6]
+    assert runs["evaluating"]["loss"] == runs["not_evaluating"]["loss"]
+    assert runs["evaluating"]["forward_replaced"] is False
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lower_stages_match_the_plain_trainer(seen: dict[str, Any], stage: int) -> None:
+    run, plain = seen["lower_stages"][f"stage{stage}"], seen["llama"]
+    for mine, ref in (
+        *zip(run["loss"], plain["plain_loss"], strict=True),
+        *zip(run["grad_norm"], plain["plain_grad_norm"], strict=True),
+        *zip(
+            [e for _, e in run["eval_loss"]], [e for _, e in plain["plain_eval_loss"]], strict=True
+        ),
+    ):
+        assert math.isclose(mine, ref, rel_tol=1e-5), (run, plain)  # see [Note: tolerance]
+    assert run["loss"][:4] == plain["plain_loss"][:4]  # up to the first clipped step
+    whole_bytes = plain["numel"] * 4  # fp32
+    for held in run["bytes_per_rank"]:
+        # Adam's two moments, one half per rank: optimizer state is sharded at both stages.
+        assert whole_bytes <= held["optimizer"] <= whole_bytes + 128, held
+        assert held["params"] == whole_bytes, held  # parameters stay whole below stage 3
+        if stage == 2:
+            assert whole_bytes / 2 <= held["grads"] <= whole_bytes / 2 + 64, held
+        else:
+            # The whole gradient, reduce-scattered into an fp32 half at the step.
+            assert 1.5 * whole_bytes <= held["grads"] <= 1.5 * whole_bytes + 64, held
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_best_checkpoint_is_loaded_at_the_end(seen: dict[str, Any], stage: int) -> None:
+    run = seen["lower_stages"][f"stage{stage}"]
+    (_, at_3), (_, at_6) = run["eval_loss"]
+    assert at_3 < at_6 and run["best_global_step"] == 3
+    # save_strategy="steps" keeps both checkpoints, "best" (stage 2) only the best one.
+    expected = ["checkpoint-3", "checkpoint-6"] if stage == 1 else ["checkpoint-3"]
+    assert run["checkpoints"] == expected
+    # The weights of step 3 are back: evaluating them again gives step 3's loss exactly.
+    assert run["eval_after_load_best"] == at_3
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_resume_continues_exactly(seen: dict[str, Any], run_dir: Path, kind: str) -> None:
     run = seen[kind]
     state = json.loads(
@@ -102,6 +202,7 @@ def test_resume_continues_exactly(seen: dict[str, Any], run_dir: Path, kind: str
     assert len([e for e in state["log_history"] if "loss" in e]) == 3
     assert (run_dir / kind / "sharded" / "checkpoint-3" / "shardwise" / "manifest.json").is_file()
     assert run["resumed_loss"][3:] == run["loss"][3:]  # steps 4-6, trained after the resume
+    assert run["resumed_eval_loss"] == run["eval_loss"]
     assert run["resumed_logits_equal"], run["resumed_logits_max_diff"]
 
 

@@ -1,5 +1,6 @@
 """Runs under `torchrun --nproc-per-node=2`: plain Trainer runs against the same runs with
-ShardwiseCallback, a save, a resume and a conflicting set-up; writes what it saw as JSON.
+ShardwiseCallback at stages 1, 2 and 3, evaluating during and after training, a save, a resume,
+loading the best checkpoint and a conflicting set-up; writes what it saw as JSON.
 
     torchrun --standalone --nproc-per-node=2 tests/hf/trainer_run.py OUT_DIR
 """
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import (
@@ -20,12 +22,20 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
 )
 
+from shardwise.chunk import ChunkState
 from shardwise_hf import ShardwiseCallback
 
-VOCAB, SEQ, SAMPLES = 96, 16, 16
+VOCAB, SEQ, SAMPLES, EVAL_SAMPLES = 96, 16, 16, 12
+# Evaluation at steps 3 and 6 of 6, on a held-out set each rank sees half of (3 batches of 2).
+EVALUATING: dict[str, Any] = {
+    "eval_strategy": "steps",
+    "eval_steps": 3,
+    "per_device_eval_batch_size": 2,
+}
 PROBE = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB  # (B, T) input for the logits checks
 
 
@@ -57,10 +67,51 @@ def build(kind: str) -> torch.nn.Module:
     )
 
 
-def dataset() -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=generator)
+def dataset(samples: int = SAMPLES, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (samples, SEQ), generator=generator)
     return [{"input_ids": row, "labels": row.clone()} for row in tokens]
+
+
+def held_out() -> list[dict[str, torch.Tensor]]:
+    return dataset(EVAL_SAMPLES, seed=2)
+
+
+class EvalProbe(TrainerCallback):
+    """Counts this rank's evaluation batches and, after each evaluation, what the engine holds:
+    chunks left gathered, non-zero gradient elements in the chunks, parameters with a `.grad`."""
+
+    def __init__(self, engine: ShardwiseCallback | None = None) -> None:
+        self.engine = engine
+        self.batches = 0
+        self.after: list[dict[str, int]] = []
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.batches += 1
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.engine is None or self.engine.model is None:
+            return
+        model = self.engine.model
+        chunks = model.chunk_manager.chunks
+        grads = [c.grad_shard for c in chunks] + [
+            c.grad_full for c in chunks if c.grad_full is not None
+        ]
+        self.after.append(
+            {
+                "gathered": sum(
+                    c.state is ChunkState.GATHERED and not c.keep_gathered for c in chunks
+                ),
+                "grad_elements": sum(int(g.count_nonzero()) for g in grads),
+                "param_grads": sum(p.grad is not None for p in model.module.parameters()),
+            }
+        )
+
+
+def every_rank(value: Any) -> list[Any]:
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, value)
+    return found
 
 
 def arguments(out: Path, **overrides: Any) -> TrainingArguments:
@@ -88,6 +139,25 @@ def history(trainer: Trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "loss" in entry]
 
 
+def eval_history(trainer: Trainer) -> list[tuple[int, float]]:
+    """(step, eval_loss) of each evaluation during train()."""
+    return [
+        (entry["step"], entry["eval_loss"])
+        for entry in trainer.state.log_history
+        if "eval_loss" in entry and entry["step"] > 0
+    ]
+
+
+def predictions(trainer: Trainer) -> tuple[np.ndarray, float]:
+    """`trainer.predict` on the held-out set: every sample's logits (gathered from both ranks)
+    and the loss."""
+    output = trainer.predict(held_out())
+    logits = output.predictions
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    assert output.metrics is not None
+    return np.asarray(logits), float(output.metrics["test_loss"])
+
+
 def probe_logits(callback: ShardwiseCallback) -> torch.Tensor:
     assert callback.model is not None
     callback.model.eval()
@@ -100,31 +170,50 @@ def run_kind(kind: str, out: Path, stage: int, chunk: int | None) -> dict[str, A
     seen: dict[str, Any] = {}
     data = dataset()
 
-    plain = Trainer(model=build(kind), args=arguments(out / "plain"), train_dataset=data)
+    # A plain Trainer that evaluates before train() then trains differently under torchrun
+    # (its gradients are no longer averaged over the ranks): the reference for an evaluation
+    # of the untrained model is a Trainer of its own.
+    untrained = Trainer(
+        model=build(kind), args=arguments(out / "plain", **EVALUATING), eval_dataset=held_out()
+    )
+    seen["plain_eval_before"] = untrained.evaluate()["eval_loss"]
+    plain_probe = EvalProbe()
+    plain = Trainer(
+        model=build(kind),
+        args=arguments(out / "plain", **EVALUATING),
+        train_dataset=data,
+        eval_dataset=held_out(),
+        callbacks=[plain_probe],
+    )
     plain.train()
     seen["plain_loss"] = history(plain, "loss")
     seen["plain_grad_norm"] = history(plain, "grad_norm")
+    seen["plain_eval_loss"] = eval_history(plain)
+    seen["plain_eval_after"] = plain.evaluate()["eval_loss"]
+    plain_logits, seen["plain_predict_loss"] = predictions(plain)
 
     model = build(kind)
     seen["numel"] = sum(p.numel() for p in model.parameters())
     callback = ShardwiseCallback(zero_stage=stage, chunk_size=chunk)
+    probe = EvalProbe(callback)
     sharded = Trainer(
         model=model,
-        args=arguments(out / "sharded", save_strategy="steps", save_steps=3),
+        args=arguments(out / "sharded", save_strategy="steps", save_steps=3, **EVALUATING),
         train_dataset=data,
-        callbacks=[callback],
+        eval_dataset=held_out(),
+        callbacks=[probe, callback],
     )
+    # Before any training step: the engine's first forward is an evaluation.
+    seen["eval_before"] = sharded.evaluate()["eval_loss"]
     sharded.train()
     seen["loss"] = history(sharded, "loss")
     seen["grad_norm"] = history(sharded, "grad_norm")
     seen["loss_scale"] = history(sharded, "loss_scale")
     seen["model_state_bytes_logged"] = history(sharded, "model_state_bytes")
+    seen["eval_loss"] = eval_history(sharded)
     assert callback.model is not None and callback.optimizer is not None
     report = callback.model.memory_report()
-    mine = {**report, "optimizer": callback.optimizer.state_bytes()}
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    seen["bytes_per_rank"] = every
+    seen["bytes_per_rank"] = every_rank({**report, "optimizer": callback.optimizer.state_bytes()})
     sharded.save_model(str(out / "final"))
     if rank == 0:
         # The same whole weights through save_pretrained with a small shard size: an index.
@@ -132,19 +221,90 @@ def run_kind(kind: str, out: Path, stage: int, chunk: int | None) -> dict[str, A
     logits = probe_logits(callback)
     if rank == 0:
         torch.save(logits, out / "logits.pt")
+    seen["eval_after"] = sharded.evaluate()["eval_loss"]
+    sharded_logits, seen["predict_loss"] = predictions(sharded)
+    seen["predict_shape"] = list(sharded_logits.shape)
+    seen["predict_max_diff"] = float(np.abs(sharded_logits - plain_logits).max())
+    seen["eval_batches"] = every_rank([probe.batches, plain_probe.batches])
+    seen["after_eval"] = every_rank(probe.after)
+    # Evaluation left the user's model as it was: no forward replaced by accelerate.
+    seen["forward_replaced"] = "forward" in vars(sharded.model)
 
     again = ShardwiseCallback(zero_stage=stage, chunk_size=chunk)
     resumed = Trainer(
         model=build(kind),
-        args=arguments(out / "sharded", save_strategy="steps", save_steps=3),
+        args=arguments(out / "sharded", save_strategy="steps", save_steps=3, **EVALUATING),
         train_dataset=data,
+        eval_dataset=held_out(),
         callbacks=[again],
     )
     resumed.train(resume_from_checkpoint=str(out / "sharded" / "checkpoint-3"))
     seen["resumed_loss"] = history(resumed, "loss")
+    seen["resumed_eval_loss"] = eval_history(resumed)
     seen["resumed_logits_equal"] = bool(torch.equal(probe_logits(again), logits))
     seen["resumed_logits_max_diff"] = float((probe_logits(again) - logits).abs().max())
     dist.barrier()
+    return seen
+
+
+def lower_stages(out: Path) -> dict[str, Any]:
+    """The Llama run at stages 1 and 2, evaluating, keeping the best checkpoint (lowest eval
+    loss) and loading it at the end. On these random tokens the held-out loss rises after step
+    3, so the best checkpoint is not the last one and loading it is seen."""
+    seen: dict[str, Any] = {}
+    for stage, saving in (
+        (1, {"save_strategy": "steps", "save_steps": 3}),
+        (2, {"save_strategy": "best"}),
+    ):
+        callback = ShardwiseCallback(zero_stage=stage)
+        probe = EvalProbe(callback)
+        trainer = Trainer(
+            model=build("llama"),
+            args=arguments(
+                out / f"stage{stage}",
+                **EVALUATING,
+                **saving,
+                load_best_model_at_end=True,
+                metric_for_best_model="eval_loss",
+            ),
+            train_dataset=dataset(),
+            eval_dataset=held_out(),
+            callbacks=[probe, callback],
+        )
+        trainer.train()
+        assert callback.model is not None and callback.optimizer is not None
+        report = callback.model.memory_report()
+        seen[f"stage{stage}"] = {
+            "loss": history(trainer, "loss"),
+            "grad_norm": history(trainer, "grad_norm"),
+            "eval_loss": eval_history(trainer),
+            "best_global_step": trainer.state.best_global_step,
+            "checkpoints": sorted(p.name for p in (out / f"stage{stage}").glob("checkpoint-*")),
+            "eval_after_load_best": trainer.evaluate()["eval_loss"],
+            "bytes_per_rank": every_rank({**report, "optimizer": callback.optimizer.state_bytes()}),
+            "after_eval": every_rank(probe.after),
+        }
+    return seen
+
+
+def bf16_runs(out: Path) -> dict[str, Any]:
+    """bf16 TrainingArguments turn on accelerate's autocast: a run evaluating at step 3 must
+    train on exactly as one that does not evaluate."""
+    seen: dict[str, Any] = {}
+    for name, evaluating in (("evaluating", EVALUATING), ("not_evaluating", {})):
+        trainer = Trainer(
+            model=build("llama"),
+            args=arguments(out / f"bf16_{name}", bf16=True, **evaluating),
+            train_dataset=dataset(),
+            eval_dataset=held_out(),
+            callbacks=[ShardwiseCallback()],
+        )
+        trainer.train()
+        seen[name] = {
+            "loss": history(trainer, "loss"),
+            "eval_loss": eval_history(trainer),
+            "forward_replaced": "forward" in vars(trainer.model),
+        }
     return seen
 
 
@@ -200,6 +360,8 @@ def main() -> None:
     results = {
         "llama": run_kind("llama", out / "llama", stage=3, chunk=4096),
         "gpt2": run_kind("gpt2", out / "gpt2", stage=3, chunk=None),
+        "lower_stages": lower_stages(out),
+        "bf16": bf16_runs(out),
         "fp16": fp16_runs(out),
         "conflict_error": conflicts(out),
     }

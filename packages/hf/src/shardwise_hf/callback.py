@@ -17,7 +17,12 @@ from shardwise_hf import engine_state
 from shardwise_hf.compat import check_transformers_version, find_trainer
 from shardwise_hf.model_hooks import ModelHooks
 from shardwise_hf.settings import CallbackOptions, EngineSettings, resolve
-from shardwise_hf.trainer_objects import EngineLossScaler, TrainerModel, TrainerOptimizer
+from shardwise_hf.trainer_objects import (
+    EngineLossScaler,
+    TrainerModel,
+    TrainerOptimizer,
+    mark_prepared,
+)
 
 
 class ShardwiseCallback(TrainerCallback, ExportableState):
@@ -32,8 +37,9 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
     clipping follows `max_grad_norm`, accumulation `gradient_accumulation_steps`; the LR
     scheduler keeps stepping the inner optimizer's param groups. `trainer.save_model()` writes
     an ordinary Hugging Face checkpoint; Trainer checkpoints also hold the sharded engine state,
-    so `train(resume_from_checkpoint=...)` continues exactly. Loss scale and model-state bytes
-    are added to the Trainer's logs; telemetry streams when configured
+    so `train(resume_from_checkpoint=...)` continues exactly. Evaluation (`eval_strategy`,
+    `evaluate()`, `predict()`, `load_best_model_at_end`) works as without it. Loss scale and
+    model-state bytes are added to the Trainer's logs; telemetry streams when configured
     (`SHARDWISE_DASHBOARD_URL` or `SHARDWISE_TELEMETRY_FILE`).
 
     Args:
@@ -85,6 +91,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         self._recorder: TelemetryRecorder | None = None
         self._resumed_at: int | None = None
         self._saving_to: str | None = None
+        self._training = False
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -122,6 +129,9 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         )
         facing = TrainerOptimizer(optimizer)
         trainer.model_wrapped = TrainerModel(model)
+        # Evaluation runs trainer.model itself; accelerate must not move, cast or autocast it
+        # (see [Note: evaluation runs the user's model]).
+        mark_prepared(trainer.model)
         trainer.optimizer = facing
         trainer.accelerator.scaler = EngineLossScaler(facing)
         self.settings, self.model, self.optimizer = settings, model, optimizer
@@ -144,6 +154,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
     ) -> None:
         model, optimizer, hooks = self._engine()
         hooks.drop()
+        self._training = True
         if state.global_step > 0 and self._resumed_at != state.global_step:
             recorded = _recorded_state(state, type(self).__name__)
             token = recorded.get("checkpoint_token")
@@ -182,6 +193,16 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             self._engine()[2].gather()
             self._saving_to = os.path.abspath(_checkpoint_dir(args, state))
 
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # With save_strategy="best" the Trainer decides to save only after this evaluation,
+        # when no callback runs before rank 0's save_pretrained: gather now, on every rank, in
+        # case this evaluation is the new best (the next step's start drops it otherwise).
+        if self._training and args.save_strategy == "best":
+            self._engine()[2].gather()
+            self._saving_to = os.path.abspath(_checkpoint_dir(args, state))
+
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -217,6 +238,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         # trainer.save_model() usually follows, and runs on rank 0 only.
+        self._training = False
         self._engine()[2].gather()
         if self._recorder is not None:
             self._recorder.finish()

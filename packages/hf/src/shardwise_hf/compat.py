@@ -4,8 +4,9 @@ The callback relies on these facts of transformers 5.x (see [Note: how the Train
 reaches the engine]): `Trainer.__init__` calls `on_init_end` after building its accelerator;
 `train()` builds the optimizer only when `trainer.optimizer` is None, prepares the model with
 accelerate only when `_wrap_model` returns `trainer.model` itself, and scales the loss with
-`accelerator.scaler` when one is set. A transformers outside the tested range is refused at
-start-up rather than trained on silently.
+`accelerator.scaler` when one is set; `evaluation_loop` calls `trainer.model` under
+`torch.no_grad()` and leaves a model flagged `_is_accelerate_prepared` as it is. A transformers
+outside the tested range is refused at start-up rather than trained on silently.
 """
 
 from __future__ import annotations

@@ -78,19 +78,12 @@ def _argument_conflicts(args: Any, trainer: Any) -> list[str]:
     )
     if checkpointing:
         found.append("activation checkpointing is on: not supported with shardwise; turn it off")
-    if str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
-        found.append(
-            f"eval_strategy={str(args.eval_strategy)!r}: evaluation inside train() is not "
-            f"supported with shardwise; set eval_strategy='no'"
-        )
-    if getattr(args, "load_best_model_at_end", False) or str(args.save_strategy) in (
-        "best",
-        "SaveStrategy.BEST",
-    ):
-        found.append(
-            "save_strategy='best' / load_best_model_at_end need evaluation; use save_strategy "
-            "'steps' or 'epoch'"
-        )
+    for name in ("fp16_full_eval", "bf16_full_eval"):
+        if getattr(args, name, False):
+            found.append(
+                f"{name}=True casts the model's parameters, which are views of the engine's "
+                f"chunks; set it False (evaluation computes in the engine's precision)"
+            )
     if getattr(args, "restore_callback_states_from_checkpoint", False):
         found.append(
             "restore_callback_states_from_checkpoint=True would replace the ShardwiseCallback "

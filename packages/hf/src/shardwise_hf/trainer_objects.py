@@ -15,6 +15,19 @@ inline. The callback hands it three objects that speak the interfaces it already
   so the Trainer does not step the LR scheduler then, exactly as with its own fp16 scaler.
 The Trainer's own clipping sees no `.grad` (the engine moved every gradient into its chunks) and
 does nothing; `max_grad_norm` is the engine's clipping, over the shards of all ranks.
+
+[Note: evaluation runs the user's model]
+`evaluate()` and `predict()` (and evaluation inside `train()`) call `trainer.model`, the user's
+model, not `model_wrapped`, under `torch.no_grad()`. The engine's hooks sit on that module (see
+[Note: the inner module works on its own] in shardwise/zero/model.py): at stage 3 each chunk is
+gathered before the modules that use it and released after its last use, inputs and outputs
+are cast as for training, and no gradient reaches the chunks. The eval dataloader is sharded
+over the ranks by the Trainer itself. What the Trainer would otherwise do first, when
+accelerate has prepared no model (ours never goes through `accelerator.prepare`), is
+`accelerator.prepare_model(trainer.model, evaluation_mode=True)`: that moves the model to the
+device (replacing the tensors the chunks own, at stage 3 with host placement) and, under fp16 /
+bf16 arguments, replaces its `forward` with an autocast one, which training would then run too.
+`mark_prepared` sets the flag accelerate checks to skip exactly that.
 """
 
 from __future__ import annotations
@@ -30,6 +43,12 @@ from shardwise import ZeroModel, ZeroOptimizer
 
 _STATE_MARKER = "shardwise"
 _STATE_FORMAT = 1
+
+
+def mark_prepared(model: nn.Module) -> None:
+    """Tell accelerate `model` is prepared already, so the Trainer's evaluation does not place
+    or autocast it (see [Note: evaluation runs the user's model])."""
+    object.__setattr__(model, "_is_accelerate_prepared", True)
 
 
 class TrainerModel(nn.Module):
