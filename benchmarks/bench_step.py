@@ -37,6 +37,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--telemetry", action="store_true", help="stream telemetry to a file")
     parser.add_argument(
+        "--param-gather", action="store_true",
+        help="stages 1-2: overlap the all-gather of updated parameters with the next forward",
+    )  # fmt: skip
+    parser.add_argument(
         "--reduction", default="auto",
         choices=["auto", "reduce_scatter", "all_to_all", "all_reduce"],
         help="shardwise's gradient_reduction",
@@ -110,7 +114,11 @@ def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict
     zero_optimizer = zero_optim_wrapper(
         wrapped,
         torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-        optim_config={"reduce_bucket_size": chunk_numel} if stage < 3 else None,
+        optim_config=(
+            {"reduce_bucket_size": chunk_numel, "overlap_param_gather": args.param_gather}
+            if stage < 3
+            else None
+        ),
     )
 
     if args.telemetry:
@@ -185,6 +193,7 @@ def main() -> None:
             "engine": args.engine
             + ("-" + args.placement if args.engine == "zero3" else "")
             + ("+telemetry" if args.telemetry else "")
+            + ("+pg" if args.param_gather else "")
             + REDUCTION_SUFFIX[args.reduction],
             "world": world,
             "params": num_params,

@@ -80,6 +80,7 @@ class Run:
     no_sync: bool = False
     overlap: bool = False
     reduction: str = "auto"  # gradient_reduction
+    param_gather: bool = False  # overlap_param_gather (stages 1-2)
     optim: Callable[[Any], torch.optim.Optimizer] = adamw
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
 
@@ -129,7 +130,11 @@ def sharded(run: Run) -> tuple[list[float], dict[str, torch.Tensor], dict[str, A
     if run.stage == 3:
         config["chunk_size_numel"] = CHUNK_NUMEL
     else:
-        optim_config = {"reduce_bucket_size": CHUNK_NUMEL, "overlap_communication": run.overlap}
+        optim_config = {
+            "reduce_bucket_size": CHUNK_NUMEL,
+            "overlap_communication": run.overlap,
+            "overlap_param_gather": run.param_gather,
+        }
     wrapped = zero_model_wrapper(model, run.stage, config)
     optimizer = zero_optim_wrapper(
         wrapped,

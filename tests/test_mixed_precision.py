@@ -49,7 +49,7 @@ def test_overflow_on_one_rank_skips_step_everywhere_and_backs_off_after_hysteres
             assert result["scales"] == [2**10, 2**10, 2**9, 2**9, 2**9]
 
 
-def _fp16_run(stage: int, dtype: torch.dtype) -> list[float]:
+def _fp16_run(stage: int, dtype: torch.dtype, param_gather: bool = False) -> list[float]:
     rank = dist.get_rank()
     model = make_model()
     precision = MixedPrecision(param_dtype=dtype, compute_dtype=torch.float32)
@@ -57,7 +57,11 @@ def _fp16_run(stage: int, dtype: torch.dtype) -> list[float]:
     if stage == 3:
         config["chunk_size_numel"] = CHUNK_NUMEL
     wrapped = zero_model_wrapper(model, stage, config)
-    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    optimizer = zero_optim_wrapper(
+        wrapped,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        optim_config={"overlap_param_gather": True} if param_gather else None,
+    )
     losses = []
     for step in range(6):
         optimizer.zero_grad()
@@ -101,3 +105,11 @@ def test_inputs_cast_to_compute_dtype_and_force_outputs_fp32() -> None:
     out_dtype, forced_dtype = run_ranks(_compute_dtype_is_used, 2, torch.bfloat16)[0]
     assert out_dtype == "torch.bfloat16"
     assert forced_dtype == "torch.float32"
+
+
+def test_parameter_gather_overlapped_with_forward_keeps_16bit_results() -> None:
+    # The 16-bit payload is gathered in the background and copied to the fp32 compute buffer
+    # when a module first waits for it: the same numbers as the synchronous gather.
+    for stage in (1, 2):
+        overlapped = run_ranks(_fp16_run, 2, stage, torch.bfloat16, True)
+        assert overlapped == run_ranks(_fp16_run, 2, stage, torch.bfloat16, False)

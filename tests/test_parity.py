@@ -17,9 +17,10 @@ import math
 
 import pytest
 import torch
-from helpers import Run, max_abs_diff, reference, sharded
+import torch.distributed as dist
+from helpers import CHUNK_NUMEL, Run, batch_slice, make_model, max_abs_diff, reference, sharded
 
-from shardwise import HybridAdam
+from shardwise import HybridAdam, zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import run_ranks
 
 PARAM_TOL = 1e-4
@@ -65,6 +66,37 @@ def test_gradient_accumulation(stage: int) -> None:
 @pytest.mark.parametrize("reduction", ["reduce_scatter", "all_to_all", "all_reduce"])
 def test_every_gradient_reduction_method_is_bit_exact(stage: int, reduction: str) -> None:
     check(Run(stage=stage, reduction=reduction, overlap=stage == 2), exact=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameter_gather_overlapped_with_forward_is_bit_exact(stage: int) -> None:
+    check(Run(stage=stage, param_gather=True, overlap=True, branch="some_ranks"), exact=True)
+
+
+def _pending_publishes_around_forward() -> tuple[int, int, int]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    wrapped = zero_model_wrapper(model, 2, {"device": torch.device("cpu")})
+    optimizer = zero_optim_wrapper(
+        wrapped,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        optim_config={"reduce_bucket_size": CHUNK_NUMEL, "overlap_param_gather": True},
+    )
+
+    def pending() -> int:
+        return sum(c._pending_publish is not None for c in wrapped.chunk_manager.chunks)
+
+    optimizer.backward(wrapped(*batch_slice(0, 0, rank, world)))
+    optimizer.step()
+    after_step = pending()
+    wrapped(*batch_slice(1, 0, rank, world))
+    return after_step, pending(), len(list(wrapped.chunk_manager.trainable_chunks()))
+
+
+def test_parameter_gathers_run_until_the_next_forward_uses_them() -> None:
+    for after_step, after_forward, chunks in run_ranks(_pending_publishes_around_forward, 2):
+        assert after_step == chunks > 1
+        assert after_forward == 0
 
 
 def test_overlapped_reduction_is_bit_exact() -> None:

@@ -28,3 +28,10 @@ def test_bad_dtypes_and_stages_are_refused() -> None:
         ZeroConfig(stage=5, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="chunk size must be at least 1"):
         ZeroConfig(stage=3, device=torch.device("cpu"), chunk_size_numel=0)
+
+
+def test_overlap_param_gather_is_refused_at_stage_3() -> None:
+    cpu = torch.device("cpu")
+    assert ZeroConfig(stage=2, device=cpu, overlap_param_gather=True).overlap_param_gather
+    with pytest.raises(ValueError, match="overlap_param_gather applies to stages 1 and 2"):
+        ZeroConfig(stage=3, device=cpu, overlap_param_gather=True)

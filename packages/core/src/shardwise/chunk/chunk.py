@@ -115,6 +115,8 @@ class Chunk:
         self.grad_full: torch.Tensor | None = None
         self.grad_shard = torch.empty(0, dtype=torch.float32, device=device)
         self._pending_gather: tuple[torch.distributed.Work, torch.Tensor] | None = None
+        # publish_master(wait=False)'s all-gather and the buffer it sends.
+        self._pending_publish: tuple[torch.distributed.Work, torch.Tensor] | None = None
         # See [Note: pools].
         self.offload_device = torch.device("cpu")
         self.payload_pool = Pool.DEVICE
@@ -484,8 +486,10 @@ class Chunk:
 
     # ---- after the optimizer step ----------------------------------------------------------
 
-    def publish_master(self) -> None:
-        """Copy the updated fp32 master into the payload; refresh the gathered copy if kept."""
+    def publish_master(self, *, wait: bool = True) -> None:
+        """Copy the updated fp32 master into the payload; refresh the gathered copy if kept, in
+        the background with `wait=False` (see [Note: deferred parameter gathers])."""
+        self.wait_publish()
         if self.master is not self.shard:
             if self.optim_pool is not self.payload_pool:
                 nbytes = self.shard.numel() * self.shard.element_size()
@@ -497,13 +501,30 @@ class Chunk:
         if self.keep_gathered:
             # The shard aliases this rank's slice of `full`; send a copy because a collective
             # may not read and write the same memory.
-            comm.all_gather(self.full, self.shard.clone(), self.stats, self.group)
-            if self.full_compute is not None:
-                self.full_compute.copy_(self.full)
+            sent = self.shard.clone()
+            work = comm.all_gather(self.full, sent, self.stats, self.group, async_op=not wait)
+            if work is None:
+                self._refresh_compute_copy()
+            else:
+                self._pending_publish = (work, sent)
+
+    def wait_publish(self) -> None:
+        """Wait for a background all-gather started by `publish_master(wait=False)`."""
+        if self._pending_publish is None:
+            return
+        work, _ = self._pending_publish
+        work.wait()
+        self._pending_publish = None
+        self._refresh_compute_copy()
+
+    def _refresh_compute_copy(self) -> None:
+        if self.full_compute is not None:
+            self.full_compute.copy_(self.full)
 
     def write_range(self, index: int, begin: int, values: torch.Tensor) -> None:
         """Overwrite elements [begin, begin + numel) of flattened tensor `index` with `values`,
         which must lie inside the part this rank owns (a checkpoint restores just that)."""
+        self.wait_publish()
         info = self.tensors[index]
         owned = self.tensor_shard_range(index)
         start = info.offset + begin - self.shard_begin
@@ -523,9 +544,9 @@ class Chunk:
         """After this rank's shards were overwritten, rebuild the full copy every rank keeps
         (stages 1 and 2); a collective over the chunk's group."""
         if self.keep_gathered:
+            self.wait_publish()
             comm.all_gather(self.full, self.shard.clone(), self.stats, self.group)
-            if self.full_compute is not None:
-                self.full_compute.copy_(self.full)
+            self._refresh_compute_copy()
 
     def tensor_shard_range(self, index: int) -> tuple[int, int] | None:
         """The part of tensor `index` this rank owns, as (begin, end) within the shard."""
@@ -542,14 +563,10 @@ class Chunk:
         """Bytes this chunk holds now, per buffer kind."""
         nbytes = _storage_bytes
         payload = nbytes(self.full) + nbytes(self.full_compute)
-        if not self.keep_gathered:
-            payload += nbytes(self.shard)
+        payload += 0 if self.keep_gathered else nbytes(self.shard)
         master = 0 if self.master is self.shard else nbytes(self.master)
-        return {
-            "params": payload,
-            "master": master,
-            "grads": nbytes(self.grad_full) + nbytes(self.grad_shard),
-        }
+        grads = nbytes(self.grad_full) + nbytes(self.grad_shard)
+        return {"params": payload, "master": master, "grads": grads}
 
     def resident_bytes_by_pool(self) -> dict[Pool, int]:
         """Bytes this chunk holds now in each pool (optimizer state excluded: the optimizer owns

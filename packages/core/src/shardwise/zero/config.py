@@ -104,6 +104,9 @@ class ZeroConfig:
         force_outputs_fp32: cast floating-point outputs of the model to fp32.
         reduce_scatter_bucket_bytes: reduce the gradients of consecutive chunks in one
             reduce-scatter until they reach this many bytes (0: one per chunk; stages 2-3).
+        overlap_param_gather: stages 1 and 2: let the all-gather of updated parameters run
+            into the next forward, each module waiting for its own chunks (see [Note: deferred
+            parameter gathers] in zero/param_gather.py).
         gradient_reduction: "reduce_scatter", "all_to_all" (exchange slices, sum locally),
             "all_reduce" (keep this rank's slice), or "auto": all-to-all on gloo,
             reduce-scatter otherwise.
@@ -119,6 +122,7 @@ class ZeroConfig:
     force_outputs_fp32: bool = False
     reduce_scatter_bucket_bytes: int = 0
     gradient_reduction: str = "auto"
+    overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int):
@@ -139,6 +143,11 @@ class ZeroConfig:
             raise ValueError(
                 f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, "
                 f"got {self.gradient_reduction!r}"
+            )
+        if self.overlap_param_gather and self.stage == 3:
+            raise ValueError(
+                "overlap_param_gather applies to stages 1 and 2; stage 3 gathers each chunk "
+                "before use and prefetches the next (prefetch=True)"
             )
         if not isinstance(self.mixed_precision, MixedPrecision):
             raise TypeError(

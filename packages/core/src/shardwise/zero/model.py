@@ -20,6 +20,7 @@ from shardwise.zero.config import ZeroConfig, gradient_reduction_method
 from shardwise.zero.gather_scheduler import GatherScheduler
 from shardwise.zero.grad_reducer import GradReducer
 from shardwise.zero.init_context import sliced, unslice, whole_numel
+from shardwise.zero.param_gather import DeferredParamGather
 from shardwise.zero.state_dict import gather_full_state_dict, load_full_state_dict
 
 
@@ -96,6 +97,9 @@ class ZeroModel(nn.Module):
             self.scheduler = GatherScheduler(
                 self.module, chunk_manager, prefetch=self.config.prefetch, gemini=gemini
             )
+        self.param_gather: DeferredParamGather | None = None
+        if self.config.overlap_param_gather:
+            self.param_gather = DeferredParamGather(self.module, chunk_manager)
         self.reducer = GradReducer(
             chunk_manager,
             reduce_in_backward=self.config.stage >= 2,
@@ -131,18 +135,23 @@ class ZeroModel(nn.Module):
             make_whole=make_whole,
         )
 
-    def rebuild(self, *, chunk_size_numel: int, overlap_communication: bool) -> None:
+    def rebuild(
+        self, *, chunk_size_numel: int, overlap_communication: bool, overlap_param_gather: bool
+    ) -> None:
         """Re-pack the parameters with a new chunk (bucket) size; stages 1 and 2 only, before
         the first step, when the optimizer wrapper learns its bucket size."""
         if self.stage == 3:
             raise ValueError("stage 3 chunks are fixed at wrap time (gemini_config)")
         self.reducer.remove()
+        if self.param_gather is not None:
+            self.param_gather.remove()
         for handle in self._root_hooks:
             handle.remove()
         self.config = replace(
             self.config,
             chunk_size_numel=chunk_size_numel,
             overlap_communication=overlap_communication,
+            overlap_param_gather=overlap_param_gather,
         )
         self._pack(self._new_chunk_manager(self.comm_stats))
 
@@ -184,6 +193,7 @@ class ZeroModel(nn.Module):
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         # Runs when the forward raised too (always_call): chunks are released either way.
+        self.wait_param_gathers()
         if self.scheduler is not None:
             if self.gemini_manager is not None:
                 self.gemini_manager.end_forward()
@@ -194,6 +204,12 @@ class ZeroModel(nn.Module):
         if self.config.force_outputs_fp32:
             output = tree_map(lambda x: _cast_floating(x, torch.float32), output)
         return output
+
+    def wait_param_gathers(self) -> None:
+        """Make every parameter whole now (stages 1-2 with `overlap_param_gather`: the step's
+        all-gathers may still be running until the next forward has used each module)."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward without loss scaling (the optimizer's `backward` scales)."""

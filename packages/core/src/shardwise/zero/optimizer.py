@@ -175,7 +175,7 @@ class ZeroOptimizer:
                 torch._foreach_mul_(grads, coef)
             self.optim.step()
         for chunk in self._chunks:
-            chunk.publish_master()
+            chunk.publish_master(wait=not self.model.config.overlap_param_gather)
             chunk.end_step()
         self._after_step()
         return True

@@ -18,7 +18,7 @@ from shardwise.zero.gemini_ddp import GeminiDDP, gemini_ddp_from_config
 from shardwise.zero.model import ZeroModel
 from shardwise.zero.optimizer import ZeroOptimizer, grad_scaler_for
 
-_OPTIM_CONFIG_KEYS = ("reduce_bucket_size", "overlap_communication")
+_OPTIM_CONFIG_KEYS = ("reduce_bucket_size", "overlap_communication", "overlap_param_gather")
 
 
 def zero_model_wrapper(
@@ -105,7 +105,9 @@ def zero_optim_wrapper(
         norm_type: the clipping norm (2.0, math.inf, ...).
         optim_config: stage 1/2 options: `reduce_bucket_size` (elements per gradient bucket)
             and `overlap_communication` (bool, default True: stage 2 reduces each bucket
-            while backward goes on, as DDP does; stage 1 reduces at the step either way).
+            while backward goes on, as DDP does; stage 1 reduces at the step either way) and
+            `overlap_param_gather` (bool, default False: let the all-gather of updated
+            parameters run into the next forward; see `ZeroConfig`).
     """
     if not isinstance(model, ZeroModel):
         raise TypeError(
@@ -129,7 +131,14 @@ def zero_optim_wrapper(
         overlap = options.get("overlap_communication", True)
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap_communication must be a bool, got {overlap!r}")
-        model.rebuild(chunk_size_numel=bucket, overlap_communication=overlap)
+        param_gather = options.get("overlap_param_gather", False)
+        if not isinstance(param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be a bool, got {param_gather!r}")
+        model.rebuild(
+            chunk_size_numel=bucket,
+            overlap_communication=overlap,
+            overlap_param_gather=param_gather,
+        )
     scaler = grad_scaler_for(
         model,
         initial_scale=initial_scale,
