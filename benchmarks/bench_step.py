@@ -121,11 +121,14 @@ def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict
         ),
     )
 
+    recorder = None
     if args.telemetry:
         from shardwise import telemetry
 
         scratch = tempfile.mkdtemp(prefix="shardwise-telemetry-")
-        telemetry.enable(wrapped, zero_optimizer, path=f"{scratch}/events", run_id="bench")
+        recorder = telemetry.enable(
+            wrapped, zero_optimizer, path=f"{scratch}/events", run_id="bench"
+        )
 
     def zero_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         zero_optimizer.zero_grad()
@@ -134,11 +137,12 @@ def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict
         zero_optimizer.step()
         return loss
 
-    def counters() -> dict[str, int]:
+    def counters() -> dict[str, float]:
         return {
             "sent_bytes": wrapped.comm_stats.sent_bytes(),
             "model_state_bytes": sum(wrapped.memory_report().values())
             + zero_optimizer.state_bytes(),
+            "telemetry_cpu_s": recorder.cpu_seconds() if args.telemetry and recorder else 0.0,
         }
 
     return zero_step, counters
@@ -172,7 +176,10 @@ def main() -> None:
     times, sent = [], []
     loss = torch.zeros(())
     profiler = cProfile.Profile() if args.profile and rank == 0 else None
+    telemetry_cpu_s = 0.0
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            telemetry_cpu_s = -counters().get("telemetry_cpu_s", 0.0)
         idx, targets = gpt_batch(config, args.batch, args.seq, i)
         before = counters().get("sent_bytes", 0)
         dist.barrier()
@@ -187,6 +194,8 @@ def main() -> None:
         if i >= args.warmup:
             times.append(elapsed * 1000)
             sent.append(counters().get("sent_bytes", 0) - before)
+    time.sleep(0.5)  # let the telemetry thread deliver the last step's events
+    telemetry_cpu_s += counters().get("telemetry_cpu_s", 0.0)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if rank == 0:
         summary = {
@@ -204,6 +213,7 @@ def main() -> None:
             "model_state_bytes": counters().get("model_state_bytes"),
             "peak_rss_mib": peak_kib / 1024,
             "telemetry": args.telemetry,
+            "telemetry_cpu_ms_per_step": telemetry_cpu_s * 1000 / args.steps,
         }
         if profiler is not None:
             summary["shardwise_python_share"] = _shardwise_share(profiler, sum(times) / 1000)

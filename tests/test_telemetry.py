@@ -42,6 +42,7 @@ def _train(sink: dict[str, str], steps: int) -> dict[str, Any]:
         "sent": sent,
         "chunks": len(wrapped.chunk_manager.chunks),
         "dropped": recorder.emitter.dropped,
+        "cpu_seconds": recorder.cpu_seconds(),
     }
 
 
@@ -65,6 +66,8 @@ def test_jsonl_events_describe_every_step(tmp_path: Path) -> None:
         assert [e["step"] for e in snapshots] == [0, 3]
         assert all(len(e["chunks"]) == result["chunks"] for e in snapshots)
         assert events[-1]["status"] == "finished"
+        # What telemetry cost this rank is measured (benchmarks report it per step).
+        assert 0.0 < result["cpu_seconds"] < 5.0
 
 
 def _unused_port() -> int:

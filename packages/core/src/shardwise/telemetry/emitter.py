@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 from shardwise.telemetry import events
@@ -45,6 +46,9 @@ class TelemetryEmitter:
         self.batch_size = batch_size
         self.dropped = 0
         self.delivered = 0
+        # CPU seconds the delivery thread has used: what telemetry takes from training on a
+        # host whose cores are all busy (benchmarks report it per step).
+        self.cpu_seconds = 0.0
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._drain, name="shardwise-telemetry", daemon=True)
         self._thread.start()
@@ -102,5 +106,6 @@ class TelemetryEmitter:
             except Exception:
                 # A dashboard that is down or slow loses these events, never the run.
                 self.dropped += len(batch)
+            self.cpu_seconds = time.thread_time()
             if stop:
                 return

@@ -57,6 +57,7 @@ class TelemetryRecorder:
         self._last_sent = model.comm_stats.snapshot()
         self._last_moved = self._moved()
         self._finished = False
+        self._hook_seconds = 0.0
         optimizer.add_step_hook(self._on_step)
 
     def started(self, config: dict[str, Any]) -> None:
@@ -82,8 +83,17 @@ class TelemetryRecorder:
         device = sum(self.model.memory_report().values()) + self.optimizer.state_bytes()
         return {"device": device, "host": 0}
 
+    def cpu_seconds(self) -> float:
+        """CPU time telemetry has cost this rank so far: the step hook on the training thread
+        plus the delivery thread."""
+        return self._hook_seconds + self.emitter.cpu_seconds
+
     def _on_step(self, optimizer: ZeroOptimizer) -> None:
         now = time.perf_counter()
+        self._record(optimizer, now)
+        self._hook_seconds += time.perf_counter() - now
+
+    def _record(self, optimizer: ZeroOptimizer, now: float) -> None:
         sent = self.model.comm_stats.snapshot()
         moved = self._moved()
         index = optimizer.num_steps - 1
