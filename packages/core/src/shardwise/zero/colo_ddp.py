@@ -52,6 +52,7 @@ class ColoDDP(nn.Module):
         ):
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
         super().__init__()
+        comm.destroy_default_group_at_exit()  # see [Note: gloo at exit] in comm/lifecycle.py
         self.module = module
         self.process_group = process_group
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)

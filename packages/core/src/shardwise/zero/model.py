@@ -57,6 +57,7 @@ class ZeroModel(nn.Module):
         if config.stage == 0:
             raise ValueError("stage 0 (plain data parallel) is ColoDDP; use ColoDDP(module)")
         super().__init__()
+        comm.destroy_default_group_at_exit()  # see [Note: gloo at exit] in comm/lifecycle.py
         self.module = module.to(config.device)
         self.config = config
         self._dtypes = config.mixed_precision.chunk_dtypes()
