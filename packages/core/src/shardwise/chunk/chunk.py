@@ -499,23 +499,23 @@ class Chunk:
                     self.bytes_to_host += nbytes
             self.shard.copy_(self.master)
         if self.keep_gathered:
-            # The shard aliases this rank's slice of `full`; send a copy because a collective
-            # may not read and write the same memory.
-            sent = self.shard.clone()
-            work = comm.all_gather(self.full, sent, self.stats, self.group, async_op=not wait)
-            if work is None:
-                self._refresh_compute_copy()
-            else:
-                self._pending_publish = (work, sent)
+            self._gather_kept_copy(wait=wait)
+
+    def _gather_kept_copy(self, *, wait: bool) -> None:
+        """All-gather the shards into the full copy a stage-1/2 chunk keeps."""
+        sent = self.shard.clone()  # a collective may not read `full`, which the shard views
+        work = comm.all_gather(self.full, sent, self.stats, self.group, async_op=not wait)
+        if work is None:
+            self._refresh_compute_copy()
+        else:
+            self._pending_publish = (work, sent)
 
     def wait_publish(self) -> None:
         """Wait for a background all-gather started by `publish_master(wait=False)`."""
-        if self._pending_publish is None:
-            return
-        work, _ = self._pending_publish
-        work.wait()
-        self._pending_publish = None
-        self._refresh_compute_copy()
+        if self._pending_publish is not None:
+            self._pending_publish[0].wait()
+            self._pending_publish = None
+            self._refresh_compute_copy()
 
     def _refresh_compute_copy(self) -> None:
         if self.full_compute is not None:
@@ -545,8 +545,7 @@ class Chunk:
         (stages 1 and 2); a collective over the chunk's group."""
         if self.keep_gathered:
             self.wait_publish()
-            comm.all_gather(self.full, self.shard.clone(), self.stats, self.group)
-            self._refresh_compute_copy()
+            self._gather_kept_copy(wait=True)
 
     def tensor_shard_range(self, index: int) -> tuple[int, int] | None:
         """The part of tensor `index` this rank owns, as (begin, end) within the shard."""
