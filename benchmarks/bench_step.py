@@ -17,17 +17,13 @@ import os
 import pstats
 import resource
 import statistics
-import tempfile
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from engines import EngineSpec, build
 
-from shardwise import zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import GPT, GPTConfig, gpt_batch
-
-Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,95 +55,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-# Engine-name suffixes of the gradient_reduction methods ("auto" is all-to-all on gloo).
-REDUCTION_SUFFIX = {"auto": "", "reduce_scatter": "-rs", "all_to_all": "-a2a", "all_reduce": "-ar"}
-
-
-def torch_step(module: torch.nn.Module) -> Step:
-    """A plain torch training step over `module` (DDP or FSDP wrapped), fused AdamW."""
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, fused=True)
-
-    def step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad()
-        _, loss = module(idx, targets)
-        loss.backward()
-        optimizer.step()
-        loss_value: torch.Tensor = loss
-        return loss_value
-
-    return step
-
-
-def build(args: argparse.Namespace, model: GPT) -> tuple[Step, Callable[[], dict[str, int]]]:
-    """The engine's step function, and a function returning its counters after a step."""
-    world = dist.get_world_size()
-    if args.engine == "ddp":
-        return torch_step(torch.nn.parallel.DistributedDataParallel(model)), dict
-    if args.engine == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        from shardwise.testing.gpt import Block
-
-        wrapped = FullyShardedDataParallel(
-            model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
-        )
-        return torch_step(wrapped), dict
-    if args.engine == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return torch_step(model), dict
-    stage = int(args.engine[-1])
-    chunk_numel = int(args.chunk_mib * 2**20 / 4)
-    config: dict[str, object] = {
-        "device": torch.device("cpu"),
-        "gradient_reduction": args.reduction,
-    }
-    if stage == 3:
-        config.update(chunk_size_numel=chunk_numel, placement_policy=args.placement)
-    wrapped = zero_model_wrapper(model, stage, config)
-    zero_optimizer = zero_optim_wrapper(
-        wrapped,
-        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-        optim_config=(
-            {"reduce_bucket_size": chunk_numel, "overlap_param_gather": args.param_gather}
-            if stage < 3
-            else None
-        ),
-    )
-
-    recorder = None
-    if args.telemetry:
-        from shardwise import telemetry
-
-        scratch = tempfile.mkdtemp(prefix="shardwise-telemetry-")
-        recorder = telemetry.enable(
-            wrapped, zero_optimizer, path=f"{scratch}/events", run_id="bench"
-        )
-
-    def zero_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        zero_optimizer.zero_grad()
-        _, loss = wrapped(idx, targets)
-        zero_optimizer.backward(loss)
-        zero_optimizer.step()
-        return loss
-
-    def counters() -> dict[str, float]:
-        return {
-            "sent_bytes": wrapped.comm_stats.sent_bytes(),
-            "model_state_bytes": sum(wrapped.memory_report().values())
-            + zero_optimizer.state_bytes(),
-            "telemetry_cpu_s": recorder.cpu_seconds() if args.telemetry and recorder else 0.0,
-        }
-
-    return zero_step, counters
-
-
 def _shardwise_share(profiler: cProfile.Profile, total_s: float) -> float:
     """Share of the measured steps spent in shardwise's own Python code (hooks, state
     bookkeeping, the optimizer wrapper): time inside its functions less the torch calls they
@@ -172,7 +79,10 @@ def main() -> None:
     )
     model = GPT(config)
     num_params = model.num_parameters()
-    step, counters = build(args, model)
+    spec = EngineSpec(
+        args.engine, args.placement, args.param_gather, args.reduction, args.telemetry
+    )
+    step, counters = build(spec, model, args.chunk_mib)
     times, sent = [], []
     loss = torch.zeros(())
     profiler = cProfile.Profile() if args.profile and rank == 0 else None
@@ -199,11 +109,7 @@ def main() -> None:
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if rank == 0:
         summary = {
-            "engine": args.engine
-            + ("-" + args.placement if args.engine == "zero3" else "")
-            + ("+telemetry" if args.telemetry else "")
-            + ("+pg" if args.param_gather else "")
-            + REDUCTION_SUFFIX[args.reduction],
+            "engine": spec.name,
             "world": world,
             "params": num_params,
             "median_ms": statistics.median(times),

@@ -107,9 +107,10 @@ def test_collective_counts_of_the_two_strategies() -> None:
     bucketed = run_ranks(_train, 2, "tensor", {"reduce_scatter_bucket_size_mb": 25})[0]
     assert tensor["chunks"] == tensors and bucket["chunks"] == modules
     # Once the order is recorded: a gather per chunk in forward and in backward, except the
-    # never-used branch's chunks, which are never gathered.
-    assert tensor["gathers"][-1] == 2 * (tensors - 2)
-    assert bucket["gathers"][-1] == 2 * (modules - 1)
+    # never-used branch's chunks, which are never gathered, and the chunk backward starts
+    # with (the tied head's), kept gathered from the end of forward.
+    assert tensor["gathers"][-1] == 2 * (tensors - 2) - 1
+    assert bucket["gathers"][-1] == 2 * (modules - 1) - 1
     assert tensor["reduces"][-1] == tensors and bucket["reduces"][-1] == modules
     # Bucketed reduce-scatter: the whole (small) model's gradients in one call.
     assert bucketed["reduces"][-1] == 1

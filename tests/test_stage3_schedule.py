@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from helpers import CONFIG, batch_slice
@@ -54,11 +56,147 @@ def test_chunks_are_released_after_last_use_in_forward() -> None:
         # The tied embedding's chunk stays (the head uses it last), plus the block running
         # and the one prefetched: far from the whole model.
         assert result["peak_last_step"] <= 4, result
-        assert result["after_forward"] == 0
+        # With prefetching, the chunk backward starts with (the head's, tied to the
+        # embedding) stays gathered from the end of forward, and is not gathered again.
+        kept = 1 if prefetch else 0
+        assert result["after_forward"] == kept, result
         assert result["after_step"] == 0
         # Once the order is recorded, every chunk is gathered once in forward and once in
         # backward; the first pass may gather a tied weight's chunk again when it is reused.
         gathers = result["gathers"]
         assert isinstance(gathers, list)
-        assert gathers[1:] == [2 * chunks] * 2
+        assert gathers[1:] == [2 * chunks - kept] * 2, result
         assert 2 * chunks <= gathers[0] <= 2 * chunks + 2
+
+
+def _stale_copy_after_forward_without_backward(extra_forward: bool) -> list[float]:
+    """Train a step, then (optionally) run a forward with gradients on and no backward, which
+    leaves the chunk backward would start with gathered; step again on the same gradients
+    and load a state dict, then evaluate. Each later change to the shards must reach the
+    next forward."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped = zero_model_wrapper(
+        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": 1500}
+    )
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = []
+    for step in range(2):
+        optimizer.zero_grad()
+        _, loss = wrapped(*batch_slice(step, 0, rank, 2))
+        optimizer.backward(loss)
+        optimizer.step()
+    if extra_forward:
+        wrapped(*batch_slice(5, 0, rank, 2))
+        assert any(c.state is ChunkState.GATHERED for c in wrapped.chunk_manager.chunks)
+    optimizer.step()  # again, on the gradients already there
+    with torch.no_grad():
+        losses.append(float(wrapped(*batch_slice(6, 0, rank, 2))[1]))
+    if extra_forward:
+        wrapped(*batch_slice(5, 0, rank, 2))
+    wrapped.load_state_dict(initial)
+    with torch.no_grad():
+        losses.append(float(wrapped(*batch_slice(6, 0, rank, 2))[1]))
+        assert not any(c.state is ChunkState.GATHERED for c in wrapped.chunk_manager.chunks)
+    return losses
+
+
+def test_a_chunk_kept_for_backward_never_serves_stale_values() -> None:
+    plain = run_ranks(_stale_copy_after_forward_without_backward, 2, False)
+    with_extra_forward = run_ranks(_stale_copy_after_forward_without_backward, 2, True)
+    assert with_extra_forward == plain
+    assert plain[0][0] != plain[0][1]  # the step and the load really changed the weights
+
+
+def _reductions_in_flight(placement: str) -> list[str]:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    config = {
+        "device": torch.device("cpu"),
+        "chunk_size_numel": 1500,
+        "placement_policy": placement,
+    }
+    if placement == "auto":
+        config["device_budget_bytes"] = 10**9
+    wrapped = zero_model_wrapper(model, 3, config)
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    events: list[str] = []
+    for chunk in wrapped.chunk_manager.chunks:
+        start, finish = chunk.start_reduce, chunk.finish_reduce
+
+        def started(start: Any = start, chunk_id: int = chunk.chunk_id) -> None:
+            events.append(f"start {chunk_id}")
+            start()
+
+        def finished(
+            *, keep_full: bool, finish: Any = finish, chunk_id: int = chunk.chunk_id
+        ) -> None:
+            events.append(f"finish {chunk_id}")
+            finish(keep_full=keep_full)
+
+        chunk.start_reduce = started  # type: ignore[method-assign]
+        chunk.finish_reduce = finished  # type: ignore[method-assign]
+    for step in range(2):
+        events.clear()
+        optimizer.zero_grad()
+        _, loss = wrapped(*batch_slice(step, 0, rank, 2))
+        optimizer.backward(loss)
+        optimizer.step()
+    return events
+
+
+def test_stage3_reductions_run_behind_backward_one_at_a_time() -> None:
+    events = run_ranks(_reductions_in_flight, 2, "cuda")[0]
+    in_flight, most = 0, 0
+    for event in events:
+        in_flight += 1 if event.startswith("start") else -1
+        most = max(most, in_flight)
+    assert in_flight == 0 and most == 2, events  # the next starts before the last is waited
+    # "auto" plans each gather against its budget: it waits for every reduction at once.
+    events = run_ranks(_reductions_in_flight, 2, "auto")[0]
+    assert events[0::2] == [e.replace("finish", "start") for e in events[1::2]], events
+
+
+def test_prefetch_looks_past_module_calls_over_chunks_already_there() -> None:
+    from shardwise.zero.gather_scheduler import _Trace
+
+    trace = _Trace()
+    trace.begin()
+    for chunk_ids in [(0,), (1,), (1,), (1, 2), (2,), (0,)]:
+        trace.visit(chunk_ids)
+    trace.finish()
+    trace.begin()
+    upcoming = []
+    for chunk_ids in [(0,), (1,), (1,), (1, 2), (2,), (0,)]:
+        trace.visit(chunk_ids)
+        upcoming.append(trace.upcoming())
+    # From the first call over chunk 1 on, chunk 2 is next; nothing is after the last call.
+    assert upcoming == [(1,), (2,), (2,), (0,), (0,), ()]
+    trace.begin()
+    trace.visit((0,))
+    trace.visit((3,))  # off the record: no more prefetching this pass
+    assert trace.upcoming() == ()
+
+
+def _release_during_prefetch() -> bool:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    wrapped = zero_model_wrapper(
+        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": 1500}
+    )
+    chunk = wrapped.chunk_manager.chunks[1]
+    chunk.start_gather()
+    assert chunk.gather_pending
+    chunk.release()  # waits for the running all-gather, then frees its buffer
+    assert not chunk.gather_pending and chunk.state is ChunkState.SHARDED
+    assert chunk.full.untyped_storage().size() == 0
+    chunk.gather()
+    return all(torch.equal(info.param, expected[info.name]) for info in chunk.tensors)
+
+
+def test_releasing_a_chunk_whose_prefetch_is_running_waits_for_it() -> None:
+    assert run_ranks(_release_during_prefetch, 2) == [True, True]

@@ -1,8 +1,8 @@
 """Chunks: flat, sharded buffers of parameters, and the manager that packs them."""
 
-from shardwise.chunk.chunk import Chunk, ChunkDtypes, TensorInfo
+from shardwise.chunk.chunk import Chunk
 from shardwise.chunk.manager import ChunkManager
-from shardwise.chunk.states import ChunkState, Pool, TensorState
+from shardwise.chunk.states import ChunkDtypes, ChunkState, Pool, TensorInfo, TensorState
 
 __all__ = [
     "Chunk",

@@ -31,36 +31,13 @@ optimizer is built; copies between pools are counted in `bytes_to_device` / `byt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
-from shardwise.chunk.states import ChunkState, Pool, TensorState
+from shardwise.chunk.states import ChunkDtypes, ChunkState, Pool, TensorInfo, TensorState
 from shardwise.comm import CommStats
-
-
-@dataclass(slots=True)
-class TensorInfo:
-    """Where one parameter lives inside its chunk."""
-
-    name: str
-    param: nn.Parameter
-    offset: int  # first element in the chunk's full buffer
-    numel: int
-    shape: torch.Size
-    state: TensorState
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkDtypes:
-    """Dtypes of a chunk's buffers: storage and gathers, compute, gradient reduction."""
-
-    payload: torch.dtype
-    compute: torch.dtype
-    reduce: torch.dtype
 
 
 class Chunk:
@@ -222,6 +199,11 @@ class Chunk:
         else:
             self._finish_gather()
 
+    @property
+    def gather_pending(self) -> bool:
+        """A prefetch (start_gather) is running and nothing has waited for it yet."""
+        return self._pending_gather is not None
+
     def gather(self) -> None:
         """Make the full payload valid on this rank (waiting for a prefetch if one is running)."""
         if self.state is ChunkState.GATHERED:
@@ -320,6 +302,11 @@ class Chunk:
         """Drop the full payload, keeping only this rank's shard."""
         if self.keep_gathered:
             raise RuntimeError(f"chunk {self.chunk_id} keeps its payload gathered")
+        if self._pending_gather is not None:
+            # A prefetch nobody used: it reads the shard, which the next step rewrites.
+            self._pending_gather[0].wait()
+            self._pending_gather = None
+            self._free(self.full)
         if self.state is ChunkState.SHARDED:
             return
         for info in self.tensors:
@@ -490,6 +477,8 @@ class Chunk:
         """Copy the updated fp32 master into the payload; refresh the gathered copy if kept, in
         the background with `wait=False` (see [Note: deferred parameter gathers])."""
         self.wait_publish()
+        if not self.keep_gathered:
+            self.release()  # a gathered copy left from a forward without backward is stale now
         if self.master is not self.shard:
             if self.optim_pool is not self.payload_pool:
                 nbytes = self.shard.numel() * self.shard.element_size()
@@ -525,6 +514,8 @@ class Chunk:
         """Overwrite elements [begin, begin + numel) of flattened tensor `index` with `values`,
         which must lie inside the part this rank owns (a checkpoint restores just that)."""
         self.wait_publish()
+        if not self.keep_gathered:
+            self.release()  # its gathered copy would be stale
         info = self.tensors[index]
         owned = self.tensor_shard_range(index)
         start = info.offset + begin - self.shard_begin
@@ -537,8 +528,6 @@ class Chunk:
         self.shard[start : start + flat.numel()].copy_(flat)
         if self.requires_grad and self.master is not self.shard:
             self.master[start : start + flat.numel()].copy_(flat)
-        if self.state is ChunkState.GATHERED and not self.keep_gathered:
-            raise RuntimeError(f"chunk {self.chunk_id} is gathered: load between steps")
 
     def refresh_gathered(self) -> None:
         """After this rank's shards were overwritten, rebuild the full copy every rank keeps

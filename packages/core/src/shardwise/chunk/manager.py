@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardwise.chunk.chunk import Chunk, ChunkDtypes
+from shardwise.chunk.chunk import Chunk
+from shardwise.chunk.states import ChunkDtypes
 from shardwise.comm import CommStats, ReduceScatterMethod
 
 

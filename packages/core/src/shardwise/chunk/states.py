@@ -1,8 +1,13 @@
-"""The state machines of a chunk and of each tensor it holds."""
+"""The state machines of a chunk and of each tensor it holds, and what a chunk records of
+each tensor and its dtypes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
+
+import torch
+from torch import nn
 
 
 class ChunkState(Enum):
@@ -38,3 +43,24 @@ class Pool(Enum):
     are the same memory but are still accounted apart, so placement logic runs everywhere)."""
     HOST = "host"
     """Host memory (pinned when the compute device is CUDA and pinning is asked for)."""
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    """Where one parameter lives inside its chunk."""
+
+    name: str
+    param: nn.Parameter
+    offset: int  # first element in the chunk's full buffer
+    numel: int
+    shape: torch.Size
+    state: TensorState
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDtypes:
+    """Dtypes of a chunk's buffers: storage and gathers, compute, gradient reduction."""
+
+    payload: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype

@@ -98,7 +98,7 @@ class ZeroConfig:
         chunk_size_numel: elements per chunk (stage 3) or gradient bucket (stages 0-2).
         process_group: the data-parallel group; None means the default group.
         overlap_communication: launch gradient reductions asynchronously during backward and
-            wait for them at its end (stages 2 and 3).
+            wait for them at its end (stage 2), or before the next one starts (stage 3).
         prefetch: gather the next chunk in recorded execution order while the current one
             computes (stage 3).
         force_outputs_fp32: cast floating-point outputs of the model to fp32.

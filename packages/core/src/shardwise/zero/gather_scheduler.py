@@ -23,6 +23,9 @@ from torch.utils._pytree import tree_flatten
 from shardwise.chunk import Chunk, ChunkManager, ChunkState
 from shardwise.gemini import GeminiManager
 
+# How many module calls ahead a prefetch looks for the next chunk the pass needs.
+_LOOKAHEAD = 256
+
 
 class _Trace:
     """The chunk ids each module call needed, in order, with replay bookkeeping."""
@@ -32,6 +35,7 @@ class _Trace:
         self.recorded = False
         self.position = 0
         self.on_track = True
+        self._ahead: list[tuple[int, ...]] = []
 
     def begin(self) -> None:
         self.position = 0
@@ -47,13 +51,25 @@ class _Trace:
         self.position += 1
 
     def upcoming(self) -> tuple[int, ...]:
-        if self.on_track and self.position < len(self.steps):
-            return self.steps[self.position]
+        """The chunks the pass needs next, beyond those of the module call just visited."""
+        if self.on_track and 0 < self.position <= len(self._ahead):
+            return self._ahead[self.position - 1]
         return ()
 
     def finish(self) -> None:
         if not self.recorded and self.steps:
             self.recorded = True
+            self._ahead = [self._next_new_chunks(p) for p in range(len(self.steps))]
+
+    def _next_new_chunks(self, position: int) -> tuple[int, ...]:
+        # A run of module calls over the same chunks (the blocks packed in one chunk) would
+        # give the next chunk's gather only the run's last call to hide behind: look past it.
+        current = set(self.steps[position])
+        for later in self.steps[position + 1 : position + 1 + _LOOKAHEAD]:
+            new = tuple(c for c in later if c not in current)
+            if new:
+                return new
+        return ()
 
 
 class GatherScheduler:
@@ -86,6 +102,7 @@ class GatherScheduler:
         self._last_forward_use: dict[int, int] = {}
         self._used_in_pass: dict[int, set[int]] = {}
         self._in_backward = False
+        self._keep_for_backward: frozenset[int] = frozenset()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for submodule in module.modules():
             places = [
@@ -103,6 +120,7 @@ class GatherScheduler:
     def begin_forward(self) -> None:
         self._forward.begin()
         self._used_in_pass.clear()
+        self._keep_for_backward = self._needed_first_by_backward()
 
     def forward_order(self) -> list[int]:
         """Chunk ids by first use in the recorded forward pass (empty before it is recorded)."""
@@ -111,7 +129,8 @@ class GatherScheduler:
         return list(dict.fromkeys(c for step in self._forward.steps for c in step))
 
     def end_forward(self) -> None:
-        """Release every chunk not in use; record the forward order after the first pass."""
+        """Release every chunk not in use, except those backward needs first; record the
+        forward order after the first pass."""
         if not self._forward.recorded:
             self._forward.finish()
             self._last_forward_use = {
@@ -119,7 +138,17 @@ class GatherScheduler:
                 for position, chunk_ids in enumerate(self._forward.steps)
                 for chunk_id in chunk_ids
             }
-        self.release_all()
+        keep = self._keep_for_backward if self._forward.on_track else frozenset()
+        self.release_all(keep=keep)
+
+    def _needed_first_by_backward(self) -> frozenset[int]:
+        # Backward starts with the modules forward ended with: releasing their chunks only to
+        # gather them again at once would cost an all-gather nothing can hide. Kept only when
+        # a backward can follow (gradients are on) and the pass follows the record; "auto"
+        # placement plans each gather against its budget, so it releases as before.
+        if not self.prefetch or not self._backward.recorded or not torch.is_grad_enabled():
+            return frozenset()
+        return frozenset(self._backward.steps[0])
 
     def _pre_forward(self, places: list[tuple[Chunk, int]]) -> Any:
         chunks = _unique_chunks(places)
@@ -161,6 +190,7 @@ class GatherScheduler:
                 for chunk in chunks:
                     if (
                         self._last_forward_use.get(chunk.chunk_id) == position
+                        and chunk.chunk_id not in self._keep_for_backward
                         and not chunk.in_use
                         and not chunk.keep_gathered
                     ):
@@ -221,9 +251,15 @@ class GatherScheduler:
         if not chunk.in_use and not chunk.keep_gathered:
             chunk.release()
 
-    def release_all(self) -> None:
+    def release_all(self, keep: frozenset[int] = frozenset()) -> None:
+        """Release every gathered (or prefetching) chunk not in use, but those in `keep`."""
         for chunk in self.chunk_manager.chunks:
-            if chunk.state is ChunkState.GATHERED and not chunk.in_use and not chunk.keep_gathered:
+            if (
+                (chunk.state is ChunkState.GATHERED or chunk.gather_pending)
+                and chunk.chunk_id not in keep
+                and not chunk.in_use
+                and not chunk.keep_gathered
+            ):
                 chunk.release()
 
     def remove(self) -> None:

@@ -55,8 +55,11 @@ class GeminiDDP(ZeroModel):
 
     Each chunk is all-gathered just before the first module that uses it runs (forward and
     backward), released after its last use, and its gradients are reduce-scattered as soon as
-    the chunk's last gradient is ready. The chunk after the current one, in the order recorded
-    during the first iteration, is prefetched.
+    the chunk's last gradient is ready, in the background while backward goes on (one
+    reduction in flight: the chunk stays gathered until its reduction is done; the "auto"
+    placement policy, which plans every gather against its budget, waits for each). The next chunk
+    in the order recorded during the first iteration is prefetched, and the chunks backward
+    starts with stay gathered from the end of forward.
 
     Args:
         module: the model to shard.
@@ -125,6 +128,9 @@ class GeminiDDP(ZeroModel):
             process_group=chunk_manager.group,
             gradient_reduction=chunk_manager.reduce_method.value,
             prefetch=prefetch,
+            # "auto" plans every gather against its budget from a timeline in which a chunk is
+            # released as soon as it is reduced: it reduces synchronously.
+            overlap_communication=gemini_manager.auto is None,
             force_outputs_fp32=force_outputs_fp32,
             reduce_scatter_bucket_bytes=reduce_scatter_bucket_bytes,
         )

@@ -38,6 +38,9 @@ class GradReducer:
             buffers until `reduce_all()` (stage 1).
         overlap: launch those reductions asynchronously and wait for them when backward ends,
             so communication runs while backward computes.
+        max_in_flight: with `overlap`, wait for the oldest reduction once more than this many
+            are running (None: wait only when backward ends). Stage 3 keeps a chunk gathered
+            until its reduction is done, so there this bounds the memory overlap costs.
         bucket_bytes: gather consecutive chunks into one reduce-scatter until their gradients
             reach this many bytes (0: one reduce-scatter per chunk).
         on_reduced: called with each chunk right after it is reduced (stage 3 frees its
@@ -52,6 +55,7 @@ class GradReducer:
         *,
         reduce_in_backward: bool,
         overlap: bool = False,
+        max_in_flight: int | None = None,
         bucket_bytes: int = 0,
         on_reduced: Callable[[Chunk], None] | None = None,
         after_grad: Callable[[str], None] | None = None,
@@ -59,6 +63,7 @@ class GradReducer:
         self.chunk_manager = chunk_manager
         self.reduce_in_backward = reduce_in_backward
         self.overlap = overlap
+        self.max_in_flight = max_in_flight
         self.bucket_bytes = bucket_bytes
         self._bucket: list[Chunk] = []
         self._bucket_filled = 0
@@ -133,10 +138,12 @@ class GradReducer:
                 self._flush_bucket()
             return
         chunk.start_reduce()
-        if self.overlap:
-            self._in_flight.append(chunk)
-        else:
+        if not self.overlap:
             self._finish(chunk)
+            return
+        self._in_flight.append(chunk)
+        while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
+            self._finish(self._in_flight.pop(0))
 
     def _flush_bucket(self) -> None:
         """One reduce-scatter for every chunk in the bucket: the input is laid out rank-major

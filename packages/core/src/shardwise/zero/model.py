@@ -105,6 +105,8 @@ class ZeroModel(nn.Module):
             chunk_manager,
             reduce_in_backward=self.config.stage >= 2,
             overlap=self.config.overlap_communication,
+            # Stage 3 holds a chunk gathered until its reduction ends: one in flight at most.
+            max_in_flight=1 if self.config.stage == 3 else None,
             bucket_bytes=self.config.reduce_scatter_bucket_bytes,
             on_reduced=self.scheduler.on_chunk_reduced if self.scheduler else None,
             after_grad=gemini.check_budget if gemini is not None else None,

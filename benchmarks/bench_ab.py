@@ -1,0 +1,116 @@
+"""Step times of several engines taken in one process group, interleaved step block by block.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_ab.py \\
+        --engines ddp,zero2,zero2+pg --out r.json
+
+Each engine trains its own copy of the same model (same seed, same batches). After a warm-up
+of every engine, round after round each engine runs `--block` steps in turn, the order rotating
+every round; the first step of each turn is left out of the figures (it pays for the cache the
+previous engine evicted). Separate runs of one engine drift by several percent on these
+machines; figures interleaved this finely share the drift, so their ratios hold. Rank 0 writes
+per-engine medians and every measured step time. Every engine must reach the same losses: the
+final loss of each is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from engines import EngineSpec, build
+
+from shardwise.testing import GPT, GPTConfig, gpt_batch
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", required=True, help="comma-separated engine names")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--block", type=int, default=3, help="steps per engine per turn")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="global batch")
+    parser.add_argument("--chunk-mib", type=float, default=8.0, help="chunk / bucket size")
+    args = parser.parse_args()
+    if args.block < 2:
+        parser.error("--block must be at least 2 (a turn's first step is not measured)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = GPTConfig(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_embd=args.n_embd
+    )
+    specs = [EngineSpec.parse(name) for name in args.engines.split(",")]
+    engines = {}
+    for spec in specs:
+        torch.manual_seed(0)
+        model = GPT(config)
+        engines[spec.name] = build(spec, model, args.chunk_mib)
+    num_params = model.num_parameters()
+    steps_done = dict.fromkeys(engines, 0)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    losses: dict[str, float] = {}
+
+    def run(name: str, count: int, record: bool) -> None:
+        step, _ = engines[name]
+        for turn_step in range(count):
+            idx, targets = gpt_batch(config, args.batch, args.seq, steps_done[name])
+            dist.barrier()
+            start = time.perf_counter()
+            loss = step(idx.chunk(world)[rank], targets.chunk(world)[rank])
+            elapsed = time.perf_counter() - start
+            steps_done[name] += 1
+            losses[name] = float(loss.detach())
+            if record and turn_step > 0:
+                times[name].append(elapsed * 1000)
+
+    for name in engines:
+        run(name, args.warmup, record=False)
+    names = list(engines)
+    for round_index in range(args.rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            run(name, args.block, record=True)
+        if rank == 0:
+            medians = ", ".join(f"{n} {statistics.median(times[n]):.1f}" for n in names)
+            print(f"round {round_index + 1}/{args.rounds}: {medians}", flush=True)
+    if rank == 0:
+        summary = {
+            "world": world,
+            "params": num_params,
+            "steps_per_engine": steps_done[names[0]],
+            "engines": {
+                name: {
+                    "median_ms": statistics.median(times[name]),
+                    "step_ms": times[name],
+                    "final_loss": losses[name],
+                }
+                for name in names
+            },
+        }
+        with open(args.out, "w") as handle:
+            json.dump(summary, handle, indent=1)
+    # Drop the engines (DDP's reducer may hold the group) and synchronise before teardown.
+    engines.clear()
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The engines the benchmarks compare, built over one model: torch's and shardwise's.
+
+An engine is named as the results name it: `ddp`, `fsdp1`, `fsdp2`, `zero1`, `zero2`,
+`zero3-cuda`, `zero3-cpu`, with suffixes `+pg` (stages 1-2: overlap the all-gather of updated
+parameters with the next forward), `+telemetry` (stream telemetry to a file) and `-rs`, `-a2a`,
+`-ar` (shardwise's gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardwise import zero_model_wrapper, zero_optim_wrapper
+from shardwise.testing import GPT
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Counters = Callable[[], dict[str, float]]
+
+TORCH_ENGINES = ("ddp", "fsdp1", "fsdp2")
+ZERO_ENGINES = ("zero1", "zero2", "zero3")
+# Engine-name suffixes of the gradient_reduction methods ("auto" is all-to-all on gloo).
+REDUCTION_SUFFIX = {"auto": "", "reduce_scatter": "-rs", "all_to_all": "-a2a", "all_reduce": "-ar"}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    engine: str
+    placement: str = "cuda"
+    param_gather: bool = False
+    reduction: str = "auto"
+    telemetry: bool = False
+
+    @property
+    def name(self) -> str:
+        return (
+            self.engine
+            + ("-" + self.placement if self.engine == "zero3" else "")
+            + ("+telemetry" if self.telemetry else "")
+            + ("+pg" if self.param_gather else "")
+            + REDUCTION_SUFFIX[self.reduction]
+        )
+
+    @classmethod
+    def parse(cls, name: str) -> EngineSpec:
+        """The spec whose `name` is `name` (e.g. "zero2+pg", "zero3-cpu", "zero2-rs")."""
+        original, reduction = name, "auto"
+        for method, suffix in REDUCTION_SUFFIX.items():
+            if suffix and name.endswith(suffix):
+                reduction, name = method, name[: -len(suffix)]
+        param_gather = name.endswith("+pg")
+        name = name.removesuffix("+pg")
+        telemetry = name.endswith("+telemetry")
+        name = name.removesuffix("+telemetry")
+        engine, _, placement = name.partition("-")
+        if engine not in TORCH_ENGINES + ZERO_ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; one of {TORCH_ENGINES + ZERO_ENGINES}")
+        spec = cls(engine, placement or "cuda", param_gather, reduction, telemetry)
+        if spec.name != original:
+            raise ValueError(f"cannot parse engine name {original!r} (read as {spec.name!r})")
+        return spec
+
+
+def torch_step(module: torch.nn.Module) -> Step:
+    """A plain torch training step over `module` (DDP or FSDP wrapped), fused AdamW."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, fused=True)
+
+    def step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        _, loss = module(idx, targets)
+        loss.backward()
+        optimizer.step()
+        loss_value: torch.Tensor = loss
+        return loss_value
+
+    return step
+
+
+def build(spec: EngineSpec, model: GPT, chunk_mib: float = 8.0) -> tuple[Step, Counters]:
+    """The engine's step function over `model`, and a function returning its counters."""
+    if spec.engine == "ddp":
+        return torch_step(torch.nn.parallel.DistributedDataParallel(model)), dict
+    if spec.engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from shardwise.testing.gpt import Block
+
+        wrapped = FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+        )
+        return torch_step(wrapped), dict
+    if spec.engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return torch_step(model), dict
+    return _zero_step(spec, model, chunk_mib)
+
+
+def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Counters]:
+    stage = int(spec.engine[-1])
+    chunk_numel = int(chunk_mib * 2**20 / 4)
+    config: dict[str, object] = {
+        "device": torch.device("cpu"),
+        "gradient_reduction": spec.reduction,
+    }
+    if stage == 3:
+        config.update(chunk_size_numel=chunk_numel, placement_policy=spec.placement)
+    wrapped = zero_model_wrapper(model, stage, config)
+    zero_optimizer = zero_optim_wrapper(
+        wrapped,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        optim_config=(
+            {"reduce_bucket_size": chunk_numel, "overlap_param_gather": spec.param_gather}
+            if stage < 3
+            else None
+        ),
+    )
+    recorder = None
+    if spec.telemetry:
+        from shardwise import telemetry
+
+        scratch = tempfile.mkdtemp(prefix="shardwise-telemetry-")
+        recorder = telemetry.enable(
+            wrapped, zero_optimizer, path=f"{scratch}/events", run_id="bench"
+        )
+
+    def zero_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        zero_optimizer.zero_grad()
+        _, loss = wrapped(idx, targets)
+        zero_optimizer.backward(loss)
+        zero_optimizer.step()
+        return loss
+
+    def counters() -> dict[str, float]:
+        return {
+            "sent_bytes": wrapped.comm_stats.sent_bytes(),
+            "model_state_bytes": sum(wrapped.memory_report().values())
+            + zero_optimizer.state_bytes(),
+            "telemetry_cpu_s": recorder.cpu_seconds() if recorder is not None else 0.0,
+        }
+
+    return zero_step, counters
