@@ -98,3 +98,42 @@ def test_bad_chunk_size_is_refused() -> None:
         ChunkManager(chunk_size_numel=0, device=CPU)
     with pytest.raises(TypeError, match=r"device must be a torch\.device"):
         ChunkManager(chunk_size_numel=4, device="cpu")  # type: ignore[arg-type]
+
+
+def test_gradient_buffer_is_exact_without_being_zeroed_first() -> None:
+    """First gradients are copied into an uninitialised buffer, later ones added; what got
+    none is zero when the buffer is reduced (see [Note: gradient buffers start
+    uninitialised])."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+    manager = ChunkManager(chunk_size_numel=100, device=CPU, keep_gathered=True)
+    manager.register(model.named_parameters())
+    (chunk,) = manager.chunks
+    grads = [torch.randn(info.shape) for info in chunk.tensors]
+    chunk.add_grad(0, grads[0])
+    chunk.add_grad(2, grads[2])
+    chunk.add_grad(2, grads[2])  # a second gradient in the same pass adds
+    expected = torch.zeros(chunk.padded_numel)
+    for index, scale in ((0, 1.0), (2, 2.0)):
+        info = chunk.tensors[index]
+        expected[info.offset : info.offset + info.numel] = scale * grads[index].reshape(-1)
+    chunk.end_pass_without_reduce()  # kept for the next pass: made whole now
+    assert torch.equal(chunk.grad_full, expected)
+    chunk.add_grad(1, grads[1])  # the next pass adds onto the kept buffer
+    info = chunk.tensors[1]
+    expected[info.offset : info.offset + info.numel] += grads[1].reshape(-1)
+    assert torch.equal(chunk.prepare_reduce(), expected)
+
+
+def test_zero_unwritten_covers_gaps_and_padding() -> None:
+    from shardwise.chunk.grad_buffer import zero_unwritten
+    from shardwise.chunk.states import TensorInfo
+
+    param = nn.Parameter(torch.zeros(1))
+    tensors = [
+        TensorInfo(name, param, offset, numel, torch.Size([numel]), TensorState.HOLD)
+        for name, offset, numel in (("a", 0, 3), ("b", 3, 2), ("c", 6, 2))
+    ]
+    buffer = torch.full((10,), 7.0)
+    zero_unwritten(buffer, tensors, {0, 2})
+    assert buffer.tolist() == [7, 7, 7, 0, 0, 0, 7, 7, 0, 0]

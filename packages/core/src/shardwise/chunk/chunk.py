@@ -12,14 +12,13 @@
   keeps its payload gathered, as in stages 1 and 2).
 - `master`: fp32 copy of `shard` for the optimizer; the same tensor as `shard` when the payload
   is already fp32, so fp32 training keeps no second copy.
-- `grad_full`: gradients of the whole chunk, in the reduce dtype, filled by gradient hooks and
-  reduce-scattered into `grad_shard` (fp32), which the optimizer reads.
+- `grad_full`: gradients of the whole chunk, in the reduce dtype, filled by gradient hooks (see
+  [Note: gradient buffers start uninitialised] in grad_buffer.py) and reduce-scattered into
+  `grad_shard` (fp32), which the optimizer reads.
 
 [Note: reducing gradients]
-Gradients reach the rank owning them through `comm.reduce_to_shard` with the chunk's
-`reduce_method`: a reduce-scatter, an all-to-all plus a local sum (gloo, whose own
-reduce-scatter is slow), or an all-reduce keeping this rank's slice. See [Note: reduce-scatter
-methods] in comm/collectives.py.
+`grad_full` reaches its owners through `comm.reduce_to_shard` with the chunk's `reduce_method`
+(see [Note: reduce-scatter methods] in comm/collectives.py).
 
 [Note: pools]
 Gathered buffers (`full`, `full_compute`, `grad_full`) always live on the compute device. The
@@ -36,6 +35,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
+from shardwise.chunk.grad_buffer import zero_unwritten
 from shardwise.chunk.states import ChunkDtypes, ChunkState, Pool, TensorInfo, TensorState
 from shardwise.comm import CommStats
 
@@ -90,6 +90,8 @@ class Chunk:
         self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
         self.master = torch.empty(0, dtype=torch.float32, device=device)
         self.grad_full: torch.Tensor | None = None
+        # Tensors whose gradient the uninitialised grad_full holds; None once it is all valid.
+        self._grads_written: set[int] | None = None
         self.grad_shard = torch.empty(0, dtype=torch.float32, device=device)
         self._pending_gather: tuple[torch.distributed.Work, torch.Tensor] | None = None
         # publish_master(wait=False)'s all-gather and the buffer it sends.
@@ -156,16 +158,11 @@ class Chunk:
         if self.dtypes.compute != self.dtypes.payload:
             self.full_compute = self.full.to(self.dtypes.compute)
         self._bind_params()
-        begin, end = self.shard_begin, self.shard_begin + self.shard_numel
-        if self.keep_gathered:
-            self.shard = self.full[begin:end]
-        else:
-            self.shard = self.full[begin:end].clone()
+        own = self.full[self.shard_begin : self.shard_begin + self.shard_numel]
+        self.shard = own if self.keep_gathered else own.clone()
         if self.requires_grad:
-            if self.dtypes.payload == torch.float32:
-                self.master = self.shard
-            else:
-                self.master = self.shard.to(torch.float32)
+            fp32 = self.dtypes.payload == torch.float32
+            self.master = self.shard if fp32 else self.shard.to(torch.float32)
             self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
         if not self.keep_gathered:
             self.release()
@@ -355,11 +352,17 @@ class Chunk:
         Returns True when every trainable tensor of the chunk has its gradient for this pass.
         """
         info = self.tensors[index]
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(
+        if self.grad_full is None:  # see [Note: gradient buffers start uninitialised]
+            self.grad_full = torch.empty(
                 self.padded_numel, dtype=self.dtypes.reduce, device=self.device
             )
-        self.grad_full[info.offset : info.offset + info.numel].add_(grad.reshape(-1))
+            self._grads_written = set()
+        target = self.grad_full[info.offset : info.offset + info.numel]
+        if self._grads_written is None or index in self._grads_written:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+            self._grads_written.add(index)
         if info.state is not TensorState.READY_FOR_REDUCE:
             info.state = TensorState.READY_FOR_REDUCE
             self.num_grads_ready += 1
@@ -373,6 +376,7 @@ class Chunk:
             self.grad_full = torch.zeros(
                 self.padded_numel, dtype=self.dtypes.reduce, device=self.device
             )
+        self._initialise_unwritten_grads()
         if self.predivide_factor != 1.0:
             self.grad_full.div_(self.predivide_factor)
         return self.grad_full
@@ -422,10 +426,16 @@ class Chunk:
     def end_pass_without_reduce(self) -> None:
         """Close a backward pass whose gradients stay unreduced in `grad_full` (no_sync, or
         stage 1), so the next pass counts its gradients afresh."""
+        self._initialise_unwritten_grads()
         self.num_grads_ready = 0
         for info in self.tensors:
             if info.state is TensorState.READY_FOR_REDUCE:
                 info.state = TensorState.HOLD
+
+    def _initialise_unwritten_grads(self) -> None:
+        if self.grad_full is not None and self._grads_written is not None:
+            zero_unwritten(self.grad_full, self.tensors, self._grads_written)
+        self._grads_written = None  # every element is valid: later gradients add
 
     def reuse_payload_for_grads(self) -> None:
         """Keep this rank's reduced gradients in the 16-bit payload shard between backward and
