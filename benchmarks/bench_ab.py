@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", required=True, help="comma-separated engine names")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block", type=int, default=3, help="steps per engine per turn")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--n-layer", type=int, default=4)
@@ -64,6 +64,8 @@ def main() -> None:
     num_params = model.num_parameters()
     steps_done = dict.fromkeys(engines, 0)
     times: dict[str, list[float]] = {name: [] for name in engines}
+    # Each round's median per engine: ratios round by round show the spread of a ratio.
+    round_medians: dict[str, list[float]] = {name: [] for name in engines}
     losses: dict[str, float] = {}
 
     def run(name: str, count: int, record: bool) -> None:
@@ -85,7 +87,9 @@ def main() -> None:
     for round_index in range(args.rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
+            before = len(times[name])
             run(name, args.block, record=True)
+            round_medians[name].append(statistics.median(times[name][before:]))
         if rank == 0:
             medians = ", ".join(f"{n} {statistics.median(times[n]):.1f}" for n in names)
             print(f"round {round_index + 1}/{args.rounds}: {medians}", flush=True)
@@ -98,6 +102,7 @@ def main() -> None:
                 name: {
                     "median_ms": statistics.median(times[name]),
                     "step_ms": times[name],
+                    "round_median_ms": round_medians[name],
                     "final_loss": losses[name],
                 }
                 for name in names

@@ -1,10 +1,13 @@
 """One engine's training step on every rank torchrun starts; rank 0 writes a JSON summary.
 
-    torchrun --standalone --nproc-per-node=2 benchmarks/bench_step.py --engine zero3 --out r.json
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_step.py --engine zero3-cuda \
+        --out r.json
 
-Engines: ddp (torch DistributedDataParallel), fsdp2 (torch fully_shard per block and root),
-zero1, zero2, zero3 (shardwise; zero3 also with --placement cpu). Same model, seed and global
-batch for all, fp32 compute, AdamW (fused) everywhere.
+Engines (engines.py): ddp (torch DistributedDataParallel), fsdp1, fsdp2 (torch fully_shard per
+block and root), zero1, zero2, zero3-cuda, zero3-cpu (shardwise). Same model, seed and global
+batch for all, fp32 compute, AdamW (fused) everywhere. A run of its own gives what one process
+shows alone: bytes sent, model-state bytes, peak memory, a profile; step-time ratios come from
+bench_ab.py, which interleaves engines in one process group.
 """
 
 from __future__ import annotations
@@ -29,20 +32,11 @@ from shardwise.testing import GPT, GPTConfig, gpt_batch
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--engine", required=True, choices=["ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3"]
-    )
-    parser.add_argument("--telemetry", action="store_true", help="stream telemetry to a file")
-    parser.add_argument(
-        "--param-gather", action="store_true",
-        help="stages 1-2: overlap the all-gather of updated parameters with the next forward",
-    )  # fmt: skip
-    parser.add_argument(
-        "--reduction", default="auto",
-        choices=["auto", "reduce_scatter", "all_to_all", "all_reduce"],
-        help="shardwise's gradient_reduction",
+        "--engine", required=True, type=EngineSpec.parse,
+        help="ddp, fsdp1, fsdp2, zero1, zero2, zero3-cuda, zero3-cpu, with suffixes +pg, "
+        "+telemetry, -rs, -a2a, -ar (see engines.py)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="share of time in shardwise code")
-    parser.add_argument("--placement", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=256)
@@ -79,9 +73,7 @@ def main() -> None:
     )
     model = GPT(config)
     num_params = model.num_parameters()
-    spec = EngineSpec(
-        args.engine, args.placement, args.param_gather, args.reduction, args.telemetry
-    )
+    spec = args.engine
     step, counters = build(spec, model, args.chunk_mib)
     times, sent = [], []
     loss = torch.zeros(())
@@ -118,7 +110,7 @@ def main() -> None:
             "sent_bytes_per_step": statistics.median(sent) if sent and sent[0] else None,
             "model_state_bytes": counters().get("model_state_bytes"),
             "peak_rss_mib": peak_kib / 1024,
-            "telemetry": args.telemetry,
+            "telemetry": spec.telemetry,
             "telemetry_cpu_ms_per_step": telemetry_cpu_s * 1000 / args.steps,
         }
         if profiler is not None:
