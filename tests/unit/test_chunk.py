@@ -137,3 +137,29 @@ def test_zero_unwritten_covers_gaps_and_padding() -> None:
     buffer = torch.full((10,), 7.0)
     zero_unwritten(buffer, tensors, {0, 2})
     assert buffer.tolist() == [7, 7, 7, 0, 0, 0, 7, 7, 0, 0]
+
+
+def test_zero_grad_lets_the_next_reduced_gradients_overwrite_the_shard() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5))
+    manager = ChunkManager(chunk_size_numel=100, device=CPU, keep_gathered=True)
+    manager.register(model.named_parameters())
+    (chunk,) = manager.chunks
+    grads = [torch.randn(info.shape) for info in chunk.tensors]
+
+    def backward() -> None:
+        for index, grad in enumerate(grads):
+            chunk.add_grad(index, grad)
+        chunk.reduce_grads(keep_full=False)
+
+    whole = torch.cat([g.reshape(-1) for g in grads])
+    backward()
+    backward()  # accumulates
+    assert torch.equal(chunk.grads_for_step()[: whole.numel()], 2 * whole)
+    chunk.zero_grad()
+    backward()  # overwrites what the shard held
+    assert torch.equal(chunk.grads_for_step()[: whole.numel()], whole)
+    chunk.zero_grad()
+    assert chunk.grads_cleared
+    assert not chunk.grads_for_step().any()  # no gradient since: zeros at the step
+    assert not chunk.grads_cleared

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from shardwise.chunk.accounting import resident_bytes
 from shardwise.chunk.chunk import Chunk
 from shardwise.chunk.states import ChunkDtypes
 from shardwise.comm import CommStats, ReduceScatterMethod
@@ -174,7 +175,7 @@ class ChunkManager:
         """Bytes of parameters, master weights and gradients this rank holds now."""
         total = {"params": 0, "master": 0, "grads": 0}
         for chunk in self.chunks:
-            for kind, nbytes in chunk.resident_bytes().items():
+            for kind, nbytes in resident_bytes(chunk).items():
                 total[kind] += nbytes
         return total
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from shardwise.chunk import Chunk, ChunkManager, Pool
+from shardwise.chunk.accounting import resident_bytes_by_pool
 from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.tracer import MemoryTracer
@@ -212,7 +213,7 @@ class GeminiManager:
         """Bytes of model state (payloads, masters, gradients, optimizer state) per pool now."""
         held = {Pool.DEVICE: 0, Pool.HOST: 0}
         for chunk in self.chunk_manager.chunks:
-            for pool, nbytes in chunk.resident_bytes_by_pool().items():
+            for pool, nbytes in resident_bytes_by_pool(chunk).items():
                 held[pool] += nbytes
             held[chunk.optim_pool] += self._optimizer_bytes(chunk)
         return {pool.value: nbytes for pool, nbytes in held.items()}

@@ -1,0 +1,40 @@
+"""What a chunk's buffers hold now, in bytes: the model-state figures of memory reports and the
+memory manager's budget checks (see [Note: chunk buffers] and [Note: pools] in chunk.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.chunk.chunk import Chunk
+from shardwise.chunk.states import Pool
+
+
+def storage_bytes(tensor: torch.Tensor | None) -> int:
+    """Bytes a buffer holds now (zero for one released by resizing its storage)."""
+    return 0 if tensor is None else tensor.untyped_storage().size()
+
+
+def resident_bytes(chunk: Chunk) -> dict[str, int]:
+    """Bytes `chunk` holds now, per buffer kind."""
+    nbytes = storage_bytes
+    payload = nbytes(chunk.full) + nbytes(chunk.full_compute)
+    payload += 0 if chunk.keep_gathered else nbytes(chunk.shard)
+    master = 0 if chunk.master is chunk.shard else nbytes(chunk.master)
+    grads = nbytes(chunk.grad_full) + nbytes(chunk.grad_shard)
+    return {"params": payload, "master": master, "grads": grads}
+
+
+def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
+    """Bytes `chunk` holds now in each pool (optimizer state excluded: the optimizer owns it;
+    it lives in the chunk's `optim_pool`)."""
+    nbytes = storage_bytes
+    held = {
+        Pool.DEVICE: nbytes(chunk.full) + nbytes(chunk.full_compute) + nbytes(chunk.grad_full),
+        Pool.HOST: 0,
+    }
+    if not chunk.keep_gathered:
+        held[chunk.payload_pool] += nbytes(chunk.shard)
+    if chunk.master is not chunk.shard:
+        held[chunk.optim_pool] += nbytes(chunk.master)
+    held[chunk.optim_pool] += nbytes(chunk.grad_shard)
+    return held
