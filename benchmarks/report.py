@@ -11,17 +11,17 @@ from typing import Any
 
 import torch
 
-# (numerator, denominator, target or "") for the step-time ratios of the interleaved run.
+# (interleaved group, numerator, denominator, target or "") for the step-time ratios.
 STEP_RATIOS = [
-    ("zero2+pg", "ddp", "<= 1.00"),
-    ("zero2", "ddp", ""),
-    ("zero3-cuda", "fsdp2", "<= 0.90"),
-    ("zero3-cpu", "fsdp2", ""),
-    ("zero3-cuda", "fsdp1", ""),
-    ("zero1", "ddp", ""),
-    ("zero2-rs", "ddp", ""),
-    ("zero2-ar", "ddp", ""),
-    ("zero3-cuda-rs", "fsdp2", ""),
+    ("stage 2", "zero2+pg", "ddp", "<= 1.00"),
+    ("stage 2", "zero2", "ddp", ""),
+    ("stage 3", "zero3-cuda", "fsdp2", "<= 0.90"),
+    ("stage 3", "zero3-cpu", "fsdp2", ""),
+    ("stage 3", "zero3-cuda", "fsdp1", ""),
+    ("variants", "zero1", "ddp", ""),
+    ("variants", "zero2-rs", "ddp", ""),
+    ("variants", "zero2-ar", "ddp", ""),
+    ("variants", "zero3-cuda-rs", "fsdp2", ""),
 ]
 # Engine -> multiple of psi its gradients and parameters should send per step (ZeRO analysis);
 # the all-reduce run sends one psi more by design.
@@ -44,7 +44,7 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {python}, torch {torch.__version__}"
 
 
-def _ratio_row(engines: dict[str, Any], top: str, bottom: str, target: str) -> str:
+def _ratio_row(group: str, engines: dict[str, Any], top: str, bottom: str, target: str) -> str:
     ratio = engines[top]["median_ms"] / engines[bottom]["median_ms"]
     rounds = [
         a / b
@@ -55,12 +55,12 @@ def _ratio_row(engines: dict[str, Any], top: str, bottom: str, target: str) -> s
     spread = f"{min(rounds):.3f} to {max(rounds):.3f}"
     limit = float(target.split()[-1]) if target else None
     met = f"{sum(r <= limit for r in rounds)}/{len(rounds)}" if limit is not None else ""
-    return f"| {top} / {bottom} | {ratio:.3f} | {spread} | {met} | {target} |"
+    return f"| {top} / {bottom} ({group}) | {ratio:.3f} | {spread} | {met} | {target} |"
 
 
 def render(
     *,
-    ab: dict[str, Any],
+    ab: dict[str, dict[str, Any]],
     alone: dict[str, dict[str, Any]],
     profiles: dict[str, dict[str, Any]],
     scaling_size: dict[str, dict[str, Any]],
@@ -71,9 +71,8 @@ def render(
     invocation: str,
     model_args: list[str],
 ) -> str:
-    world, params = ab["world"], ab["params"]
-    engines = ab["engines"]
-    losses = {run["final_loss"] for run in engines.values()}
+    first = next(iter(ab.values()))
+    world, params = first["world"], first["params"]
     lines = [
         "# Benchmark results",
         "",
@@ -81,32 +80,41 @@ def render(
         f"{world} ranks, fp32 compute, GPT with {params:,} parameters "
         f"({' '.join(model_args)}), global batch 8, AdamW (fused). No GPU was used.",
         "",
-        "## Step time (all engines interleaved in one process group)",
+        "## Step time (engines interleaved in one process group)",
         "",
-        "Every engine trains its own copy of the model (same seed, same batches) in one",
-        "process group; they take turns of 3 steps, the order rotating each round, and the",
-        "first step of each turn is not counted (it refills the caches the previous engine",
-        f"used). {ab['steps_per_engine']} steps per engine. Separate runs of one engine drift",
-        "by several percent here; turns this short share the drift, so the ratios hold.",
+        "Each group of engines runs in one process group, every engine training its own copy",
+        "of the model (same seed, same batches). They take turns of 3 steps, the order",
+        "rotating each round; the first step of each turn is not counted (it refills the",
+        "caches the previous engine used). Separate runs of one engine drift by several",
+        "percent here; turns this short share the drift, so the ratios hold. The per-round",
+        "range shows how far one round's ratio (2 steps per engine) strays from the median.",
         "",
-        "| engine | median ms/step | final loss |",
-        "| --- | ---: | ---: |",
+        "| group | engine | steps | median ms/step | final loss |",
+        "| --- | --- | ---: | ---: | ---: |",
     ]
-    for name, run in engines.items():
-        lines.append(f"| {name} | {run['median_ms']:.1f} | {run['final_loss']:.6f} |")
+    for group, run in ab.items():
+        for name, engine in run["engines"].items():
+            lines.append(
+                f"| {group} | {name} | {run['steps_per_engine']} | {engine['median_ms']:.1f} "
+                f"| {engine['final_loss']:.6f} |"
+            )
+    identical = all(
+        len({e["final_loss"] for e in run["engines"].values()}) == 1 for run in ab.values()
+    )
     lines += [
         "",
-        "Final losses "
-        + (
-            "are identical across engines: they trained the same model the same way."
-            if len(losses) == 1
-            else "differ between engines: see the table."
-        ),
+        "Final losses are identical within each group: the engines trained the same model the "
+        "same way."
+        if identical
+        else "Final losses differ within a group: see the table.",
         "",
-        "| ratio | median | per-round range | rounds at target | target |",
+        "| ratio (group) | median | per-round range | rounds at target | target |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
-    lines += [_ratio_row(engines, top, bottom, target) for top, bottom, target in STEP_RATIOS]
+    lines += [
+        _ratio_row(group, ab[group]["engines"], top, bottom, target)
+        for group, top, bottom, target in STEP_RATIOS
+    ]
     lines += _alone_section(alone, profiles, adam, params, world)
     lines += _collectives_section(collectives)
     lines += _scaling_section(scaling_size, scaling_world)

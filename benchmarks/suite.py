@@ -27,11 +27,13 @@ from typing import Any
 from report import render
 
 HERE = Path(__file__).resolve().parent
-# Interleaved in one process group for step times (see bench_ab.py).
-AB_ENGINES = [
-    "ddp", "zero1", "zero2", "zero2+pg", "fsdp1", "fsdp2", "zero3-cuda", "zero3-cpu",
-    "zero2-rs", "zero3-cuda-rs", "zero2-ar",
-]  # fmt: skip
+# Interleaved in one process group for step times (see bench_ab.py), a group per comparison:
+# fewer engines per process give each more turns in the same time.
+AB_GROUPS = {
+    "stage 2": ["ddp", "zero2", "zero2+pg"],
+    "stage 3": ["fsdp2", "zero3-cuda", "fsdp1", "zero3-cpu"],
+    "variants": ["ddp", "zero1", "zero2-rs", "zero2-ar", "fsdp2", "zero3-cuda-rs"],
+}
 # Run alone, for traffic, memory and telemetry's cost.
 ALONE_ENGINES = [
     "ddp", "zero1", "zero2", "zero2+pg", "fsdp1", "fsdp2", "zero3-cuda",
@@ -121,7 +123,7 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="small models, few steps (a smoke run)"
     )
-    parser.add_argument("--rounds", type=int, default=10, help="turns per engine in bench_ab")
+    parser.add_argument("--rounds", type=int, default=16, help="turns per engine in bench_ab")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
@@ -144,8 +146,10 @@ def main() -> None:
     ab_flags = ["--rounds", str(rounds)]
     with tempfile.TemporaryDirectory() as scratch:
         runner = Runner(scratch)
-        print(f"interleaved step times: {len(AB_ENGINES)} engines, {rounds} rounds", flush=True)
-        ab = runner.ab(AB_ENGINES, model + ab_flags, args.world)
+        ab: dict[str, dict[str, Any]] = {}
+        for group, engines in AB_GROUPS.items():
+            print(f"interleaved step times, {group}: {', '.join(engines)}", flush=True)
+            ab[group] = runner.ab(engines, model + ab_flags, args.world)
         alone: dict[str, dict[str, Any]] = {}
         for engine in ALONE_ENGINES:
             print(f"alone: {engine}", flush=True)
@@ -164,7 +168,7 @@ def main() -> None:
             print(f"ranks {world}", flush=True)
             scaling_world[world] = runner.alone("zero3-cuda", model + alone_steps, world)
         print("collectives", flush=True)
-        collectives = runner.collectives(int(ab["params"]), args.world)
+        collectives = runner.collectives(int(ab["stage 2"]["params"]), args.world)
         print("HybridAdam vs torch fused AdamW", flush=True)
         adam = runner.adam(adam_numel)
     report = render(

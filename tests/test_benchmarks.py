@@ -34,3 +34,25 @@ def test_interleaved_engines_reach_identical_losses(tmp_path: Path) -> None:
     )
     losses = {name: run["final_loss"] for name, run in runs.items()}
     assert len(set(losses.values())) == 1, losses
+
+
+def test_gpu_benchmark_runs_its_smoke_configuration(tmp_path: Path) -> None:
+    """The GPU half of the suite on a tiny model, on whatever device there is (the CPU in
+    CI): every engine trains, and "largest" stops at the first size that trains."""
+    script = str(ROOT / "benchmarks" / "bench_gpu.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    compare = tmp_path / "compare.json"
+    command = [sys.executable, script, "compare", "--smoke", "--out", str(compare)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    engines = json.loads(compare.read_text())["engines"]
+    assert set(engines) == {"torch", "fsdp2", "shardwise-cuda"}
+    assert all(run["median_ms"] > 0 and run["tflops"] > 0 for run in engines.values())
+    largest = tmp_path / "largest.json"
+    command = [
+        sys.executable, script, "largest", "--smoke", "--placement", "auto", "--out", str(largest)
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    attempts = json.loads(largest.read_text())["attempts"]
+    assert [a["trained"] for a in attempts] == [True] and attempts[0]["n_layer"] == 2

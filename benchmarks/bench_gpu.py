@@ -1,0 +1,317 @@
+"""The GPU half of the suite: one CUDA device, bf16 compute with fp32 master weights.
+
+    python benchmarks/bench_gpu.py compare --out compare.json
+    python benchmarks/bench_gpu.py largest --placement cpu --layers 48,40,32 --out big.json
+    python benchmarks/bench_gpu.py compare --smoke --out s.json     (tiny, any device)
+
+compare: the same GPT trained by plain torch (unsharded fp32 weights under bf16 autocast),
+torch FSDP2 (fully_shard per block and root, bf16 parameters, fp32 reduction and master) and
+shardwise stage 3 ("cuda" placement, bf16 payload, fp32 master), fused AdamW for all, in turns
+of a few steps (as bench_ab.py); median step time, tokens/s, TFLOP/s and MFU per engine.
+
+largest: for one placement ("auto" or "cpu"), GPTs of `--n-embd` width with each layer count of
+`--layers` in turn (largest first), each in a process of its own so that running out of memory
+ends only that attempt; stops at the first that trains `--steps` steps. `--placement torch`
+tries plain torch the same way.
+
+FLOPs per step are 6 x parameters x tokens plus attention's 12 x layers x width x sequence x
+tokens (the usual estimate); MFU divides by the device's dense bf16 peak where it is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise import HybridAdam, MixedPrecision, zero_model_wrapper, zero_optim_wrapper
+from shardwise.testing import GPT, GPTConfig, gpt_batch
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Dense bf16 peaks (FLOP/s), by a substring of the device name.
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("part", choices=["compare", "largest", "once"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few steps")
+    parser.add_argument("--engine", default="shardwise-cuda", help="for `once`")
+    parser.add_argument("--placement", default="auto", choices=["auto", "cpu", "torch"])
+    parser.add_argument("--layers", default="48,40,32,24,16,8", help="for `largest`")
+    parser.add_argument("--n-layer", type=int, default=24)
+    parser.add_argument("--n-embd", type=int, default=2048)
+    parser.add_argument("--n-head", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--chunk-mib", type=float, default=64.0)
+    parser.add_argument(
+        "--device-budget-gib", type=float, default=None,
+        help="\"auto\" placement's device budget (default: on CUDA, its capacity less 10%%)",
+    )  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=4, help="turns per engine in `compare`")
+    parser.add_argument("--attempt-timeout", type=int, default=540, help="seconds, `largest`")
+    args = parser.parse_args()
+    if args.smoke:
+        args.n_layer, args.n_embd, args.n_head, args.vocab, args.seq, args.batch = (
+            2,
+            64,
+            4,
+            512,
+            64,
+            4,
+        )
+        args.layers, args.chunk_mib, args.steps, args.rounds = "2,1", 0.25, 2, 2
+        args.warmup = 1
+        if not torch.cuda.is_available():
+            args.device_budget_gib = 1.0  # "auto" needs one on a CPU
+    return args
+
+
+def device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_single_rank() -> None:
+    """A one-rank process group (NCCL on a GPU), without a launcher."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def build(engine: str, config: GPTConfig, chunk_mib: float, budget_gib: float | None) -> Step:
+    """One training step of `engine` over a fresh GPT (seed 0)."""
+    dev = device()
+    torch.manual_seed(0)
+    if engine == "torch":
+        model = GPT(config).to(dev)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        return _torch_step(model, optimizer, autocast=True)
+    if engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = GPT(config).to(dev)
+        mesh = init_device_mesh(dev.type, (1,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        return _torch_step(model, optimizer, autocast=False)
+    placement = engine.removeprefix("shardwise-")
+    # Offloaded runs go for the largest model: built in bf16, the host holds half the bytes
+    # until the chunks take the parameters (the fp32 master is made from these values).
+    default = torch.get_default_dtype()
+    if placement != "cuda":
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = GPT(config)
+    finally:
+        torch.set_default_dtype(default)
+    wrapped = zero_model_wrapper(
+        model,
+        3,
+        {
+            "device": dev,
+            "placement_policy": placement,
+            "chunk_size_numel": int(chunk_mib * 2**20 / 2),
+            "mixed_precision": MixedPrecision(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            ),
+            # None: on CUDA, the device's capacity less 10%.
+            "device_budget_bytes": int(budget_gib * 2**30) if budget_gib else None,
+        },
+    )
+    inner = (
+        torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        if placement == "cuda"
+        else HybridAdam(model.parameters(), lr=1e-4)
+    )
+    optimizer = zero_optim_wrapper(wrapped, inner)
+
+    def step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        _, loss = wrapped(idx, targets)
+        optimizer.backward(loss)
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def _torch_step(model: GPT, optimizer: torch.optim.Optimizer, *, autocast: bool) -> Step:
+    dev = device()
+
+    def step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        context = (
+            torch.autocast(dev.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        )
+        with context:
+            _, loss = model(idx, targets)
+        loss.backward()  # type: ignore[union-attr]
+        optimizer.step()
+        return loss  # type: ignore[return-value]
+
+    return step
+
+
+def timed(
+    step: Step, config: GPTConfig, args: argparse.Namespace, first: int, count: int
+) -> list[float]:
+    """Milliseconds of `count` steps starting at batch `first`, synchronised with the device."""
+    dev, times = device(), []
+    for i in range(first, first + count):
+        idx, targets = gpt_batch(config, args.batch, args.seq, i)
+        idx, targets = idx.to(dev), targets.to(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step(idx, targets)
+        float(loss.detach())  # waits for the step
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def throughput(
+    config: GPTConfig, params: int, args: argparse.Namespace, ms: float
+) -> dict[str, Any]:
+    tokens = args.batch * args.seq
+    flops = 6 * params * tokens + 12 * config.n_layer * config.n_embd * args.seq * tokens
+    achieved = flops / (ms / 1000)
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    peak = next((value for key, value in PEAK_BF16.items() if key in name), None)
+    return {
+        "median_ms": ms,
+        "tokens_per_s": tokens / (ms / 1000),
+        "tflops": achieved / 1e12,
+        "mfu": achieved / peak if peak else None,
+    }
+
+
+def gpt_config(args: argparse.Namespace, n_layer: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=n_layer, n_head=args.n_head,
+        n_embd=args.n_embd,
+    )  # fmt: skip
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    config = gpt_config(args, args.n_layer)
+    params = _count_params(config)
+    engines = {
+        name: build(name, config, args.chunk_mib, args.device_budget_gib)
+        for name in ("torch", "fsdp2", "shardwise-cuda")
+    }
+    done = dict.fromkeys(engines, 0)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for name, step in engines.items():
+        timed(step, config, args, 0, args.warmup)
+        done[name] = args.warmup
+    for round_index in range(args.rounds):
+        names = list(engines)[round_index % 3 :] + list(engines)[: round_index % 3]
+        for name in names:
+            times[name] += timed(engines[name], config, args, done[name], args.steps)
+            done[name] += args.steps
+    results = {
+        name: throughput(config, params, args, statistics.median(t)) for name, t in times.items()
+    }
+    return {"params": params, "engines": results, **_device_facts()}
+
+
+def _count_params(config: GPTConfig) -> int:
+    with torch.device("meta"):
+        return GPT(config).num_parameters()
+
+
+def once(args: argparse.Namespace) -> dict[str, Any]:
+    config = gpt_config(args, args.n_layer)
+    params = _count_params(config)
+    step = build(args.engine, config, args.chunk_mib, args.device_budget_gib)
+    timed(step, config, args, 0, args.warmup)
+    ms = statistics.median(timed(step, config, args, args.warmup, args.steps))
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    return {
+        "engine": args.engine,
+        "n_layer": args.n_layer,
+        "params": params,
+        "peak_gpu_gib": peak_gpu,
+        **throughput(config, params, args, ms),
+        **_device_facts(),
+    }
+
+
+def largest(args: argparse.Namespace) -> dict[str, Any]:
+    engine = "torch" if args.placement == "torch" else f"shardwise-{args.placement}"
+    attempts = []
+    for n_layer in (int(n) for n in args.layers.split(",")):
+        out = f"{args.out}.{n_layer}.json"
+        command = [
+            sys.executable, __file__, "once", "--engine", engine, "--n-layer", str(n_layer),
+            "--out", out, *_shape_flags(args),
+        ]  # fmt: skip
+        print(f"{engine}: {n_layer} layers", flush=True)
+        try:
+            result = subprocess.run(
+                command, capture_output=True, text=True, timeout=args.attempt_timeout, check=False
+            )
+            ok, tail = result.returncode == 0, result.stderr[-600:]
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"over {args.attempt_timeout} s"
+        if ok:
+            with open(out) as handle:
+                attempts.append({"n_layer": n_layer, "trained": True, **json.load(handle)})
+            break
+        attempts.append({"n_layer": n_layer, "trained": False, "error": tail})
+    return {"engine": engine, "attempts": attempts}
+
+
+def _shape_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        "--n-embd", str(args.n_embd), "--n-head", str(args.n_head), "--vocab", str(args.vocab),
+        "--seq", str(args.seq), "--batch", str(args.batch), "--chunk-mib", str(args.chunk_mib),
+        "--warmup", str(args.warmup), "--steps", str(args.steps),
+        *(["--device-budget-gib", str(args.device_budget_gib)] if args.device_budget_gib else []),
+    ]  # fmt: skip
+
+
+def _device_facts() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    props = torch.cuda.get_device_properties(0)
+    return {"device": props.name, "device_memory_gib": props.total_memory / 2**30}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.part == "largest":
+        summary = largest(args)
+    else:
+        init_single_rank()
+        summary = compare(args) if args.part == "compare" else once(args)
+        dist.destroy_process_group()
+    with open(args.out, "w") as handle:
+        json.dump(summary, handle, indent=1)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
