@@ -56,12 +56,12 @@ def main() -> None:
         vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_embd=args.n_embd
     )
     specs = [EngineSpec.parse(name) for name in args.engines.split(",")]
+    num_params = GPT(config).num_parameters()  # before any engine shards its copy
     engines = {}
     for spec in specs:
         torch.manual_seed(0)
         model = GPT(config)
         engines[spec.name] = build(spec, model, args.chunk_mib)
-    num_params = model.num_parameters()
     steps_done = dict.fromkeys(engines, 0)
     times: dict[str, list[float]] = {name: [] for name in engines}
     # Each round's median per engine: ratios round by round show the spread of a ratio.
