@@ -2,9 +2,11 @@
 
 [Note: recorded execution order]
 The first forward and backward of a model record which chunks each module call needs, in
-order. From then on that record drives two things: a chunk is released in forward right after
-the last module call that uses it (so a tied embedding used again by the head stays gathered),
-and the next chunk in the record is gathered asynchronously while the current module computes.
+order. From then on that record drives three things: a chunk is released in forward right after
+the last module call that uses it (so a tied embedding used again by the head stays gathered);
+the next chunk the record needs, beyond those of the current call, is gathered asynchronously
+while the current modules compute; and the chunks backward starts with stay gathered from the
+end of a forward run with gradients on, since backward would gather them again at once.
 The first pass, having no record yet, releases a chunk once every tensor in it has been used
 (a tied weight is then gathered again when reused). If a later pass departs from the record
 (data-dependent control flow) the rest of that pass falls back to on-demand gathers and
