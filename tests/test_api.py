@@ -206,3 +206,28 @@ def test_colo_ddp_ignored_parameters_are_not_synchronised() -> None:
     results = run_ranks(_ignored_params_keep_local_values, 2)
     # The ignored weight keeps each rank's own value; the other one is rank 0's everywhere.
     assert results == [(0.0, 0.0), (1.0, 0.0)]
+
+
+def _stage1_backward_after_step_without_zero_grad() -> str:
+    rank = dist.get_rank()
+    model = make_model()
+    wrapped = zero_model_wrapper(model, 1, {"device": torch.device("cpu")})
+    optimizer = zero_optim_wrapper(
+        wrapped,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        optim_config={"reduce_bucket_size": CHUNK_NUMEL},
+    )
+    optimizer.backward(wrapped(*batch_slice(0, 0, rank, 2)))
+    optimizer.step()
+    try:
+        optimizer.backward(wrapped(*batch_slice(1, 0, rank, 2)))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_stage1_refuses_a_backward_between_step_and_zero_grad() -> None:
+    # Stage 1 keeps the reduced gradient in the rank's slice of the whole gradient buffer (the
+    # ZeRO formula's memory): a backward before zero_grad() would add onto it.
+    for message in run_ranks(_stage1_backward_after_step_without_zero_grad, 2):
+        assert "call optimizer.zero_grad() between step() and the next backward" in message

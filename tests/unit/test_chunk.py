@@ -163,3 +163,28 @@ def test_zero_grad_lets_the_next_reduced_gradients_overwrite_the_shard() -> None
     assert chunk.grads_cleared
     assert not chunk.grads_for_step().any()  # no gradient since: zeros at the step
     assert not chunk.grads_cleared
+
+
+def test_stage1_gradient_shard_is_its_own_slice_of_the_whole_gradient() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5))
+    manager = ChunkManager(chunk_size_numel=100, device=CPU, keep_gathered=True)
+    manager.register(model.named_parameters())
+    (chunk,) = manager.chunks
+    chunk.share_grad_shard_with_full()
+    assert chunk.grad_full is not None
+    assert chunk.grad_shard.untyped_storage().data_ptr() == (
+        chunk.grad_full.untyped_storage().data_ptr()
+    )
+    grads = [torch.randn(info.shape) for info in chunk.tensors]
+    whole = torch.cat([g.reshape(-1) for g in grads])
+    for step in range(2):
+        for index, grad in enumerate(grads):
+            chunk.add_grad(index, grad)
+        chunk.reduce_grads(keep_full=True)  # stage 1 reduces at the step and keeps the buffer
+        assert torch.equal(chunk.grads_for_step()[: whole.numel()], whole)
+        # The next backward would add onto the reduced slice: refused until zero_grad().
+        with pytest.raises(ValueError, match="zero_grad"):
+            chunk.add_grad(0, grads[0])
+        chunk.zero_grad()
+        assert not chunk.grad_full.any()

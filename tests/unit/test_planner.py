@@ -25,18 +25,19 @@ def test_each_stage_formula(stage: int, expected: float) -> None:
     assert zero_paper_bytes(stage, 100, 4) == expected
 
 
-def test_engine_formula_for_fp32_adam_matches_zero_for_stages_2_and_3() -> None:
-    for stage in (2, 3):
+def test_engine_formula_for_fp32_adam_matches_zero_for_every_stage() -> None:
+    for stage in (1, 2, 3):
         state = engine_bytes(
             stage, 1000, 4, param_bytes=4, compute_bytes=4, reduce_bytes=4,
             optimizer_bytes_per_param=8,
         )  # fmt: skip
         assert state.total == zero_paper_bytes(stage, 1000, 4, param_bytes=4, grad_bytes=4, k=8)
-    # Stage 1 keeps the fp32 gradient shard beside the whole gradient.
+    # With a 16-bit reduction, stage 1 keeps the fp32 gradient shard beside the whole gradient.
     state = engine_bytes(
-        1, 1000, 4, param_bytes=4, compute_bytes=4, reduce_bytes=4, optimizer_bytes_per_param=8
+        1, 1000, 4, param_bytes=2, compute_bytes=2, reduce_bytes=2, optimizer_bytes_per_param=8
     )
-    assert state.total == zero_paper_bytes(1, 1000, 4, param_bytes=4, grad_bytes=4, k=8) + 1000
+    expected = zero_paper_bytes(1, 1000, 4, param_bytes=2, grad_bytes=2, k=8)
+    assert state.total == expected + 4 * 1000 / 4 + state.master
 
 
 def test_recommendation_follows_the_documented_order() -> None:

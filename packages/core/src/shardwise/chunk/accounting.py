@@ -20,7 +20,9 @@ def resident_bytes(chunk: Chunk) -> dict[str, int]:
     payload = nbytes(chunk.full) + nbytes(chunk.full_compute)
     payload += 0 if chunk.keep_gathered else nbytes(chunk.shard)
     master = 0 if chunk.master is chunk.shard else nbytes(chunk.master)
-    grads = nbytes(chunk.grad_full) + nbytes(chunk.grad_shard)
+    # Stage 1's gradient shard may be a view into its full gradient buffer: counted once.
+    shard = 0 if chunk.grad_shard_in_full else nbytes(chunk.grad_shard)
+    grads = nbytes(chunk.grad_full) + shard
     return {"params": payload, "master": master, "grads": grads}
 
 
@@ -36,5 +38,13 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
         held[chunk.payload_pool] += nbytes(chunk.shard)
     if chunk.master is not chunk.shard:
         held[chunk.optim_pool] += nbytes(chunk.master)
-    held[chunk.optim_pool] += nbytes(chunk.grad_shard)
+    held[chunk.optim_pool] += 0 if chunk.grad_shard_in_full else nbytes(chunk.grad_shard)
     return held
+
+
+def gathered_bytes(chunk: Chunk) -> int:
+    """Device bytes a gather of `chunk` allocates (payload, and its compute copy)."""
+    nbytes = chunk.padded_numel * chunk.full.element_size()
+    if chunk.dtypes.compute != chunk.dtypes.payload:
+        nbytes += chunk.padded_numel * torch.empty((), dtype=chunk.dtypes.compute).element_size()
+    return nbytes

@@ -36,11 +36,12 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.chunk.grad_buffer import zero_unwritten
+from shardwise.chunk.pools import PoolMoves
 from shardwise.chunk.states import ChunkDtypes, ChunkState, Pool, TensorInfo, TensorState
 from shardwise.comm import CommStats
 
 
-class Chunk:
+class Chunk(PoolMoves):
     """Many parameters in one flat buffer; rank r owns the r-th of `world_size` equal slices.
 
     Args:
@@ -91,6 +92,9 @@ class Chunk:
         self.master = torch.empty(0, dtype=torch.float32, device=device)
         self.grad_full: torch.Tensor | None = None
         self._grad_shard_stale = False  # see zero_grad()
+        # See share_grad_shard_with_full().
+        self.grad_shard_in_full = False
+        self._reduced_in_own_slice = False
         # Tensors whose gradient the uninitialised grad_full holds; None once it is all valid.
         self._grads_written: set[int] | None = None
         self.grad_shard = torch.empty(0, dtype=torch.float32, device=device)
@@ -221,70 +225,6 @@ class Chunk:
             return self.shard
         return self._move(self.shard, Pool.DEVICE)
 
-    def _move(
-        self, tensor: torch.Tensor, pool: Pool, dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """A copy of `tensor` in `pool`, counted; pinned in host memory when asked and useful."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if pool is Pool.DEVICE:
-            self.bytes_to_device += nbytes
-            return tensor.to(self.device, dtype, non_blocking=True, copy=True)
-        self.bytes_to_host += nbytes
-        moved = tensor.to(self.offload_device, dtype, copy=True)
-        if self.pin_memory and self.device.type == "cuda":
-            moved = moved.pin_memory()
-        return moved
-
-    def place(self, *, payload: Pool, optim: Pool, pin_memory: bool = False) -> None:
-        """Put the shard in `payload` and the optimizer side in `optim` (see [Note: pools]).
-        Call once after close() and before an optimizer steps this chunk."""
-        if payload is Pool.HOST and self.keep_gathered:
-            raise ValueError(
-                f"chunk {self.chunk_id} keeps its payload gathered on the device: its shard "
-                f"cannot live in host memory"
-            )
-        self.pin_memory = pin_memory
-        if payload is not self.payload_pool:
-            self.shard = self._move(self.shard, payload)
-            self.payload_pool = payload
-        if self.requires_grad:
-            aliased = self.dtypes.payload == torch.float32 and payload is optim
-            if aliased:
-                self.master = self.shard
-            elif optim is not self.optim_pool or self.master is self.shard:
-                self.master = self._move(self.master, optim, torch.float32)
-            if optim is not self.optim_pool:
-                self.grad_shard = self._move(self.grad_shard, optim)
-        self.optim_pool = optim
-
-    def move_payload(self, pool: Pool) -> None:
-        """Move the shard to `pool` while training runs (the "auto" policy). A master that was
-        the shard itself stays where it is, as its own tensor, since the optimizer holds views
-        of it."""
-        if pool is self.payload_pool:
-            return
-        if self.keep_gathered:
-            raise ValueError(f"chunk {self.chunk_id} keeps its payload gathered on the device")
-        self.shard = self._move(self.shard, pool)
-        self.payload_pool = pool
-
-    def move_optim(self, pool: Pool) -> None:
-        """Move the fp32 master and gradient shard to `pool`; the optimizer must then re-point
-        its views (ZeroOptimizer.rebind_chunk) and move its state."""
-        if pool is self.optim_pool or not self.requires_grad:
-            self.optim_pool = pool
-            return
-        self.master = self._move(self.master, pool, torch.float32)
-        self.grad_shard = self._move(self.grad_shard, pool)
-        self.optim_pool = pool
-
-    def gathered_bytes(self) -> int:
-        """Device bytes a gather of this chunk allocates (payload, and its compute copy)."""
-        nbytes = self.padded_numel * self.full.element_size()
-        if self.dtypes.compute != self.dtypes.payload:
-            nbytes += self.padded_numel * torch.empty((), dtype=self.dtypes.compute).element_size()
-        return nbytes
-
     def _finish_gather(self) -> None:
         if self.full_compute is not None:
             self._materialise(self.full_compute)
@@ -353,6 +293,8 @@ class Chunk:
         Returns True when every trainable tensor of the chunk has its gradient for this pass.
         """
         info = self.tensors[index]
+        if self._reduced_in_own_slice:
+            raise ValueError(_ZERO_GRAD_FIRST)
         if self.grad_full is None:  # see [Note: gradient buffers start uninitialised]
             self.grad_full = torch.empty(
                 self.padded_numel, dtype=self.dtypes.reduce, device=self.device
@@ -393,6 +335,14 @@ class Chunk:
                 raise ValueError(_NO_ACCUMULATION)
             self.shard.copy_(reduced)
             self.grads_in_payload = True
+        elif self.grad_shard_in_full:
+            assert self.grad_full is not None and keep_full
+            self.grad_shard.copy_(reduced)  # over this rank's own unreduced gradients
+            self.grad_full[: self.shard_begin].zero_()
+            self.grad_full[self.shard_begin + self.shard_numel :].zero_()
+            self._reduced_in_own_slice = True
+            self.end_pass_without_reduce()
+            return
         else:
             if self.optim_pool is Pool.HOST:
                 reduced = self._move(reduced, Pool.HOST)
@@ -495,7 +445,24 @@ class Chunk:
     def zero_grad(self) -> None:
         """Forget the gradients: the next reduced ones overwrite the shard instead of adding to
         it, which spares a pass over it (zeroed at the step if none came)."""
+        if self.grad_shard_in_full:  # the next backward adds onto this rank's slice
+            self.grad_shard.zero_()
+            self._reduced_in_own_slice = False
+            return
         self._grad_shard_stale = not self.grads_in_payload_mode
+
+    def share_grad_shard_with_full(self) -> None:
+        """Stage 1: keep the reduced gradient slice the optimizer reads in this rank's own
+        slice of the full gradient buffer, which stage 1 keeps anyway, instead of a separate
+        fp32 shard: the model state is then the ZeRO formula's. The next backward would add
+        onto that slice, so zero_grad() must come between step() and the next backward. Only
+        with fp32 reduction (the optimizer reads fp32 gradients)."""
+        if not self.requires_grad or not self.keep_gathered or self.dtypes.reduce != torch.float32:
+            return
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
+        self.grad_shard = self.grad_full[self.shard_begin : self.shard_begin + self.shard_numel]
+        self.grad_shard_in_full = True
 
     # ---- after the optimizer step ----------------------------------------------------------
 
@@ -579,6 +546,10 @@ class Chunk:
         )
 
 
+_ZERO_GRAD_FIRST = (
+    "stage 1 keeps the reduced gradients of the last step in this rank's slice of the "
+    "gradient buffer: call optimizer.zero_grad() between step() and the next backward"
+)
 _NO_ACCUMULATION = (
     "reuse_fp16_shard=True keeps gradients in the parameter shard until step(): call step() "
     "after every backward; for gradient accumulation build ShardedModelV2 with "

@@ -20,6 +20,7 @@ import bisect
 from collections.abc import Callable
 
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, Pool
+from shardwise.chunk.accounting import gathered_bytes
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.tracer import MemoryTracer
 
@@ -77,7 +78,7 @@ class AutoPlacer:
             self.non_model.append(self.tracer.sample())
         for chunk_id in ids:
             self._last_use[chunk_id] = position
-        need = sum(c.gathered_bytes() for c in chunks if c.state is ChunkState.SHARDED)
+        need = sum(gathered_bytes(c) for c in chunks if c.state is ChunkState.SHARDED)
         if backward:
             # Their gradient buffers arrive during this backward step.
             need += sum(

@@ -11,7 +11,8 @@ per parameter (mixed-precision Adam: K = 12, the fp32 master and two fp32 moment
 
 This engine differs in two documented places: the gradient shard the optimizer reads is always
 fp32 (so accumulation and unscaling happen in fp32), and stage 1 keeps that shard beside the
-whole local gradient. Its parameters are padded per chunk to a multiple of N.
+whole local gradient unless the reduction is fp32 too (then the shard is this rank's slice of
+the whole gradient buffer). Its parameters are padded per chunk to a multiple of N.
 """
 
 from __future__ import annotations
@@ -96,7 +97,10 @@ def engine_bytes(
         params = param_bytes * psi_padded
         if compute_bytes != param_bytes:
             params += compute_bytes * psi_padded
-    grads = 4 * shard + (reduce_bytes * psi_padded if stage == 1 else 0.0)
+    grads = 4 * shard
+    if stage == 1:
+        # The fp32 shard lives inside an fp32 whole gradient (Chunk.share_grad_shard_with_full).
+        grads = reduce_bytes * psi_padded + (0.0 if reduce_bytes == 4 else grads)
     return StateBytes(
         params=params, grads=grads, optimizer=optimizer_bytes_per_param * shard, master=master
     )

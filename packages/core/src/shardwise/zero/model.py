@@ -92,6 +92,9 @@ class ZeroModel(nn.Module):
         )
         if gemini is not None:
             gemini.place_chunks()
+        if self.config.stage == 1:
+            for chunk in chunk_manager.trainable_chunks():
+                chunk.share_grad_shard_with_full()
         self.scheduler: GatherScheduler | None = None
         self._forward_was_recorded = False
         if self.config.stage == 3:
