@@ -178,7 +178,7 @@ def test_stage1_gradient_shard_is_its_own_slice_of_the_whole_gradient() -> None:
     )
     grads = [torch.randn(info.shape) for info in chunk.tensors]
     whole = torch.cat([g.reshape(-1) for g in grads])
-    for step in range(2):
+    for _ in range(2):
         for index, grad in enumerate(grads):
             chunk.add_grad(index, grad)
         chunk.reduce_grads(keep_full=True)  # stage 1 reduces at the step and keeps the buffer
