@@ -14,7 +14,8 @@
   is already fp32, so fp32 training keeps no second copy.
 - `grad_full`: gradients of the whole chunk, in the reduce dtype, filled by gradient hooks (see
   [Note: gradient buffers start uninitialised] in grad_buffer.py) and reduce-scattered into
-  `grad_shard` (fp32), which the optimizer reads.
+  `grad_shard` (fp32), which the optimizer reads: at stage 1, with fp32 reduction, this rank's
+  own slice of `grad_full` (see share_grad_shard_with_full()).
 
 [Note: reducing gradients]
 `grad_full` reaches its owners through `comm.reduce_to_shard` with the chunk's `reduce_method`
