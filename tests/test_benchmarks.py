@@ -9,20 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch import torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_interleaved_engines_reach_identical_losses(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
     engines = "ddp,zero1,zero2,zero2+pg,fsdp2,zero3-cuda,zero3-cpu,zero2-rs"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(ROOT / "benchmarks" / "bench_ab.py"), "--engines", engines, "--out", str(out),
-        "--rounds", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "64", "--vocab", "512",
-        "--seq", "32", "--chunk-mib", "0.1",
+    options = [
+        "--engines", engines, "--out", str(out), "--rounds", "2", "--warmup", "1",
+        "--n-layer", "2", "--n-embd", "64", "--vocab", "512", "--seq", "32", "--chunk-mib", "0.1",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = torchrun(ROOT / "benchmarks" / "bench_ab.py", *options, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(out.read_text())
     runs = summary["engines"]

@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from launch import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_trains_under_torchrun() -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(ROOT / "examples" / "train_gpt.py"),
-            "--steps",
-            "40",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-        check=False,
-    )
+    result = torchrun(ROOT / "examples" / "train_gpt.py", "--steps", "40")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = re.findall(r"step +(\d+) \| loss ([\d.]+) \| scale +(\d+)", result.stdout)
     assert [int(step) for step, _, _ in lines] == list(range(40))

@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_example_trains_and_saves(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(ROOT / "examples" / "hf_trainer.py"),
-            "--steps",
-            "10",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-        check=False,
-    )
+    script = ROOT / "examples" / "hf_trainer.py"
+    result = torchrun(script, "--steps", "10", "--out", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     losses = [
         float(ast.literal_eval(line)["loss"])

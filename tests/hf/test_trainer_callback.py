@@ -18,31 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from launch import torchrun
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("llama", "gpt2")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "0"}
+ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "0"}
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf_trainer")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(HERE / "trainer_run.py"),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=240,
-        check=False,
-    )
+    result = torchrun(HERE / "trainer_run.py", str(out), timeout=240, env=ENV)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return out
 
@@ -217,7 +203,7 @@ def test_saved_model_loads_without_shardwise(run_dir: Path) -> None:
         [sys.executable, str(HERE / "load_plain.py"), str(run_dir)],
         capture_output=True,
         text=True,
-        env=ENV,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **ENV},
         timeout=120,
         check=False,
     )
