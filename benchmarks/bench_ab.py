@@ -23,9 +23,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from engines import EngineSpec, build
+from engines import EngineSpec, add_model_arguments, build, model_config
 
-from shardwise.testing import GPT, GPTConfig, gpt_batch
+from shardwise.testing import GPT, gpt_batch
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,12 +35,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block", type=int, default=3, help="steps per engine per turn")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8, help="global batch")
-    parser.add_argument("--chunk-mib", type=float, default=8.0, help="chunk / bucket size")
+    add_model_arguments(parser)
     args = parser.parse_args()
     if args.block < 2:
         parser.error("--block must be at least 2 (a turn's first step is not measured)")
@@ -52,9 +47,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = GPTConfig(
-        vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_embd=args.n_embd
-    )
+    config = model_config(args)
     specs = [EngineSpec.parse(name) for name in args.engines.split(",")]
     num_params = GPT(config).num_parameters()  # before any engine shards its copy
     engines = {}

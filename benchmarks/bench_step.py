@@ -24,9 +24,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from engines import EngineSpec, build
+from engines import EngineSpec, add_model_arguments, build, model_config
 
-from shardwise.testing import GPT, GPTConfig, gpt_batch
+from shardwise.testing import GPT, gpt_batch
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,14 +38,9 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="share of time in shardwise code")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--chunk-mib", type=float, default=8.0, help="chunk / bucket size")
+    add_model_arguments(parser)
     return parser.parse_args()
 
 
@@ -68,9 +63,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    config = GPTConfig(
-        vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_embd=args.n_embd
-    )
+    config = model_config(args)
     model = GPT(config)
     num_params = model.num_parameters()
     spec = args.engine

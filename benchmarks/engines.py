@@ -8,6 +8,7 @@ parameters with the next forward), `+telemetry` (stream telemetry to a file) and
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
-from shardwise.testing import GPT
+from shardwise.testing import GPT, GPTConfig
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Counters = Callable[[], dict[str, float]]
@@ -25,6 +26,22 @@ TORCH_ENGINES = ("ddp", "fsdp1", "fsdp2")
 ZERO_ENGINES = ("zero1", "zero2", "zero3")
 # Engine-name suffixes of the gradient_reduction methods ("auto" is all-to-all on gloo).
 REDUCTION_SUFFIX = {"auto": "", "reduce_scatter": "-rs", "all_to_all": "-a2a", "all_reduce": "-ar"}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmarked GPT's shape, global batch and chunk size, as command-line options."""
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="global batch")
+    parser.add_argument("--chunk-mib", type=float, default=8.0, help="chunk / bucket size")
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_embd=args.n_embd
+    )
 
 
 @dataclass(frozen=True)

@@ -338,7 +338,8 @@ class Chunk(PoolMoves):
             self.grads_in_payload = True
         elif self.grad_shard_in_full:
             assert self.grad_full is not None and keep_full
-            self.grad_shard.copy_(reduced)  # over this rank's own unreduced gradients
+            if reduced.data_ptr() != self.grad_shard.data_ptr():  # all-reduce: already there
+                self.grad_shard.copy_(reduced)  # over this rank's own unreduced gradients
             self.grad_full[: self.shard_begin].zero_()
             self.grad_full[self.shard_begin + self.shard_numel :].zero_()
             self._reduced_in_own_slice = True
