@@ -62,7 +62,7 @@ def test_gradient_accumulation(stage: int) -> None:
     check(Run(stage=stage, accum=3), exact=False)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("reduction", ["reduce_scatter", "all_to_all", "all_reduce"])
 def test_every_gradient_reduction_method_is_bit_exact(stage: int, reduction: str) -> None:
     check(Run(stage=stage, reduction=reduction, overlap=stage == 2), exact=True)
