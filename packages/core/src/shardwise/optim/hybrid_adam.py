@@ -1,8 +1,19 @@
 """Adam and AdamW over parameters wherever they live, on torch's fused kernels.
 
-One fused call per (device, dtype) group updates parameters, both moments and the step count
+One fused call per (device, dtypes) group updates parameters, both moments and the step count
 in a single pass over memory; the loss-scale and clipping factor is applied inside that same
 pass (`grad_scale`), so unscaling costs no pass of its own.
+
+[Note: mixed precision in HybridAdam]
+As ColossalAI's HybridAdam / CPUAdam do, a parameter and its gradient need not share a dtype,
+and 16-bit parameters keep their moments in fp32:
+- fp32 parameter, fp32 gradient: the fused kernel runs in place, nothing is copied.
+- fp32 parameter, fp16/bf16 gradient: the gradient is widened to fp32 (exactly: every 16-bit
+  value is an fp32 value) and the update is the fp32 update of that gradient.
+- fp16/bf16 parameter: its moments are fp32; the update is computed in fp32 from the
+  parameter's value (widened exactly) and rounded to nearest into the parameter's dtype.
+The widened copies are made a batch of tensors at a time (at most `_WIDEN_BATCH_NUMEL`
+elements), so the extra memory is bounded whatever the model's size.
 """
 
 from __future__ import annotations
@@ -13,11 +24,16 @@ from typing import Any
 
 import torch
 
+_STEP_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_WIDEN_BATCH_NUMEL = 1 << 24  # 16M elements: at most 128 MiB of fp32 copies (param and grad)
+
 
 class HybridAdam(torch.optim.Optimizer):
     """Adam (`adamw_mode=False`, L2 penalty added to the gradient) or AdamW (decoupled weight
     decay), for parameters on any mix of devices: host shards step on the CPU, device shards on
-    the device.
+    the device. Parameters may be fp32, fp16 or bf16, and a gradient may be 16-bit under an
+    fp32 parameter; moments are kept in fp32 for 16-bit parameters (see [Note: mixed precision
+    in HybridAdam]).
 
     Args:
         params: parameters or parameter groups.
@@ -27,6 +43,8 @@ class HybridAdam(torch.optim.Optimizer):
         weight_decay: decay (decoupled in AdamW mode, L2 otherwise).
         amsgrad: keep the maximum of the second moments.
         adamw_mode: AdamW when True, Adam when False.
+        bias_correction: ColossalAI's flag; only True (Adam's bias correction, what the fused
+            kernels compute) can be honoured, False is refused.
     """
 
     def __init__(
@@ -38,6 +56,8 @@ class HybridAdam(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         adamw_mode: bool = True,
+        *,
+        bias_correction: bool = True,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -47,6 +67,11 @@ class HybridAdam(torch.optim.Optimizer):
             raise ValueError(f"eps must be >= 0, got {eps}")
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if bias_correction is not True:
+            raise ValueError(
+                f"bias_correction={bias_correction!r} cannot be honoured: the fused Adam kernels "
+                f"always correct the moments' bias; leave bias_correction=True"
+            )
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -73,25 +98,65 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+            buckets: dict[tuple[torch.device, torch.dtype, torch.dtype], list[torch.Tensor]]
+            buckets = defaultdict(list)
             for param in group["params"]:
-                if param.grad is None:
+                grad = param.grad
+                if grad is None:
                     continue
-                if param.grad.is_sparse:
+                if grad.is_sparse:
                     raise ValueError("HybridAdam does not support sparse gradients")
-                buckets[(param.device, param.dtype)].append(param)
-            for (device, _), params in buckets.items():
-                self._fused_update(group, params, device, grad_scale)
+                _check_pair(param, grad)
+                buckets[(param.device, param.dtype, grad.dtype)].append(param)
+            for (device, param_dtype, grad_dtype), params in buckets.items():
+                if param_dtype == grad_dtype and param_dtype in (torch.float32, torch.float64):
+                    grads = [p.grad for p in params if p.grad is not None]
+                    self._fused_update(group, params, grads, device, grad_scale)
+                else:
+                    self._widened_update(group, params, device, grad_scale)
         return loss
 
-    def _fused_update(
+    def _widened_update(
         self,
         group: dict[str, Any],
         params: list[torch.Tensor],
         device: torch.device,
         grad_scale: float | None,
     ) -> None:
-        states = [self._state_of(p, group["amsgrad"]) for p in params]
+        """See [Note: mixed precision in HybridAdam]: a batch at a time, widen, step, round."""
+        compute = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+        batch: list[torch.Tensor] = []
+        numel = 0
+        for index, param in enumerate(params):
+            batch.append(param)
+            numel += param.numel()
+            if numel < _WIDEN_BATCH_NUMEL and index < len(params) - 1:
+                continue
+            # A parameter already in the compute dtype is stepped in place.
+            work = [p if p.dtype == compute else p.to(compute) for p in batch]
+            grads = [p.grad.to(compute) for p in batch if p.grad is not None]
+            self._fused_update(group, batch, grads, device, grad_scale, work=work)
+            for param_, widened in zip(batch, work, strict=True):
+                if widened is not param_:
+                    param_.copy_(widened)
+            batch, numel = [], 0
+
+    def _fused_update(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        device: torch.device,
+        grad_scale: float | None,
+        *,
+        work: list[torch.Tensor] | None = None,
+    ) -> None:
+        """The fused kernel over `work` (default: the parameters themselves) and `grads`; the
+        state is kept per parameter, in the dtype of `work`."""
+        work = params if work is None else work
+        states = [
+            self._state_of(p, w.dtype, group["amsgrad"]) for p, w in zip(params, work, strict=True)
+        ]
         beta1, beta2 = group["betas"]
         kernel = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
         steps = [s["step"] for s in states]
@@ -101,8 +166,8 @@ class HybridAdam(torch.optim.Optimizer):
         if grad_scale is not None and grad_scale != 1.0:
             scale = torch.tensor(grad_scale, dtype=torch.float32, device=device)
         kernel(
-            params,
-            [p.grad for p in params if p.grad is not None],
+            work,
+            grads,
             [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states],
             [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
@@ -118,18 +183,50 @@ class HybridAdam(torch.optim.Optimizer):
             found_inf=None,
         )
 
-    def _state_of(self, param: torch.Tensor, amsgrad: bool) -> dict[str, torch.Tensor]:
+    def _state_of(
+        self, param: torch.Tensor, dtype: torch.dtype, amsgrad: bool
+    ) -> dict[str, torch.Tensor]:
+        """The parameter's state, its moments in `dtype` (fp32 for a 16-bit parameter)."""
         state: dict[str, torch.Tensor] = self.state[param]
         if not state:
             # A tensor beside the parameter, as the fused kernel wants it.
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
             if amsgrad:
-                state["max_exp_avg_sq"] = torch.zeros_like(
-                    param, memory_format=torch.preserve_format
-                )
+                state["max_exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+        else:
+            # torch's load_state_dict casts state to the parameter's dtype: fp32 moments of a
+            # 16-bit parameter come back 16-bit, and are widened again here, once.
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                value = state.get(key)
+                if value is not None and value.dtype != dtype:
+                    state[key] = value.to(dtype)
+            if state["step"].dtype != torch.float32 or state["step"].device != param.device:
+                state["step"] = state["step"].to(torch.float32).to(param.device)
         return state
+
+
+def _check_pair(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.dtype not in _STEP_DTYPES or grad.dtype not in _STEP_DTYPES:
+        raise TypeError(
+            f"HybridAdam steps fp32, fp16, bf16 (and fp64) tensors, got a {param.dtype} "
+            f"parameter with a {grad.dtype} gradient"
+        )
+    if (param.dtype == torch.float64) != (grad.dtype == torch.float64):
+        raise TypeError(
+            f"a {param.dtype} parameter with a {grad.dtype} gradient: fp64 parameters need fp64 "
+            f"gradients (and fp64 gradients an fp64 parameter)"
+        )
+    if grad.device != param.device:
+        raise ValueError(
+            f"a gradient on {grad.device} for a parameter on {param.device}: HybridAdam steps "
+            f"each parameter where it lives; move the gradient to the parameter's device"
+        )
+    if grad.shape != param.shape:
+        raise ValueError(
+            f"a gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(param.shape)}"
+        )
 
 
 class CPUAdam(HybridAdam):
