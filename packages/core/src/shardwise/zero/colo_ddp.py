@@ -3,19 +3,17 @@ in buckets at the end of backward."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
 from shardwise.comm import CommStats
-
-# An attribute on the parameter itself, not a registry of ids: ids are reused after a tensor
-# is freed, and the mark must follow the parameter into whatever module holds it.
-_IGNORE_MARK = "_shardwise_ddp_ignore"
+from shardwise.zero.ignore import is_ignored, mark_ignored
 
 
 class ColoDDP(nn.Module):
@@ -25,6 +23,9 @@ class ColoDDP(nn.Module):
     averaged over ranks in buckets of about `bucket_cap_mb`; a parameter that got no gradient
     on some rank contributes zeros there (so ranks never disagree on the collectives), and ends
     with a gradient on every rank. Call `model.backward(loss)` or plain `loss.backward()`.
+    `state_dict()`, `load_state_dict()`, `named_parameters()` and `named_buffers()` speak the
+    inner module's names (no `module.` prefix), as ColossalAI's ColoDDP does, so a state dict
+    moves between the wrapped and the plain model unchanged.
 
     Args:
         module: the model.
@@ -58,9 +59,7 @@ class ColoDDP(nn.Module):
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.rebuild_bucket = rebuild_bucket
         self.comm_stats = CommStats()
-        self._params = [
-            p for p in dict.fromkeys(module.parameters()) if not getattr(p, _IGNORE_MARK, False)
-        ]
+        self._params = [p for p in dict.fromkeys(module.parameters()) if not is_ignored(p)]
         self._ready_order: list[nn.Parameter] = []
         self._buckets = self._make_buckets(self._params)
         self._rebuilt = not rebuild_bucket
@@ -75,11 +74,13 @@ class ColoDDP(nn.Module):
     @staticmethod
     def set_params_to_ignore(params_to_ignore: Iterable[torch.Tensor]) -> None:
         """Exclude these parameters from broadcast and reduction (call before wrapping): they
-        keep their own values and local gradients on each rank."""
-        for param in params_to_ignore:
-            if not isinstance(param, torch.Tensor):
-                raise TypeError(f"params_to_ignore must hold tensors, got {type(param).__name__}")
-            setattr(param, _IGNORE_MARK, True)
+        keep their own values and local gradients on each rank (see [Note: ignored
+        parameters] in zero/ignore.py).
+
+        Args:
+            params_to_ignore: the parameters to leave alone.
+        """
+        mark_ignored(params_to_ignore)
 
     def _make_buckets(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         buckets: list[list[nn.Parameter]] = [[]]
@@ -137,6 +138,36 @@ class ColoDDP(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    # ---- the inner module's names ------------------------------------------------------------
+
+    def state_dict(  # type: ignore[override]
+        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The inner module's state dict, under its own names (every rank holds it whole)."""
+        if destination is None:
+            return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load a state dict with the inner module's names; every rank loads the same one.
+        Returns (missing_keys, unexpected_keys)."""
+        result: _IncompatibleKeys = self.module.load_state_dict(
+            state_dict, strict=strict, assign=assign
+        )
+        return result
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss`; gradients are averaged over ranks when it returns."""

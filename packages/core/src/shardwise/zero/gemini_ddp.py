@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from shardwise.zero.config import (
     default_device,
     gradient_reduction_method,
 )
+from shardwise.zero.ignore import is_ignored, mark_ignored
 from shardwise.zero.init_context import whole_numel
 from shardwise.zero.model import ZeroModel
 
@@ -60,6 +61,10 @@ class GeminiDDP(ZeroModel):
     placement policy, which plans every gather against its budget, waits for each). The next chunk
     in the order recorded during the first iteration is prefetched, and the chunks backward
     starts with stay gathered from the end of forward.
+
+    Parameters marked by `GeminiDDP.set_params_to_ignore` before wrapping stay out of the
+    chunks: local to each rank, never broadcast, reduced or sharded (see
+    `set_params_to_ignore`).
 
     Args:
         module: the model to shard.
@@ -137,6 +142,29 @@ class GeminiDDP(ZeroModel):
         self.pin_memory = pin_memory
         gemini_manager.pin_memory = pin_memory
         super().__init__(module, config, chunk_manager, gemini_manager)
+
+
+    @staticmethod
+    def set_params_to_ignore(params_to_ignore: Iterable[torch.Tensor]) -> None:
+        """Leave these parameters out of the chunks; call it before wrapping (a mark set
+        afterwards has no effect), as with ColossalAI's `ZeroDDP.set_params_to_ignore`.
+
+        An ignored parameter stays an ordinary tensor of the module on each rank (moved to the
+        compute device, and cast to the compute dtype when floating point): it is never
+        broadcast, reduced or sharded, so each rank keeps its own value and, after backward, its
+        own local gradient in `.grad`, for the user to synchronise as they wish. The ZeRO
+        optimizer does not step it: build the optimizer passed to `zero_optim_wrapper` over the
+        other parameters (it refuses parameters the model does not own) and step the ignored
+        ones with an optimizer of your own, zeroing their `.grad` yourself. Their gradients are
+        not unscaled or clipped by the ZeRO optimizer: under fp16 loss scaling they carry the
+        loss scale (`optimizer.loss_scale`). `state_dict()` holds them as they are (rank 0's
+        values when `only_rank_0`), and `load_state_dict()` copies them in on every rank (see
+        [Note: ignored parameters] in zero/ignore.py).
+
+        Args:
+            params_to_ignore: the parameters to leave out.
+        """
+        mark_ignored(params_to_ignore)
 
 
 ZeroDDP = GeminiDDP
@@ -220,7 +248,7 @@ def _searched_chunk_size(
     for name, value in (("chunk_search_range", search_range), ("min_chunk_size", min_chunk)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a number of bytes (int >= 0), got {value!r}")
-    unique = list(dict.fromkeys(model.parameters()))
+    unique = [p for p in dict.fromkeys(model.parameters()) if not is_ignored(p)]
     result = search_chunk_size(
         [
             [whole_numel(p) for p in unique if p.requires_grad],

@@ -19,6 +19,7 @@ from shardwise.gemini import GeminiManager
 from shardwise.zero.config import ZeroConfig, gradient_reduction_method
 from shardwise.zero.gather_scheduler import GatherScheduler
 from shardwise.zero.grad_reducer import GradReducer
+from shardwise.zero.ignore import is_ignored, keep_ignored_local
 from shardwise.zero.init_context import sliced, unslice, whole_numel
 from shardwise.zero.param_gather import DeferredParamGather
 from shardwise.zero.state_dict import gather_full_state_dict, load_full_state_dict
@@ -127,15 +128,18 @@ class ZeroModel(nn.Module):
         """Pack the module's parameters into chunks, in `named_parameters()` order. A parameter
         built in a ZeroInitContext is made whole only just before it is packed, and each chunk
         is sharded as soon as it is full, so the whole model never exists on one rank (see
-        [Note: packing one chunk at a time] in chunk/manager.py)."""
+        [Note: packing one chunk at a time] in chunk/manager.py). Parameters marked by
+        `set_params_to_ignore` stay out of the chunks (see [Note: ignored parameters])."""
         stats, group = self.comm_stats, self.config.process_group
 
         def make_whole(param: nn.Parameter) -> None:
             if sliced(param):
                 unslice(param, stats, group)
 
+        named = list(self.module.named_parameters())
+        keep_ignored_local([p for _, p in named], self._dtypes.compute, make_whole)
         chunk_manager.register(
-            self.module.named_parameters(),
+            [(name, p) for name, p in named if not is_ignored(p)],
             sharded_fraction=sharded_fraction,
             numel_of=whole_numel,
             make_whole=make_whole,
