@@ -17,6 +17,7 @@ from torch import nn
 from shardwise import (
     BucketTensorShardStrategy,
     CommOp,
+    GeminiDDP,
     ShardedModelV2,
     ShardedOptimizerV2,
     TensorShardStrategy,
@@ -258,3 +259,102 @@ def test_checkpoint_from_sharded_model_v2_loads_elsewhere(tmp_path: Path) -> Non
     saved = run_ranks(_save_sharded_v2, 2, path)[0]
     loaded = run_ranks(_load_into_stage_2, 1, path)[0]
     assert max_abs_diff(saved, loaded) == 0.0
+
+
+def _colossalai_signature() -> dict[str, Any]:
+    messages: list[str] = []
+
+    def expect(kind: type[Exception], pattern: str, fn: Any) -> None:
+        with pytest.raises(kind, match=pattern) as info:
+            fn()
+        messages.append(str(info.value))
+
+    def linear(**options: Any) -> ShardedModelV2:
+        torch.manual_seed(0)
+        return ShardedModelV2(nn.Linear(4, 4), TensorShardStrategy(), **options)
+
+    model = linear()
+
+    def sgd(on: nn.Module = model) -> torch.optim.Optimizer:
+        return torch.optim.SGD(on.parameters(), lr=0.1)
+
+    # ColossalAI's whole signature, positionally: gpu_margin_mem_ratio comes third.
+    optimizer = ShardedOptimizerV2(
+        model, sgd(), 0.0, 2**16, 1, 2, 0.5, 1000, 2, 2**32, dist.group.WORLD, None, False
+    )
+    expect(
+        ValueError,
+        r"gpu_margin_mem_ratio=0.5 has no meaning here: without offload_config",
+        lambda: ShardedOptimizerV2(model, sgd(), 0.5),
+    )
+    expect(
+        ValueError,
+        r"gpu_margin_mem_ratio must be a number in \[0, 1\], got 1.5",
+        lambda: ShardedOptimizerV2(model, sgd(), gpu_margin_mem_ratio=1.5),
+    )
+    offloaded = linear(offload_config={"device": "cpu"})
+    expect(
+        ValueError,
+        "use_memory_tracer=True",
+        lambda: ShardedOptimizerV2(offloaded, sgd(offloaded), gpu_margin_mem_ratio=0.5),
+    )
+    traced = linear(offload_config={"device": "cpu"}, use_memory_tracer=True)
+    expect(
+        ValueError,
+        r"needs the device's capacity.*device_budget_bytes",
+        lambda: ShardedOptimizerV2(traced, sgd(traced), gpu_margin_mem_ratio=0.5),
+    )
+    expect(
+        ValueError,
+        "mp_process_group must be None",
+        lambda: ShardedOptimizerV2(model, sgd(), mp_process_group=dist.group.WORLD),
+    )
+    other_group = dist.new_group([0, 1])
+    expect(
+        ValueError,
+        "dp_process_group must be None or the ShardedModelV2's process_group",
+        lambda: ShardedOptimizerV2(model, sgd(), dp_process_group=other_group),
+    )
+    expect(TypeError, "verbose must be a bool", lambda: ShardedOptimizerV2(model, sgd(), verbose=1))
+    ignored = nn.Linear(4, 4)
+    GeminiDDP.set_params_to_ignore([ignored.bias])
+    expect(
+        ValueError,
+        r"\['bias'\] are marked by set_params_to_ignore",
+        lambda: ShardedModelV2(ignored, TensorShardStrategy()),
+    )
+    return {
+        "messages": messages,
+        "scale": optimizer.loss_scale,
+        "full": model.state_dict(),
+        "rank0": model.state_dict(only_rank_0=True),
+    }
+
+
+def test_sharded_optimizer_v2_takes_colossalai_signature_and_refuses_what_it_cannot_honour() -> (
+    None
+):
+    results = run_ranks(_colossalai_signature, 2)
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 4).state_dict()
+    for rank, result in enumerate(results):
+        assert len(result["messages"]) == 8
+        assert result["scale"] == 1.0  # fp32 parameters: no loss scaling to do
+        # The whole state on every rank by default; the rank-0-only mode stays available.
+        assert max_abs_diff(result["full"], plain) == 0.0
+        assert (result["rank0"] == {}) == (rank != 0)
+        if rank == 0:
+            assert max_abs_diff(result["rank0"], plain) == 0.0
+
+
+def _verbose_logs(caplog: Any) -> int:
+    model = ShardedModelV2(nn.Linear(4, 4), TensorShardStrategy())
+    optimizer = ShardedOptimizerV2(model, torch.optim.SGD(model.parameters(), lr=0.1), verbose=True)
+    optimizer.backward(model(torch.ones(2, 4)).sum())
+    with caplog.at_level("DEBUG", logger="shardwise.sharded_v2"):
+        optimizer.step()
+    return sum("ShardedOptimizerV2" in r.getMessage() for r in caplog.records)
+
+
+def test_verbose_logs_memory_around_each_step(caplog: pytest.LogCaptureFixture) -> None:
+    assert run_ranks(_verbose_logs, 1, caplog) == [2]

@@ -143,7 +143,6 @@ class GeminiDDP(ZeroModel):
         gemini_manager.pin_memory = pin_memory
         super().__init__(module, config, chunk_manager, gemini_manager)
 
-
     @staticmethod
     def set_params_to_ignore(params_to_ignore: Iterable[torch.Tensor]) -> None:
         """Leave these parameters out of the chunks; call it before wrapping (a mark set

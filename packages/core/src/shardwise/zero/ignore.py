@@ -24,8 +24,7 @@ def mark_ignored(params_to_ignore: Iterable[torch.Tensor]) -> None:
     """Mark each parameter as ignored by the data-parallel wrappers (see the note)."""
     if isinstance(params_to_ignore, torch.Tensor):
         raise TypeError(
-            "params_to_ignore must be an iterable of parameters, got a single tensor; "
-            "pass [param]"
+            "params_to_ignore must be an iterable of parameters, got a single tensor; pass [param]"
         )
     for param in params_to_ignore:
         if not isinstance(param, torch.Tensor):

@@ -7,14 +7,16 @@ ZeroInitContext is packed one strategy group at a time, so no rank ever holds it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardwise.chunk import ChunkManager
+from shardwise.chunk import ChunkManager, Pool
 from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager, MemoryTracer
 from shardwise.zero.config import (
@@ -23,10 +25,13 @@ from shardwise.zero.config import (
     default_device,
     gradient_reduction_method,
 )
+from shardwise.zero.ignore import is_ignored
 from shardwise.zero.init_context import sliced, unslice
 from shardwise.zero.model import ZeroModel
 from shardwise.zero.optimizer import ZeroOptimizer, grad_scaler_for
 from shardwise.zero.shard_strategy import BaseShardStrategy
+
+_logger = logging.getLogger("shardwise.sharded_v2")
 
 
 class ShardedModelV2(ZeroModel):
@@ -84,6 +89,14 @@ class ShardedModelV2(ZeroModel):
             raise ValueError(
                 f"reduce_scatter_bucket_size_mb must be >= 0, got {reduce_scatter_bucket_size_mb}"
             )
+        ignored = [name for name, p in module.named_parameters() if is_ignored(p)]
+        if ignored:
+            raise ValueError(
+                f"parameters {ignored[:5]} are marked by set_params_to_ignore, which "
+                f"ShardedModelV2 does not support (it shards every parameter, as ColossalAI's "
+                f"does); use "
+                f"GeminiDDP / zero_model_wrapper(zero_stage=3) or ColoDDP for ignored parameters"
+            )
         placement = _placement(offload_config)
         param_dtype = _param_dtype(module)
         precision = MixedPrecision(
@@ -113,6 +126,8 @@ class ShardedModelV2(ZeroModel):
         if reuse_fp16_shard:
             for chunk in self.chunk_manager.trainable_chunks():
                 chunk.reuse_payload_for_grads()
+        self.offload_config = dict(offload_config) if offload_config is not None else None
+        self.use_memory_tracer = use_memory_tracer
         self.memory_trace: list[int] = []
         self._tracer = (
             MemoryTracer(device, lambda: self.gemini_manager.memory_by_pool()["device"])  # type: ignore[union-attr]
@@ -129,6 +144,23 @@ class ShardedModelV2(ZeroModel):
             chunk_manager.chunk_size_numel = max(1, sum(p.numel() for _, p in group))
             chunk_manager.register(group)
 
+    @property
+    def cpu_offload(self) -> bool:
+        """Whether shards and optimizer state live in host memory (`offload_config`)."""
+        return self.offload_config is not None
+
+    def state_dict(  # type: ignore[override]
+        self,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        only_rank_0: bool = False,
+    ) -> dict[str, Any]:
+        """The whole model state on every rank by default, as ColossalAI's ShardedModelV2
+        returns it; `only_rank_0=True` keeps it on rank 0 only (the others get an empty dict).
+        A collective: every rank must call it. See `GeminiDDP.state_dict` for the contents."""
+        return super().state_dict(destination, prefix, keep_vars, only_rank_0=only_rank_0)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._tracer is None:
             return super().forward(*args, **kwargs)
@@ -144,19 +176,40 @@ class ShardedModelV2(ZeroModel):
 class ShardedOptimizerV2(ZeroOptimizer):
     """The optimizer of a `ShardedModelV2`: sharded fp32 masters, loss scaling, clipping.
 
+    It takes ColossalAI's signature, positional order included; every argument has its meaning
+    or is refused when set to a value that cannot be honoured.
+
     Args:
         sharded_model: the ShardedModelV2.
         optimizer: an elementwise torch optimizer over its parameters, not yet stepped.
+        gpu_margin_mem_ratio: in [0, 1]. As in ColossalAI: when the model keeps optimizer state
+            in host memory (`offload_config={"device": "cpu"}`), this share of the device room
+            left after the first forward and backward is given to the fp32 optimizer side of
+            chunks (master, gradient shard and optimizer state, chunk by chunk in chunk order),
+            which then step on the device. The room is the device budget
+            (`sharded_model.gemini_manager.device_budget_bytes`: on CUDA the device's capacity
+            less 10%) less the peak of model state on the device and of the non-model memory
+            traced by `use_memory_tracer=True`, both of which it therefore needs. 0 (the
+            default) keeps everything where the model put it. ColossalAI ignores a ratio it
+            cannot use; here it is refused.
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
             max_scale: the DynamicGradScaler's settings (used when parameters are fp16).
-        max_norm: clip the global gradient norm to this; 0 disables clipping.
-        norm_type: the clipping norm.
+        dp_process_group: the data-parallel group: None or the model's own process group (the
+            group its parameters are sharded over); any other group is refused.
+        mp_process_group: a model-parallel group; shardwise has no model parallelism, so only
+            None is accepted.
+        verbose: log the model's and the optimizer's memory (logger "shardwise.sharded_v2", at
+            DEBUG) before and after every step, as ColossalAI's verbose mode does.
+        max_norm: (keyword only, shardwise's) clip the global gradient norm to this; 0
+            disables clipping.
+        norm_type: (keyword only) the clipping norm.
     """
 
     def __init__(
         self,
         sharded_model: ShardedModelV2,
         optimizer: torch.optim.Optimizer,
+        gpu_margin_mem_ratio: float = 0.0,
         initial_scale: float = 2**32,
         min_scale: float = 1,
         growth_factor: float = 2,
@@ -164,6 +217,10 @@ class ShardedOptimizerV2(ZeroOptimizer):
         growth_interval: int = 1000,
         hysteresis: int = 2,
         max_scale: float = 2**32,
+        dp_process_group: ProcessGroup | None = None,
+        mp_process_group: ProcessGroup | None = None,
+        verbose: bool = False,
+        *,
         max_norm: float = 0.0,
         norm_type: float = 2.0,
     ) -> None:
@@ -171,6 +228,24 @@ class ShardedOptimizerV2(ZeroOptimizer):
             raise TypeError(
                 f"sharded_model must be a ShardedModelV2, got {type(sharded_model).__name__}"
             )
+        if isinstance(optimizer, ShardedOptimizerV2):
+            raise TypeError("optimizer is already a ShardedOptimizerV2; pass the inner optimizer")
+        _check_margin_ratio(sharded_model, gpu_margin_mem_ratio)
+        own_group = sharded_model.config.process_group
+        if dp_process_group not in (None, own_group) and not (
+            own_group is None and dp_process_group is dist.group.WORLD
+        ):
+            raise ValueError(
+                "dp_process_group must be None or the ShardedModelV2's process_group: the "
+                "optimizer steps the shards the model's group holds"
+            )
+        if mp_process_group is not None:
+            raise ValueError(
+                "mp_process_group must be None: shardwise has no model (tensor) parallelism, so "
+                "there is no model-parallel group to check for overflow over"
+            )
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be a bool, got {verbose!r}")
         scaler = grad_scaler_for(
             sharded_model,
             initial_scale=initial_scale,
@@ -183,6 +258,81 @@ class ShardedOptimizerV2(ZeroOptimizer):
         )
         super().__init__(
             sharded_model, optimizer, grad_scaler=scaler, max_norm=max_norm, norm_type=norm_type
+        )
+        self.gpu_margin_mem_ratio = float(gpu_margin_mem_ratio)
+        self.verbose = verbose
+        self._margin_pending = self.gpu_margin_mem_ratio > 0
+        self.chunks_moved_to_device = 0
+
+    def step(self) -> bool:
+        """See `ZeroOptimizer.step`; the first step first fills the device margin (see
+        `gpu_margin_mem_ratio`)."""
+        if self._margin_pending:
+            self._margin_pending = False
+            self._fill_device_margin()
+        if self.verbose:
+            self._log_memory("before step")
+        taken = super().step()
+        if self.verbose:
+            self._log_memory("after step")
+        return taken
+
+    def _fill_device_margin(self) -> None:
+        """Move optimizer sides of chunks to the device within `gpu_margin_mem_ratio` of the
+        room the first forward and backward left (as ColossalAI's ShardedOptimizerV2 does)."""
+        model = self.model
+        assert isinstance(model, ShardedModelV2) and model.gemini_manager is not None
+        gemini = model.gemini_manager
+        budget = gemini.device_budget_bytes
+        assert budget is not None  # checked at construction
+        peak = gemini.peak_device_bytes + max(model.memory_trace, default=0)
+        margin = int(self.gpu_margin_mem_ratio * max(0, budget - peak))
+        for chunk in self._chunks:
+            if chunk.optim_pool is Pool.DEVICE:
+                continue
+            # fp32 master and gradient shard, and the optimizer's state (or, before the first
+            # step creates it, two fp32 values per element, as Adam keeps).
+            state = self.chunk_state_bytes(chunk) or chunk.master.numel() * 8
+            side = chunk.master.numel() * 4 * 2 + state
+            if side > margin:
+                break
+            margin -= side
+            chunk.move_optim(Pool.DEVICE)
+            self.rebind_chunk(chunk)
+            self.chunks_moved_to_device += 1
+
+    def _log_memory(self, when: str) -> None:
+        model = self.model.memory_report()
+        _logger.debug(
+            "ShardedOptimizerV2 %s: model state %s bytes, optimizer state %d bytes",
+            when,
+            model,
+            self.state_bytes(),
+        )
+
+
+def _check_margin_ratio(model: ShardedModelV2, ratio: float) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ValueError(f"gpu_margin_mem_ratio must be a number in [0, 1], got {ratio!r}")
+    if ratio == 0:
+        return
+    if not model.cpu_offload:
+        raise ValueError(
+            f"gpu_margin_mem_ratio={ratio} has no meaning here: without offload_config the "
+            f"optimizer state is on the device already; build ShardedModelV2 with "
+            f"offload_config={{'device': 'cpu'}}, or leave gpu_margin_mem_ratio=0.0"
+        )
+    if not model.use_memory_tracer:
+        raise ValueError(
+            f"gpu_margin_mem_ratio={ratio} needs the non-model memory of a step, traced by "
+            f"ShardedModelV2(..., use_memory_tracer=True) (ColossalAI's needs its memory tracer "
+            f"too)"
+        )
+    assert model.gemini_manager is not None
+    if model.gemini_manager.device_budget_bytes is None:
+        raise ValueError(
+            f"gpu_margin_mem_ratio={ratio} needs the device's capacity, and {model.config.device} "
+            f"has none: set sharded_model.gemini_manager.device_budget_bytes (bytes) first"
         )
 
 
