@@ -189,6 +189,10 @@ class ShardwiseStrategyBase(DDPStrategy):
                 "optimizers over shards (SGD, Adam, AdamW, HybridAdam, ...)"
             )
         assert self._zero_model is not None
+        previous = self._zero_model.zero_optimizer
+        if previous is not None:
+            # A later fit of the same sharded module: its new optimizer replaces the old one.
+            previous.close()
         clip = trainer.gradient_clip_val
         engine = zero_optim_wrapper(
             self._zero_model,

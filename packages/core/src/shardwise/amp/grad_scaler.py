@@ -39,6 +39,12 @@ class GradScaler(abc.ABC):
     def update(self, overflow: bool) -> None:
         """Record one step, `overflow` telling whether any rank's gradient was inf or nan."""
 
+    @property
+    def can_back_off(self) -> bool:
+        """Whether an overflow now lowers the scale: if not, a skipped step changes nothing
+        for the next one."""
+        return False
+
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -169,6 +175,10 @@ class DynamicGradScaler(GradScaler):
     @property
     def scale(self) -> float:
         return self._scale
+
+    @property
+    def can_back_off(self) -> bool:
+        return self._scale > self.min_scale
 
     def update(self, overflow: bool) -> None:
         self._count(overflow)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -29,8 +30,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from shardwise.checkpoint.commit import (
     CheckpointError,
+    check_save_target,
     new_version_dir,
     read_manifest,
+    remove_unfinished_versions,
     verify_files,
     write_manifest_and_commit,
 )
@@ -57,6 +60,8 @@ def save(
     """
     _check_pair(model, optimizer)
     target = Path(path)
+    check_save_target(target)
+    remove_unfinished_versions(target)
     slices = param_slices(model)
     state: dict[str, Any] = {}
     for item in slices:
@@ -83,6 +88,7 @@ def save(
         "has_optimizer": optimizer is not None,
         "saved_world_size": slices[0].chunk.world_size if slices else 1,
         "saved_stage": model.stage,
+        "optimizer_type": _type_name(optimizer.optim) if optimizer is not None else None,
     }
     write_manifest_and_commit(target, version, description)
 
@@ -103,13 +109,14 @@ def load(
     """
     _check_pair(model, optimizer)
     source = Path(path)
+    remove_unfinished_versions(source)
     manifest = read_manifest(source)
     if verify_checksums:
         verify_files(source, manifest)
     slices = param_slices(model)
     _check_same_model(manifest, slices, model)
-    if optimizer is not None and not manifest["has_optimizer"]:
-        raise CheckpointError(f"{source} holds no optimizer state; load it without an optimizer")
+    if optimizer is not None:
+        _check_same_optimizer(manifest, optimizer, source)
     state: dict[str, Any] = {}
     for item in slices:
         begin, end = item.local_range()
@@ -122,9 +129,15 @@ def load(
     if optimizer is not None:
         state.update(_optimizer_targets(optimizer, slices, metadata))
     state["objects"] = io.BytesIO()
-    dcp_load(
-        state, storage_reader=FileSystemReader(source), process_group=model.config.process_group
-    )
+    try:
+        dcp_load(
+            state,
+            storage_reader=FileSystemReader(source),
+            process_group=model.config.process_group,
+        )
+    except CheckpointException as error:
+        # Raised on every rank alike; it is a BaseException, which `except Exception` misses.
+        raise CheckpointError(f"{source} could not be read: {_first_failure(error)}") from None
     for item in slices:
         values = local_part(state[f"model.{item.name}"])
         if values is not None:
@@ -151,6 +164,40 @@ def _check_pair(model: ZeroModel, optimizer: ZeroOptimizer | None) -> None:
             )
         if optimizer.model is not model:
             raise ValueError("optimizer wraps another model than the one given")
+
+
+def _type_name(optimizer: torch.optim.Optimizer) -> str:
+    kind = type(optimizer)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _check_same_optimizer(manifest: dict[str, Any], optimizer: ZeroOptimizer, source: Path) -> None:
+    if not manifest["has_optimizer"]:
+        raise CheckpointError(f"{source} holds no optimizer state; load it without an optimizer")
+    saved = manifest.get("optimizer_type")
+    here = _type_name(optimizer.optim)
+    if saved is not None and saved != here:
+        # Another optimizer's state would be taken silently (its lr, betas, weight decay) or
+        # fail at the first step (missing moments).
+        raise CheckpointError(
+            f"{source} holds the state of a {saved} optimizer, but this one is a {here}: load "
+            f"it with a {saved.rsplit('.', 1)[-1]}, or load the model alone (optimizer=None) "
+            f"and start the new optimizer fresh"
+        )
+
+
+def _first_failure(error: CheckpointException) -> str:
+    failures = getattr(error, "failures", {}) or {}
+    for rank in sorted(failures):
+        failure = failures[rank]
+        # DCP keeps each rank's failure as (exception, its stack summary).
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        detail = f": {cause}" if str(cause) else ""
+        return (
+            f"{type(cause).__name__}{detail} on rank {rank}; a file is truncated or corrupted "
+            f"(load with verify_checksums=True to name it)"
+        )
+    return str(error)
 
 
 def _check_same_model(manifest: dict[str, Any], slices: list[ParamSlice], model: ZeroModel) -> None:

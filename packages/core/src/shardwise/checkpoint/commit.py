@@ -29,6 +29,30 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted or belongs to another model."""
 
 
+def check_save_target(path: Path) -> None:
+    """Refuse, on every rank alike and before anything is written, a `path` that exists and
+    is not a checkpoint link (an ordinary directory or file would never be replaced)."""
+    problem = None
+    if (path.exists() or path.is_symlink()) and not path.is_symlink():
+        kind = "directory" if path.is_dir() else "file"
+        problem = (
+            f"{path} exists and is an ordinary {kind}, not a shardwise checkpoint link: save to "
+            f"another path, or remove it first"
+        )
+    _raise_on_every_rank(problem)
+
+
+def remove_unfinished_versions(path: Path) -> None:
+    """Rank 0 drops the directories of saves to `path` that were killed before publishing
+    (see [Note: atomic checkpoints]); the published one, if any, is kept."""
+    if _rank() == 0:
+        current = path.resolve() if path.is_symlink() else None
+        for stale in path.parent.glob(f"{path.name}.*"):
+            unfinished = stale.is_dir() and not stale.is_symlink() and _is_version_of(path, stale)
+            if unfinished and (current is None or stale.resolve() != current):
+                shutil.rmtree(stale, ignore_errors=True)
+
+
 def new_version_dir(path: Path) -> Path:
     """A fresh directory beside `path` for this save, the same on every rank."""
     token = [secrets.token_hex(6) if _rank() == 0 else None]
@@ -88,10 +112,7 @@ def _publish(path: Path, version: Path) -> None:
     _fsync_dir(path.parent)
     if previous is not None and previous != version.resolve() and previous.is_dir():
         shutil.rmtree(previous, ignore_errors=True)
-    # Directories of saves that crashed before publishing are never pointed to: drop them.
-    for stale in path.parent.glob(f"{path.name}.*"):
-        if stale.is_dir() and stale.resolve() != version.resolve() and _is_version_of(path, stale):
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_unfinished_versions(path)
 
 
 def _is_version_of(path: Path, candidate: Path) -> bool:
@@ -155,6 +176,13 @@ def verify_files(path: Path, manifest: dict[str, Any]) -> None:
     problems = sorted(p for p in _all_gather(problem) if p)
     if problems:
         raise CheckpointError(problems[0][1])
+
+
+def _raise_on_every_rank(problem: str | None) -> None:
+    """Raise the lowest rank's problem on every rank, or return on every rank."""
+    found = [p for p in _all_gather(problem) if p]
+    if found:
+        raise CheckpointError(found[0])
 
 
 def _rank() -> int:

@@ -11,7 +11,7 @@ from shardwise.comm.collectives import (
     reduce_to_shard,
     world_size,
 )
-from shardwise.comm.lifecycle import destroy_default_group_at_exit
+from shardwise.comm.lifecycle import check_launched_group, destroy_default_group_at_exit
 from shardwise.comm.stats import CommOp, CommStats, OpCount
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast",
+    "check_launched_group",
     "destroy_default_group_at_exit",
     "rank",
     "reduce_scatter",

@@ -13,8 +13,10 @@ first-out: whatever registered after the engine (telemetry's final report) still
 from __future__ import annotations
 
 import atexit
+import os
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 _registered = False
 
@@ -31,3 +33,24 @@ def destroy_default_group_at_exit() -> None:
 def _destroy_if_alive() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def check_launched_group(group: ProcessGroup | None) -> None:
+    """Refuse to shard for one process when the launcher started several: a model wrapped
+    before `init_process_group` would shard for a world of 1 on every rank, and its first
+    collective would then fail with a size mismatch far from the cause."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if dist.is_available() and dist.is_initialized():
+        return
+    if group is not None:
+        raise ValueError(
+            "a process_group was given but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group() before wrapping the model"
+        )
+    if launched.isdigit() and int(launched) > 1:
+        raise ValueError(
+            f"the launcher started {launched} ranks (WORLD_SIZE={launched}) but "
+            f"torch.distributed is not initialised yet: call "
+            f"torch.distributed.init_process_group() before wrapping the model, so every rank "
+            f"shards for the whole group"
+        )

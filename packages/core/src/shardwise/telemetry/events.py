@@ -5,7 +5,9 @@ by type:
 - "run_started": world_size, config (any JSON), num_params, host
 - "step": step, loss (null if not finite or unknown), loss_scale, overflow, grad_norm (null if
   not finite), step_time_s, comm_bytes {collective kind: bytes sent this step}, moved_bytes
-  {"to_device", "to_host"}, memory {"device", "host"} (model-state bytes per pool)
+  {"to_device", "to_host"}, memory {"device", "host"} (model-state bytes per pool),
+  skipped_in_a_row (steps skipped in a row up to this one, 0 when it was taken), warning (null,
+  or the engine's warning that steps keep being skipped with no loss scale left to lower)
 - "chunks": step, chunks [{"id", "numel", "state" ("sharded"|"gathered"), "sharded",
   "payload" ("device"|"host"), "optim" ("device"|"host"|null), "tensor_states" {state: count}}]
 - "run_finished": status ("finished"|"failed"), error (null or a message)
@@ -63,6 +65,8 @@ def step(
     comm_bytes: dict[str, int],
     moved_bytes: dict[str, int],
     memory: dict[str, int],
+    skipped_in_a_row: int = 0,
+    warning: str | None = None,
 ) -> dict[str, Any]:
     return {
         **_base("step", run_id, rank),
@@ -75,6 +79,8 @@ def step(
         "comm_bytes": comm_bytes,
         "moved_bytes": moved_bytes,
         "memory": memory,
+        "skipped_in_a_row": skipped_in_a_row,
+        "warning": warning[:200] if warning else None,
     }
 
 

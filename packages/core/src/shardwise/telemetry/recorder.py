@@ -113,6 +113,8 @@ class TelemetryRecorder:
                 },
                 moved_bytes={k: moved[k] - self._last_moved[k] for k in moved},
                 memory=self._memory(),
+                skipped_in_a_row=optimizer.skipped_in_a_row,
+                warning=optimizer.skip_warning,
             )
         )
         if index % self.chunk_every == 0:

@@ -22,6 +22,27 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def compute_device(value: object, setting: str = "gemini_config['device']") -> torch.device:
+    """The compute device named by `value` (a torch.device or its string), refused with the
+    setting to change when this torch cannot compute there (e.g. "cuda" on a CPU-only build)."""
+    if value is None:
+        return default_device()
+    if not isinstance(value, (torch.device, str)):
+        raise TypeError(f"{setting} must be a torch.device or a string, got {value!r}")
+    try:
+        device = torch.device(value)
+    except RuntimeError as error:
+        raise ValueError(f"{setting} {value!r} is not a device: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{setting} is {str(device)!r} but CUDA is not available here "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False): set {setting} "
+            f"to torch.device('cpu'), or leave it out to use cuda when there is one and the CPU "
+            f"otherwise; the 'cuda' placement policy then keeps chunks on the CPU"
+        )
+    return device
+
+
 GRADIENT_REDUCTIONS = ("auto", *(method.value for method in ReduceScatterMethod))
 
 
@@ -133,6 +154,7 @@ class ZeroConfig:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.stage}")
         if not isinstance(self.device, torch.device):
             raise TypeError(f"device must be a torch.device, got {self.device!r}")
+        compute_device(self.device, "device")
         if isinstance(self.chunk_size_numel, bool) or not isinstance(self.chunk_size_numel, int):
             raise TypeError(
                 f"chunk size must be an int number of elements, got {self.chunk_size_numel!r}"

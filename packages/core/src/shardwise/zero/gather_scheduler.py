@@ -16,6 +16,7 @@ the same order, as with any ZeRO-3 engine, since gathers are collectives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,6 +84,7 @@ class GatherScheduler:
         prefetch: gather the next chunk of the recorded order asynchronously.
         gemini: the memory manager to consult around every gather (room for the chunks,
             the budget check), if any.
+        on_backward: called when a backward pass starts, before its first gather.
     """
 
     def __init__(
@@ -92,8 +94,10 @@ class GatherScheduler:
         *,
         prefetch: bool,
         gemini: GeminiManager | None = None,
+        on_backward: Callable[[], None] | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
+        self._on_backward = on_backward
         # Prefetching allocates ahead of the memory manager's decisions: "auto" gathers on
         # demand so each gather is planned against the budget.
         self.prefetch = prefetch and (gemini is None or gemini.auto is None)
@@ -221,6 +225,8 @@ class GatherScheduler:
                 self._in_backward = True
                 self._backward.begin()
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                if self._on_backward is not None:
+                    self._on_backward()
             self._backward.visit(chunk_ids)
             self._gather(chunks, True, "before backward")
             self._prefetch(self._backward)

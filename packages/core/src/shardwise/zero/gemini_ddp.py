@@ -15,7 +15,7 @@ from shardwise.gemini import GeminiManager
 from shardwise.zero.config import (
     MixedPrecision,
     ZeroConfig,
-    default_device,
+    compute_device,
     gradient_reduction_method,
 )
 from shardwise.zero.ignore import is_ignored, mark_ignored
@@ -187,7 +187,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         raise ValueError(
             f"gemini_config keys {unknown} are unknown; known keys: {list(_GEMINI_CONFIG_KEYS)}"
         )
-    device = torch.device(config.get("device", default_device()))
+    device = compute_device(config.get("device"))
     mixed_precision = config.get("mixed_precision", MixedPrecision())
     if isinstance(mixed_precision, torch.dtype):
         mixed_precision = MixedPrecision(param_dtype=mixed_precision)

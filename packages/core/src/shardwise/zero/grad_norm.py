@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
@@ -16,28 +17,41 @@ def global_grad_norm(
     norm_type: float,
     stats: CommStats,
     group: ProcessGroup | None,
-) -> float:
+    signature: Sequence[float] = (),
+) -> tuple[float, bool]:
     """The `norm_type` norm of the gradient whose disjoint pieces are this rank's `grad_shards`
     and the other ranks' (padding is zero, so it changes nothing). inf or nan when any rank's
-    gradient holds one: that is how an overflow is found, everywhere at once."""
+    gradient holds one: that is how an overflow is found, everywhere at once.
+
+    `signature` (small integers, e.g. pass counters) rides in the same all-reduce; the second
+    value returned says whether every rank passed the same one (see [Note: ranks in step] in
+    zero/rank_sync.py)."""
     device = grad_shards[0].device if grad_shards else torch.device("cpu")
     if not grad_shards:
         # Nothing trainable on this model: still join the collective every rank issues.
         grad_shards = [torch.zeros(1, device=device)]
+    mine = torch.tensor(list(signature), dtype=torch.float64, device=device)
+    count = len(signature)
     if math.isinf(norm_type):
         local = (
             torch.stack([g.abs().max() for g in grad_shards if g.numel()]).max()
             if any(g.numel() for g in grad_shards)
             else torch.zeros((), device=device)
         )
-        # max() drops nan; carry it in a second slot so an overflow is never missed.
-        flags = torch.stack(
-            [local, torch.stack([g.isnan().any() for g in grad_shards]).any().float()]
-        )
+        # max() drops nan; carry it in a second slot so an overflow is never missed. The
+        # signature travels as itself and negated: MAX then gives its maximum and minimum.
+        nan_flag = torch.stack([g.isnan().any() for g in grad_shards]).any()
+        flags = torch.cat([torch.stack([local.double(), nan_flag.double()]), mine, -mine])
         comm.all_reduce(flags, stats, group, op=ReduceOp.MAX)
-        return math.nan if flags[1].item() > 0 else float(flags[0].item())
+        agreed = bool(torch.equal(flags[2 : 2 + count], -flags[2 + count :]))
+        return (math.nan if flags[1].item() > 0 else float(flags[0].item())), agreed
     norms = torch._foreach_norm(grad_shards, norm_type)
     local_sum = torch.stack([n.double() for n in norms]).pow(norm_type).sum()
-    comm.all_reduce(local_sum, stats, group)
-    total: float = float(local_sum.item()) ** (1.0 / norm_type)
-    return total
+    # Under SUM the signature travels with its squares: n * sum(s^2) == sum(s)^2 holds only
+    # when every rank's s is the same (exact in float64 for counters below 2**20).
+    packed = torch.cat([local_sum.reshape(1), mine, mine * mine])
+    comm.all_reduce(packed, stats, group)
+    sums, squares = packed[1 : 1 + count], packed[1 + count :]
+    agreed = bool(torch.equal(sums * sums, squares * comm.world_size(group)))
+    total: float = float(packed[0].item()) ** (1.0 / norm_type)
+    return total, agreed

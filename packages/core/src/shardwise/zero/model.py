@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,7 +23,16 @@ from shardwise.zero.grad_reducer import GradReducer
 from shardwise.zero.ignore import is_ignored, keep_ignored_local
 from shardwise.zero.init_context import sliced, unslice, whole_numel
 from shardwise.zero.param_gather import DeferredParamGather
+from shardwise.zero.rank_sync import RankSync
 from shardwise.zero.state_dict import gather_full_state_dict, load_full_state_dict
+
+if TYPE_CHECKING:
+    from shardwise.zero.optimizer import ZeroOptimizer
+
+
+# Set on a module once an engine has taken over its parameters: wrapping it again would pack
+# chunk views into new chunks (at stage 3, empty placeholders).
+_WRAPPED_MARK = "_shardwise_wrapped"
 
 
 class ZeroModel(nn.Module):
@@ -55,9 +65,17 @@ class ZeroModel(nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, ZeroModel):
             raise ValueError("module is already wrapped by shardwise; wrap the inner module once")
+        if getattr(module, _WRAPPED_MARK, False):
+            raise ValueError(
+                f"{type(module).__name__} was already wrapped by shardwise: its parameters are "
+                f"views of another engine's chunks. Use the model the first wrapper returned, or "
+                f"build a fresh module to wrap again"
+            )
         if config.stage == 0:
             raise ValueError("stage 0 (plain data parallel) is ColoDDP; use ColoDDP(module)")
+        comm.check_launched_group(config.process_group)
         super().__init__()
+        object.__setattr__(module, _WRAPPED_MARK, True)
         comm.destroy_default_group_at_exit()  # see [Note: gloo at exit] in comm/lifecycle.py
         self.module = module.to(config.device)
         self.config = config
@@ -68,6 +86,11 @@ class ZeroModel(nn.Module):
             raise ValueError("chunk_manager already holds chunks; pass a fresh ChunkManager")
         self.comm_stats = chunk_manager.stats
         self.gemini_manager = gemini_manager
+        # The ZeroOptimizer stepping this model's shards, if any (one at a time).
+        self.optimizer_ref: weakref.ref[ZeroOptimizer] | None = None
+        self.rank_sync = RankSync(
+            self.comm_stats, config.process_group, check_passes=config.stage == 3
+        )
         self._sync_buffers()
         self._pack(chunk_manager)
 
@@ -100,7 +123,11 @@ class ZeroModel(nn.Module):
         self._forward_was_recorded = False
         if self.config.stage == 3:
             self.scheduler = GatherScheduler(
-                self.module, chunk_manager, prefetch=self.config.prefetch, gemini=gemini
+                self.module,
+                chunk_manager,
+                prefetch=self.config.prefetch,
+                gemini=gemini,
+                on_backward=lambda: self.rank_sync.backward_started(self.config.device),
             )
         self.param_gather: DeferredParamGather | None = None
         if self.config.overlap_param_gather:
@@ -169,6 +196,11 @@ class ZeroModel(nn.Module):
     def stage(self) -> int:
         return self.config.stage
 
+    @property
+    def zero_optimizer(self) -> ZeroOptimizer | None:
+        """The optimizer wrapped over this model, while it is alive and not closed."""
+        return self.optimizer_ref() if self.optimizer_ref is not None else None
+
     def _sync_buffers(self) -> None:
         """Start every rank from rank 0's buffers, in the compute dtype."""
         compute = self._dtypes.compute
@@ -191,6 +223,8 @@ class ZeroModel(nn.Module):
     def _before_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # Before any gather of this pass: see [Note: ranks in step] in zero/rank_sync.py.
+        self.rank_sync.forward_started(self.config.device)
         compute = self._dtypes.compute
         if compute != torch.float32:
             args, kwargs = tree_map(lambda x: _cast_floating(x, compute), (args, kwargs))

@@ -12,6 +12,8 @@ drop out of this rank's groups.
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +35,10 @@ class ZeroOptimizer:
         grad_scaler: the loss scaler (dynamic for fp16, constant otherwise).
         max_norm: clip the global gradient norm to this value; 0 disables clipping.
         norm_type: the norm used for clipping (2.0, inf, or any p > 0).
+        warn_after_skipped_steps: warn (`SkippedStepsWarning`, and in telemetry) once this
+            many steps in a row were skipped for non-finite gradients while the loss scale
+            could not back off any further (fp32 and bf16 always; fp16 at `min_scale`), and
+            again every as many steps after: training then makes no progress.
     """
 
     def __init__(
@@ -43,6 +49,7 @@ class ZeroOptimizer:
         grad_scaler: GradScaler,
         max_norm: float = 0.0,
         norm_type: float = 2.0,
+        warn_after_skipped_steps: int = 10,
     ) -> None:
         if not isinstance(model, ZeroModel):
             raise TypeError(
@@ -52,7 +59,11 @@ class ZeroOptimizer:
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+        if (
+            isinstance(max_norm, bool)
+            or not isinstance(max_norm, (int, float))
+            or not max_norm >= 0  # also refuses nan, which would turn clipping off unseen
+        ):
             raise ValueError(
                 f"max_norm must be a number >= 0 (0 disables clipping), got {max_norm!r}"
             )
@@ -62,10 +73,19 @@ class ZeroOptimizer:
             or not norm_type > 0
         ):
             raise ValueError(f"norm_type must be a number > 0 or math.inf, got {norm_type!r}")
+        if (
+            isinstance(warn_after_skipped_steps, bool)
+            or not isinstance(warn_after_skipped_steps, int)
+            or warn_after_skipped_steps < 1
+        ):
+            raise ValueError(
+                f"warn_after_skipped_steps must be an int >= 1, got {warn_after_skipped_steps!r}"
+            )
         if optimizer.state:
             raise ValueError(
                 "optimizer already has state (it has stepped); wrap it before its first step"
             )
+        check_no_optimizer_yet(model)
         self.model = model
         self.optim = optimizer
         self.grad_scaler = grad_scaler
@@ -76,6 +96,11 @@ class ZeroOptimizer:
         self.last_loss: torch.Tensor | None = None
         self.last_loss_scale = grad_scaler.scale
         self.num_steps = 0
+        self.warn_after_skipped_steps = warn_after_skipped_steps
+        self.skipped_in_a_row = 0
+        self.skip_warning: str | None = None
+        self._stuck_in_a_row = 0
+        self._closed = False
         self._step_hooks: list[Callable[[ZeroOptimizer], None]] = []
         self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
         # (view the inner optimizer steps, its chunk, begin, end within the chunk's shard)
@@ -86,6 +111,14 @@ class ZeroOptimizer:
         self._swap_params_for_shards()
         if model.gemini_manager is not None:
             model.gemini_manager.attach_optimizer(self.chunk_state_bytes, self.rebind_chunk)
+        model.optimizer_ref = weakref.ref(self)
+
+    def close(self) -> None:
+        """Detach from the model so that another optimizer can be wrapped over it (a second
+        `fit` with a new optimizer); this one can no longer step."""
+        if self.model.zero_optimizer is self:
+            self.model.optimizer_ref = None
+        self._closed = True
 
     def _swap_params_for_shards(self) -> None:
         """See [Note: the optimizer sees shard views]."""
@@ -143,16 +176,25 @@ class ZeroOptimizer:
         Returns False when the step was skipped because some rank's gradient overflowed (the
         loss scale then backs off as its hysteresis says); True otherwise.
         """
+        if self._closed:
+            raise ValueError("this ZeroOptimizer was closed; step the one that replaced it")
         self.model.reducer.reduce_all()
         grads = [chunk.grads_for_step() for chunk in self._chunks]
         scale = self.grad_scaler.scale
-        norm = global_grad_norm(
-            grads, self.norm_type, self.model.comm_stats, self.model.config.process_group
+        rank_sync = self.model.rank_sync
+        norm, in_step = global_grad_norm(
+            grads,
+            self.norm_type,
+            self.model.comm_stats,
+            self.model.config.process_group,
+            signature=rank_sync.step_signature(),
         )
+        rank_sync.step_checked(in_step)
         norm /= scale
         self.last_grad_norm = norm
         self.last_loss_scale = scale
         overflow = not math.isfinite(norm)
+        self._count_skips(overflow)
         self.grad_scaler.update(overflow)
         self.last_step_skipped = overflow
         if overflow:
@@ -179,6 +221,24 @@ class ZeroOptimizer:
             chunk.end_step()
         self._after_step()
         return True
+
+    def _count_skips(self, overflow: bool) -> None:
+        """Warn when steps keep being skipped with no loss scale left to lower."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if overflow else 0
+        if not overflow:
+            self._stuck_in_a_row, self.skip_warning = 0, None
+            return
+        if self.grad_scaler.can_back_off:
+            return
+        self._stuck_in_a_row += 1
+        if self._stuck_in_a_row % self.warn_after_skipped_steps == 0:
+            self.skip_warning = (
+                f"{self.skipped_in_a_row} optimizer steps in a row were skipped: the gradients "
+                f"are inf or nan on some rank at loss scale {self.grad_scaler.scale:g}, which "
+                f"cannot be lowered further, so training makes no progress. Check the loss and "
+                f"inputs for inf/nan, the learning rate, and fp16 overflow (try bf16)"
+            )
+            warnings.warn(self.skip_warning, SkippedStepsWarning, stacklevel=3)
 
     def add_step_hook(self, hook: Callable[[ZeroOptimizer], None]) -> None:
         """Call `hook(optimizer)` after every step, taken or skipped (telemetry uses it)."""
@@ -239,6 +299,21 @@ class ZeroOptimizer:
     def __repr__(self) -> str:
         name = type(self.optim).__name__
         return f"ZeroOptimizer(stage={self.model.stage}, optim={name}, scale={self.loss_scale})"
+
+
+def check_no_optimizer_yet(model: ZeroModel) -> None:
+    """Refuse a second optimizer over one model: both would step the same shards."""
+    current = model.zero_optimizer
+    if current is not None:
+        raise ValueError(
+            f"this model already has a ZeroOptimizer ({current!r}); one optimizer drives a "
+            f"model's shards: use parameter groups instead of a second optimizer, or call "
+            f"close() on the first one before wrapping another"
+        )
+
+
+class SkippedStepsWarning(RuntimeWarning):
+    """Optimizer steps keep being skipped for non-finite gradients."""
 
 
 def grad_scaler_for(model: ZeroModel, **settings: Any) -> GradScaler:

@@ -12,11 +12,11 @@ from shardwise.zero.config import (
     DEFAULT_CHUNK_SIZE_NUMEL,
     MixedPrecision,
     ZeroConfig,
-    default_device,
+    compute_device,
 )
 from shardwise.zero.gemini_ddp import GeminiDDP, gemini_ddp_from_config
 from shardwise.zero.model import ZeroModel
-from shardwise.zero.optimizer import ZeroOptimizer, grad_scaler_for
+from shardwise.zero.optimizer import ZeroOptimizer, check_no_optimizer_yet, grad_scaler_for
 
 _OPTIM_CONFIG_KEYS = ("reduce_bucket_size", "overlap_communication", "overlap_param_gather")
 
@@ -62,7 +62,7 @@ def zero_model_wrapper(
         model,
         ZeroConfig(
             stage=zero_stage,
-            device=torch.device(config.get("device", default_device())),
+            device=compute_device(config.get("device")),
             mixed_precision=config.get("mixed_precision", MixedPrecision()),
             process_group=config.get("process_group"),
             force_outputs_fp32=config.get("force_outputs_fp32", False),
@@ -89,6 +89,8 @@ def zero_optim_wrapper(
     max_norm: float = 0.0,
     norm_type: float = 2.0,
     optim_config: Mapping[str, Any] | None = None,
+    *,
+    warn_after_skipped_steps: int = 10,
 ) -> ZeroOptimizer:
     """Wrap `optimizer` (built over `model.parameters()`) to step sharded fp32 master weights.
 
@@ -108,11 +110,14 @@ def zero_optim_wrapper(
             while backward goes on, as DDP does; stage 1 reduces at the step either way) and
             `overlap_param_gather` (bool, default False: let the all-gather of updated
             parameters run into the next forward; see `ZeroConfig`).
+        warn_after_skipped_steps: warn when this many steps in a row were skipped for inf or
+            nan gradients with no loss scale left to lower (see `ZeroOptimizer`).
     """
     if not isinstance(model, ZeroModel):
         raise TypeError(
             f"model must be the result of zero_model_wrapper, got {type(model).__name__}"
         )
+    check_no_optimizer_yet(model)
     options = dict(optim_config or {})
     unknown = sorted(set(options) - set(_OPTIM_CONFIG_KEYS))
     if unknown:
@@ -150,7 +155,12 @@ def zero_optim_wrapper(
         max_scale=max_scale,
     )
     return ZeroOptimizer(
-        model, optimizer, grad_scaler=scaler, max_norm=max_norm, norm_type=norm_type
+        model,
+        optimizer,
+        grad_scaler=scaler,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        warn_after_skipped_steps=warn_after_skipped_steps,
     )
 
 
