@@ -33,6 +33,8 @@ def step_event(
         "comm_bytes": {"all_gather": 4096, "reduce_scatter": 2048},
         "moved_bytes": {"to_device": 0, "to_host": 0},
         "memory": {"device": 1 << 20, "host": 0},
+        "skipped_in_a_row": 0,
+        "warning": None,
     }
     event.update(changes)
     return event

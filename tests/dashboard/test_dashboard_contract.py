@@ -4,6 +4,7 @@ the command line's refusals, settings validation and the live hub's back-pressur
 from __future__ import annotations
 
 import asyncio
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,37 @@ def test_every_event_core_builds_is_accepted() -> None:
     batch = EventBatch.model_validate({"events": built})
     assert [e.type for e in batch.events] == [e["type"] for e in built]
     dumped = [e.model_dump(mode="json", by_alias=True) for e in batch.events]
-    assert dumped == built  # nothing lost or renamed on the way through
+    for stored, sent in zip(dumped, built, strict=True):
+        # Nothing lost or renamed on the way through; a step from a core that does not send
+        # the optional skip fields gets their defaults.
+        assert {key: stored[key] for key in sent} == sent
+        assert {key: stored[key] for key in stored.keys() - sent.keys()} in (
+            {},
+            {"skipped_in_a_row": 0, "warning": None},
+        )
+
+
+def test_core_s_skipped_steps_and_warning_are_accepted() -> None:
+    if "skipped_in_a_row" not in inspect.signature(core_events.step).parameters:
+        pytest.skip("core's step event does not carry skipped_in_a_row yet")
+    built = core_events.step(
+        "r",
+        0,
+        step_index=9,
+        loss=None,
+        loss_scale=1.0,
+        overflow=True,
+        grad_norm=None,
+        step_time_s=0.01,
+        comm_bytes={},
+        moved_bytes={"to_device": 0, "to_host": 0},
+        memory={"device": 0, "host": 0},
+        skipped_in_a_row=7,
+        warning="w" * 500,
+    )
+    (event,) = EventBatch.model_validate({"events": [built]}).events
+    assert event.model_dump(mode="json", by_alias=True) == built
+    assert built["skipped_in_a_row"] == 7 and len(built["warning"]) == 200
 
 
 def test_the_dashboard_never_imports_torch_or_shardwise() -> None:

@@ -11,25 +11,48 @@ from fastapi.responses import JSONResponse
 
 from shardwise_dashboard import __version__
 from shardwise_dashboard.live import LiveHub
-from shardwise_dashboard.routers import health, ingest, page, runs, stream
+from shardwise_dashboard.retention import Retention
+from shardwise_dashboard.routers import health, ingest, overview, page, runs, stream
 from shardwise_dashboard.settings import Settings
-from shardwise_dashboard.storage import RunStore
+from shardwise_dashboard.storage import RunStore, StoreBusy
+from shardwise_dashboard.writer import BatchWriter
+
+# Seconds a sender is asked to wait when another process holds the database's lock.
+RETRY_AFTER_S = 1
 
 
 def create_app(settings: Settings) -> FastAPI:
     """Build the dashboard: ingestion, run history, live stream and page over one SQLite file.
 
-    The store is opened here (so a bad --db fails at start, not at the first request) and
-    closed when the server shuts down.
+    The store is opened here (so a bad --db fails at start with a `StoreError`, not at the
+    first request) and closed when the server shuts down.
 
     Args:
-        settings: database file, token, body size limit, live stream tuning.
+        settings: database file, token, body size limit, live stream tuning, staleness and
+            retention.
     """
-    store = RunStore(settings.db_path)
+    store = RunStore(
+        settings.db_path,
+        busy_timeout_s=settings.busy_timeout_s,
+        stale_after_s=settings.stale_after_s,
+    )
+    retention = Retention(
+        store,
+        max_age_s=None if settings.retain_days is None else settings.retain_days * 86400,
+        max_bytes=settings.max_db_bytes,
+        thin_after_s=settings.thin_after_s,
+        thin_every=settings.thin_every,
+    )
+    writer = BatchWriter(
+        store,
+        maintenance=retention.run_once,
+        maintenance_interval_s=settings.maintenance_interval_s,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        writer.close()
         store.close()
 
     app = FastAPI(
@@ -43,12 +66,25 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.store = store
+    app.state.writer = writer
+    app.state.retention = retention
     app.state.hub = LiveHub(settings.stream_queue_size)
-    for router in (ingest.router, runs.router, stream.router, health.router, page.router):
+    routers = (ingest.router, runs.router, overview.router, stream.router, health.router)
+    for router in (*routers, page.router):
         app.include_router(router)
     app.mount("/static", page.static_files(), name="static")
     app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(StoreBusy, _busy)
     return app
+
+
+async def _busy(request: Request, error: Exception) -> JSONResponse:
+    """Another process holds the database: nothing was stored, the sender may try again."""
+    return JSONResponse(
+        {"detail": f"{error}; nothing was stored, retry after {RETRY_AFTER_S} s"},
+        status_code=503,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 async def _invalid_request(request: Request, error: Exception) -> JSONResponse:

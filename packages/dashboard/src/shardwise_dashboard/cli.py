@@ -1,6 +1,7 @@
 """`shardwise-dashboard serve`: run the dashboard under uvicorn.
 
     shardwise-dashboard serve [--host 127.0.0.1] [--port 8265] [--db PATH] [--token T]
+        [--stale-after S] [--retain-days D] [--max-db-mb M] [--thin-after-minutes M]
 
 Listening on anything but a loopback address is refused without a token: ingestion would
 otherwise accept events from anyone who can reach the port.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import sys
 from pathlib import Path
 
 DEFAULT_PORT = 8265
@@ -53,9 +55,43 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=int, default=None, help="largest request accepted (8 MiB)"
     )
     serve.add_argument(
+        "--stale-after",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a run or rank not finished and silent this long shows as stale (%(default)s)",
+    )
+    serve.add_argument(
+        "--retain-days",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="delete runs silent for longer (%(default)s; 0 keeps every run)",
+    )
+    serve.add_argument(
+        "--max-db-mb",
+        type=float,
+        default=4096.0,
+        metavar="MB",
+        help="delete the oldest runs while the database uses more (%(default)s; 0: no cap)",
+    )
+    serve.add_argument(
+        "--thin-after-minutes",
+        type=float,
+        default=60.0,
+        metavar="MINUTES",
+        help="keep every 10th step (and every overflow) of older history (%(default)s; "
+        "0 keeps every step)",
+    )
+    serve.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
     return parser
+
+
+def _positive_or_none(value: float) -> float | None:
+    # 0 on the command line means "no limit".
+    return None if value == 0 else value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,16 +111,28 @@ def main(argv: list[str] | None = None) -> None:
 
     from shardwise_dashboard.app import create_app
     from shardwise_dashboard.settings import DEFAULT_MAX_BODY_BYTES, Settings
+    from shardwise_dashboard.storage import StoreError
 
+    max_db_mb = _positive_or_none(args.max_db_mb)
+    thin_after = _positive_or_none(args.thin_after_minutes)
     try:
         settings = Settings(
             db_path=args.db or default_db_path(),
             token=args.token or None,
             max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+            stale_after_s=args.stale_after,
+            retain_days=_positive_or_none(args.retain_days),
+            max_db_bytes=None if max_db_mb is None else int(max_db_mb * 2**20),
+            thin_after_s=None if thin_after is None else thin_after * 60,
         )
-        app = create_app(settings)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
+    try:
+        app = create_app(settings)
+    except StoreError as error:
+        # One line that names the file and the fix: no traceback, no usage text.
+        print(f"shardwise-dashboard: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(
         f"shardwise dashboard on http://{shown}:{args.port} (history in {settings.db_path})",

@@ -10,6 +10,7 @@ from fastapi import Depends, Header, HTTPException, Request
 from shardwise_dashboard.live import LiveHub
 from shardwise_dashboard.settings import Settings
 from shardwise_dashboard.storage import RunStore
+from shardwise_dashboard.writer import BatchWriter
 
 
 def get_settings(request: Request) -> Settings:
@@ -22,6 +23,11 @@ def get_store(request: Request) -> RunStore:
     return store
 
 
+def get_writer(request: Request) -> BatchWriter:
+    writer: BatchWriter = request.app.state.writer
+    return writer
+
+
 def get_hub(request: Request) -> LiveHub:
     hub: LiveHub = request.app.state.hub
     return hub
@@ -30,6 +36,7 @@ def get_hub(request: Request) -> LiveHub:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[RunStore, Depends(get_store)]
 HubDep = Annotated[LiveHub, Depends(get_hub)]
+WriterDep = Annotated[BatchWriter, Depends(get_writer)]
 
 
 def require_token(

@@ -21,28 +21,48 @@ class Health(BaseModel):
     num_events: int
 
 
+Status = Literal["running", "finished", "failed", "stale"]
+"""stale: not finished, and nothing arrived for longer than the server's --stale-after."""
+
+
 class RunSummary(BaseModel):
     run_id: str
-    status: Literal["running", "finished", "failed"]
+    status: Status
     started: float
     last_seen: float
+    received: float
+    """When this server last received an event of the run (its clock, Unix seconds)."""
     world_size: int | None
     num_params: int | None
     ranks_seen: int
     ranks_finished: int
+    ranks_warned: int
+    """Ranks whose steps carried an engine warning."""
     last_step: int
     dropped: int
 
 
 class RankDetail(BaseModel):
     rank: int
-    status: Literal["running", "finished", "failed"]
+    status: Status
     error: str | None
     host: str | None
     last_step: int
     num_steps: int
     dropped: int
     last_seen: float
+    received: float
+    skipped_in_a_row: int
+    """At the rank's latest step: consecutive steps skipped for non-finite gradients."""
+    warning: str | None
+    """The latest engine warning the rank's steps carried (see warning_step)."""
+    warning_step: int | None
+    first_overflow: int | None
+    first_overflow_time: float | None
+    placement: str | None
+    """One letter per chunk of the latest snapshot: D/d payload on the device (gathered /
+    sharded), H/h on the host."""
+    placement_step: int | None
     steps: list[Step]
     chunks: Chunks | None
 

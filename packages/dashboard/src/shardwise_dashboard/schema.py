@@ -19,7 +19,8 @@ SCHEMA_VERSION = 1
 
 MAX_EVENTS_PER_BATCH = 10_000
 MAX_CHUNKS_PER_SNAPSHOT = 1_000_000
-_MAX_RANK = 1_000_000
+MAX_RANK = 1_000_000
+MAX_WARNING_CHARS = 200
 
 _MAX_INT = 2**63 - 1  # SQLite's INTEGER
 
@@ -36,7 +37,7 @@ def _utf8(value: str) -> str:
 NonNegativeInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
 Text = Annotated[str, AfterValidator(_utf8)]
 Name = Annotated[Text, Field(min_length=1, max_length=128)]
-Rank = Annotated[int, Field(ge=0, lt=_MAX_RANK)]
+Rank = Annotated[int, Field(ge=0, lt=MAX_RANK)]
 Pool = Literal["device", "host"]
 
 
@@ -66,7 +67,7 @@ class RunStarted(_Base):
     """A rank joined a run."""
 
     type: Literal["run_started"]
-    world_size: int = Field(ge=1, le=_MAX_RANK)
+    world_size: int = Field(ge=1, le=MAX_RANK)
     config: dict[str, Any] = Field(description="The engine configuration (any JSON object).")
     num_params: NonNegativeInt
     host: Text = Field(max_length=255)
@@ -106,6 +107,17 @@ class Step(_Base):
     )
     moved_bytes: MovedBytes
     memory: MemoryByPool
+    # Optional, so that ranks of an older shardwise (which never send them) still validate.
+    skipped_in_a_row: NonNegativeInt = Field(
+        default=0,
+        description="consecutive optimizer steps up to and including this one that were "
+        "skipped for non-finite gradients (0 when this step was taken)",
+    )
+    warning: Text | None = Field(
+        default=None,
+        max_length=MAX_WARNING_CHARS,
+        description="set by the engine once its limit of consecutive skipped steps is crossed",
+    )
 
 
 class ChunkRow(_Strict):

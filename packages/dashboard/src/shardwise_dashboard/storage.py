@@ -1,11 +1,15 @@
 """Run history in one SQLite file: every accepted event, plus a summary row per run and rank.
 
-A batch is written in one transaction (one commit per POST, whatever its size), which is what
-lets 8 ranks at 10 steps/s each, and far more, keep up on one connection. The file is in WAL
-mode with synchronous=NORMAL: a committed batch survives the dashboard being killed or
-restarted (only a power cut can lose the last commits), and readers never block the writer for
-long. All access goes through one connection guarded by a lock, since FastAPI calls us from
-its thread pool.
+Batches are written by `add_batches`, many POSTs in one transaction (see writer.py), which is
+what lets a thousand ranks keep up on one connection. The file is in WAL mode with
+synchronous=NORMAL: a committed batch survives the dashboard being killed or restarted (only a
+power cut can lose the last commits), and readers never block the writer for long. All access
+goes through one connection guarded by a lock, since FastAPI calls us from its thread pool.
+
+Besides the JSON body of every event, step events keep the numbers the overview aggregates
+across ranks in columns of their own, and each rank's row keeps what the overview shows of it
+(placement of its chunks, first overflow, current warning), so that a page of a 1,024-rank run
+reads a few thousand rows, not a million JSON bodies.
 """
 
 from __future__ import annotations
@@ -13,21 +17,23 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-# Version of the tables below; bumped when they change shape.
-_DB_VERSION = 1
+# Version of the tables below; bumped when they change shape (see _MIGRATIONS).
+_DB_VERSION = 2
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
     started REAL NOT NULL,       -- earliest event time seen
-    last_seen REAL NOT NULL,     -- latest event time seen
+    last_seen REAL NOT NULL,     -- latest event time seen (ranks' clocks)
     world_size INTEGER,          -- from run_started; NULL until one arrives
     num_params INTEGER,
-    config TEXT                  -- JSON object
+    config TEXT,                 -- JSON object
+    received REAL                -- this server's clock at the latest event: staleness
 );
 CREATE TABLE IF NOT EXISTS ranks (
     run_id TEXT NOT NULL,
@@ -39,6 +45,14 @@ CREATE TABLE IF NOT EXISTS ranks (
     num_steps INTEGER NOT NULL,
     dropped INTEGER NOT NULL,    -- events the rank reported it could not deliver
     last_seen REAL NOT NULL,
+    received REAL,               -- this server's clock at the rank's latest event
+    skipped_in_a_row INTEGER NOT NULL DEFAULT 0,  -- at the rank's latest step
+    warning TEXT,                -- the engine's warning at warning_step, the latest that had one
+    warning_step INTEGER,
+    first_overflow INTEGER,      -- earliest overflowed step
+    first_overflow_time REAL,
+    placement TEXT,              -- one letter per chunk of the latest snapshot (see _placement)
+    placement_step INTEGER,
     PRIMARY KEY (run_id, rank)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -48,16 +62,62 @@ CREATE TABLE IF NOT EXISTS events (
     type TEXT NOT NULL,
     step INTEGER,
     time REAL NOT NULL,
-    body TEXT NOT NULL           -- the validated event as JSON
+    body TEXT NOT NULL,          -- the validated event as JSON
+    -- step events only (NULL otherwise): what the overview aggregates across ranks
+    step_time_s REAL,
+    sent_bytes INTEGER,
+    moved_bytes INTEGER,
+    mem_device INTEGER,
+    mem_host INTEGER,
+    overflow INTEGER
 );
-CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, type, rank, step);
+CREATE INDEX IF NOT EXISTS events_by_step ON events (run_id, type, step);
 """
 
+# From version 1 (before the overview): add the columns, fill them from the bodies.
+_MIGRATIONS = {
+    1: """
+ALTER TABLE runs ADD COLUMN received REAL;
+UPDATE runs SET received = last_seen;
+ALTER TABLE ranks ADD COLUMN received REAL;
+UPDATE ranks SET received = last_seen;
+ALTER TABLE ranks ADD COLUMN skipped_in_a_row INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE ranks ADD COLUMN warning TEXT;
+ALTER TABLE ranks ADD COLUMN warning_step INTEGER;
+ALTER TABLE ranks ADD COLUMN first_overflow INTEGER;
+ALTER TABLE ranks ADD COLUMN first_overflow_time REAL;
+ALTER TABLE ranks ADD COLUMN placement TEXT;
+ALTER TABLE ranks ADD COLUMN placement_step INTEGER;
+ALTER TABLE events ADD COLUMN step_time_s REAL;
+ALTER TABLE events ADD COLUMN sent_bytes INTEGER;
+ALTER TABLE events ADD COLUMN moved_bytes INTEGER;
+ALTER TABLE events ADD COLUMN mem_device INTEGER;
+ALTER TABLE events ADD COLUMN mem_host INTEGER;
+ALTER TABLE events ADD COLUMN overflow INTEGER;
+UPDATE events SET
+    step_time_s = json_extract(body, '$.step_time_s'),
+    sent_bytes = (SELECT coalesce(sum(value), 0) FROM json_each(body, '$.comm_bytes')),
+    moved_bytes = json_extract(body, '$.moved_bytes.to_device')
+        + json_extract(body, '$.moved_bytes.to_host'),
+    mem_device = json_extract(body, '$.memory.device'),
+    mem_host = json_extract(body, '$.memory.host'),
+    overflow = json_extract(body, '$.overflow')
+WHERE type = 'step';
+UPDATE ranks SET first_overflow = (
+    SELECT min(step) FROM events e
+    WHERE e.run_id = ranks.run_id AND e.rank = ranks.rank AND e.type = 'step' AND e.overflow
+);
+DROP INDEX IF EXISTS events_by_run;
+""",
+}
+
 _UPSERT_RUN = """
-INSERT INTO runs (run_id, started, last_seen) VALUES (:run_id, :first, :last)
+INSERT INTO runs (run_id, started, last_seen, received)
+VALUES (:run_id, :first, :last, :received)
 ON CONFLICT (run_id) DO UPDATE SET
     started = min(runs.started, excluded.started),
-    last_seen = max(runs.last_seen, excluded.last_seen)
+    last_seen = max(runs.last_seen, excluded.last_seen),
+    received = max(coalesce(runs.received, 0), excluded.received)
 """
 
 _DESCRIBE_RUN = """
@@ -65,10 +125,15 @@ UPDATE runs SET world_size = :world_size, num_params = :num_params, config = :co
 WHERE run_id = :run_id
 """
 
+# In an UPDATE every right-hand side reads the row as it was, so the comparisons below all
+# see the stored values, not ones set earlier in the same statement.
 _UPSERT_RANK = """
-INSERT INTO ranks (run_id, rank, status, error, host, last_step, num_steps, dropped, last_seen)
+INSERT INTO ranks (run_id, rank, status, error, host, last_step, num_steps, dropped, last_seen,
+                   received, skipped_in_a_row, warning, warning_step, first_overflow,
+                   first_overflow_time, placement, placement_step)
 VALUES (:run_id, :rank, coalesce(:status, 'running'), :error, :host, :last_step, :num_steps,
-        :dropped, :last_seen)
+        :dropped, :last_seen, :received, :skipped_in_a_row, :warning, :warning_step,
+        :first_overflow, :first_overflow_time, :placement, :placement_step)
 ON CONFLICT (run_id, rank) DO UPDATE SET
     status = coalesce(:status, ranks.status),
     error = coalesce(:error, ranks.error),
@@ -76,31 +141,84 @@ ON CONFLICT (run_id, rank) DO UPDATE SET
     last_step = max(ranks.last_step, :last_step),
     num_steps = ranks.num_steps + :num_steps,
     dropped = ranks.dropped + :dropped,
-    last_seen = max(ranks.last_seen, :last_seen)
+    last_seen = max(ranks.last_seen, :last_seen),
+    received = max(coalesce(ranks.received, 0), :received),
+    skipped_in_a_row = CASE WHEN :last_step >= ranks.last_step THEN :skipped_in_a_row
+                            ELSE ranks.skipped_in_a_row END,
+    warning = CASE WHEN :warning_step > coalesce(ranks.warning_step, -1) THEN :warning
+                   ELSE ranks.warning END,
+    warning_step = nullif(max(coalesce(ranks.warning_step, -1), coalesce(:warning_step, -1)), -1),
+    first_overflow_time = CASE
+        WHEN :first_overflow IS NOT NULL
+             AND :first_overflow < coalesce(ranks.first_overflow, :first_overflow + 1)
+        THEN :first_overflow_time ELSE ranks.first_overflow_time END,
+    first_overflow = CASE
+        WHEN :first_overflow IS NOT NULL
+             AND :first_overflow < coalesce(ranks.first_overflow, :first_overflow + 1)
+        THEN :first_overflow ELSE ranks.first_overflow END,
+    placement = CASE WHEN :placement_step >= coalesce(ranks.placement_step, -1) THEN :placement
+                     ELSE ranks.placement END,
+    placement_step = nullif(
+        max(coalesce(ranks.placement_step, -1), coalesce(:placement_step, -1)), -1
+    )
 """
 
 _RUN_SUMMARIES = """
 SELECT r.run_id, r.started, r.last_seen, r.world_size, r.num_params,
        count(k.rank), coalesce(sum(k.status = 'finished'), 0),
        coalesce(sum(k.status = 'failed'), 0), coalesce(max(k.last_step), -1),
-       coalesce(sum(k.dropped), 0)
+       coalesce(sum(k.dropped), 0), coalesce(r.received, r.last_seen),
+       coalesce(sum(k.warning IS NOT NULL), 0)
 FROM runs r LEFT JOIN ranks k ON k.run_id = r.run_id
 {where}
 GROUP BY r.run_id ORDER BY r.started DESC, r.run_id
 """
 
+_RANKS = """
+SELECT rank, status, error, host, last_step, num_steps, dropped, last_seen,
+       coalesce(received, last_seen), skipped_in_a_row, warning, warning_step,
+       first_overflow, first_overflow_time, placement, placement_step
+FROM ranks WHERE run_id = ? {where} ORDER BY rank
+"""
 
 # Every k-th step of each rank, k = ceil(steps / max_points), plus its last and its overflows.
 _THINNED_STEPS = """
 SELECT e.rank, e.body FROM events e
 JOIN ranks k ON k.run_id = e.run_id AND k.rank = e.rank
-WHERE e.run_id = ?1 AND e.type = 'step' AND (
+WHERE e.run_id = ?1 AND e.type = 'step' {rank} AND (
     e.step % max(1, (k.last_step + ?2) / ?3) = 0
     OR e.step = k.last_step
-    OR json_extract(e.body, '$.overflow')
+    OR e.overflow
 )
 ORDER BY e.rank, e.step, e.id
 """
+
+# Letters of a chunk in `ranks.placement`: where its 16-bit payload is, and whether it is
+# gathered (upper case) or only this rank's shard is held (lower case).
+_PLACEMENT = {
+    ("device", "gathered"): "D",
+    ("device", "sharded"): "d",
+    ("host", "gathered"): "H",
+    ("host", "sharded"): "h",
+}
+
+
+class StoreError(ValueError):
+    """The database file cannot be used; the message is one line naming the file and why."""
+
+
+class StoreBusy(RuntimeError):
+    """Another process holds the database's write lock: try again shortly."""
+
+
+def _placement(chunks: list[dict[str, Any]]) -> str:
+    return "".join(_PLACEMENT[chunk["payload"], chunk["state"]] for chunk in chunks)
+
+
+def _is_busy(error: sqlite3.Error) -> bool:
+    return isinstance(error, sqlite3.OperationalError) and (
+        "locked" in str(error) or "busy" in str(error)
+    )
 
 
 class RunStore:
@@ -108,92 +226,142 @@ class RunStore:
 
     Args:
         path: the database file, created with its tables when missing.
+        busy_timeout_s: how long a write waits for a lock another process holds before it
+            gives up with `StoreBusy`.
+        stale_after_s: a running run (or rank) from which nothing has arrived for this long
+            is reported "stale": its ranks died without saying so.
+        clock: the server's clock (tests turn it).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        busy_timeout_s: float = 1.0,
+        stale_after_s: float = 300.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.stale_after_s = stale_after_s
+        self.clock = clock
         self._lock = threading.Lock()
-        # Autocommit mode: transactions are opened explicitly, one per batch.
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if version > _DB_VERSION:
-            self._db.close()
-            raise ValueError(
-                f"{self.path} holds dashboard tables of version {version}, newer than this "
-                f"shardwise-dashboard reads ({_DB_VERSION}): upgrade it or pass another --db"
+        try:
+            self._db = self._open(busy_timeout_s)
+        except sqlite3.Error as error:
+            reason = "it is locked by another process" if _is_busy(error) else str(error)
+            raise StoreError(
+                f"cannot use {self.path} as the dashboard's database: {reason} "
+                "(pass --db with a writable SQLite file, or a new path)"
+            ) from None
+        except OSError as error:
+            raise StoreError(
+                f"cannot use {self.path} as the dashboard's database: {error.strerror or error} "
+                "(pass --db with a writable SQLite file, or a new path)"
+            ) from None
+
+    def _open(self, busy_timeout_s: float) -> sqlite3.Connection:
+        if self.path.is_dir():
+            raise StoreError(
+                f"cannot use {self.path} as the dashboard's database: it is a directory "
+                "(pass --db with a file path inside it, e.g. "
+                f"{self.path / 'dashboard.sqlite'})"
             )
-        self._db.execute("PRAGMA journal_mode = WAL")
-        self._db.execute("PRAGMA synchronous = NORMAL")
-        self._db.executescript(_TABLES)
-        self._db.execute(f"PRAGMA user_version = {_DB_VERSION}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Autocommit mode: transactions are opened explicitly, one per group of batches.
+        db = sqlite3.connect(
+            self.path, check_same_thread=False, isolation_level=None, timeout=busy_timeout_s
+        )
+        try:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > _DB_VERSION:
+                raise StoreError(
+                    f"{self.path} holds dashboard tables of version {version}, newer than this "
+                    f"shardwise-dashboard reads ({_DB_VERSION}): upgrade it or pass another --db"
+                )
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")
+            if version < _DB_VERSION:
+                # One transaction: a file is either migrated whole or left as it was.
+                has_tables = db.execute(
+                    "SELECT count(*) FROM sqlite_master WHERE name = 'events'"
+                ).fetchone()[0]
+                if has_tables and version not in _MIGRATIONS:
+                    raise StoreError(
+                        f"cannot use {self.path} as the dashboard's database: it holds an "
+                        "'events' table this dashboard did not write (pass another --db)"
+                    )
+                script = "BEGIN IMMEDIATE;\n"
+                for old in range(version if has_tables else _DB_VERSION, _DB_VERSION):
+                    script += _MIGRATIONS[old]
+                script += _TABLES + f"PRAGMA user_version = {_DB_VERSION};\nCOMMIT;\n"
+                db.executescript(script)
+            else:
+                # Readable is not enough: a read-only file must fail now, not at the first
+                # POST. Rewriting the version is a real write (SQLite opens a file it may not
+                # write read-only, without a word), rolled back.
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    db.execute(f"PRAGMA user_version = {_DB_VERSION}")
+                finally:
+                    db.execute("ROLLBACK")
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     def add(self, events: Sequence[dict[str, Any]]) -> None:
         """Store validated events (dicts in the schema's JSON shape) in one transaction."""
+        self.add_batches([events])
+
+    def add_batches(self, batches: Sequence[Sequence[dict[str, Any]]]) -> None:
+        """Store several batches of validated events in one transaction (all or none).
+
+        Raises:
+            StoreBusy: another process held the write lock for longer than the busy timeout.
+        """
+        received = self.clock()
         rows: list[tuple[Any, ...]] = []
         runs: dict[str, dict[str, Any]] = {}
         described: dict[str, dict[str, Any]] = {}
         ranks: dict[tuple[str, int], dict[str, Any]] = {}
-        for event in events:
-            run_id, rank, kind, time = event["run_id"], event["rank"], event["type"], event["time"]
-            rows.append(
-                (run_id, rank, kind, event.get("step"), time, json.dumps(event, allow_nan=False))
-            )
-            seen = runs.setdefault(run_id, {"run_id": run_id, "first": time, "last": time})
-            seen["first"], seen["last"] = min(seen["first"], time), max(seen["last"], time)
-            summary = ranks.setdefault(
-                (run_id, rank),
-                {
-                    "run_id": run_id,
-                    "rank": rank,
-                    "status": None,
-                    "error": None,
-                    "host": None,
-                    "last_step": -1,
-                    "num_steps": 0,
-                    "dropped": 0,
-                    "last_seen": time,
-                },
-            )
-            summary["last_seen"] = max(summary["last_seen"], time)
-            if kind == "run_started":
-                described[run_id] = {
-                    "run_id": run_id,
-                    "world_size": event["world_size"],
-                    "num_params": event["num_params"],
-                    "config": json.dumps(event["config"], allow_nan=False),
-                }
-                summary["host"] = event["host"]
-            elif kind == "step":
-                summary["last_step"] = max(summary["last_step"], event["step"])
-                summary["num_steps"] += 1
-            elif kind == "run_finished":
-                summary["status"], summary["error"] = event["status"], event["error"]
-            elif kind == "dropped":
-                summary["dropped"] += event["count"]
+        for events in batches:
+            for event in events:
+                rows.append(_row(event))
+                _summarise(event, received, runs, described, ranks)
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as error:
+                if _is_busy(error):
+                    raise StoreBusy(f"{self.path} is locked by another process") from None
+                raise
             try:
                 self._db.executemany(
-                    "INSERT INTO events (run_id, rank, type, step, time, body) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO events (run_id, rank, type, step, time, body, step_time_s, "
+                    "sent_bytes, moved_bytes, mem_device, mem_host, overflow) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     rows,
                 )
                 self._db.executemany(_UPSERT_RUN, list(runs.values()))
                 self._db.executemany(_DESCRIBE_RUN, list(described.values()))
                 self._db.executemany(_UPSERT_RANK, list(ranks.values()))
-            except BaseException:
+                self._db.execute("COMMIT")
+            except BaseException as error:
                 self._db.execute("ROLLBACK")
+                if isinstance(error, sqlite3.OperationalError) and _is_busy(error):
+                    raise StoreBusy(f"{self.path} is locked by another process") from None
                 raise
-            self._db.execute("COMMIT")
 
     def runs(self) -> list[dict[str, Any]]:
         """Every run, newest first, with its status and progress."""
         with self._lock:
             rows = self._db.execute(_RUN_SUMMARIES.format(where="")).fetchall()
-        return [_summary(row) for row in rows]
+        now = self.clock()
+        return [self._summary(row, now) for row in rows]
 
-    def run(self, run_id: str, max_points: int | None = None) -> dict[str, Any] | None:
+    def run(
+        self, run_id: str, max_points: int | None = None, rank: int | None = None
+    ) -> dict[str, Any] | None:
         """One run: its summary and config, and per rank its status, its step events (in
         step order) and its latest chunk snapshot; None when the run is unknown.
 
@@ -201,7 +369,9 @@ class RunStore:
             run_id: the run.
             max_points: when set, a rank's steps are thinned to about this many (every k-th
                 step, plus its last step and every overflow, so no overflow mark is lost).
+            rank: when set, only this rank (of a run with many, the page's detail view).
         """
+        only = "" if rank is None else f"AND rank = {int(rank)}"
         with self._lock:
             row = self._db.execute(
                 _RUN_SUMMARIES.format(where="WHERE r.run_id = ?"), (run_id,)
@@ -211,51 +381,64 @@ class RunStore:
             config = self._db.execute(
                 "SELECT config FROM runs WHERE run_id = ?", (run_id,)
             ).fetchone()[0]
-            ranks = self._db.execute(
-                "SELECT rank, status, error, host, last_step, num_steps, dropped, last_seen "
-                "FROM ranks WHERE run_id = ? ORDER BY rank",
-                (run_id,),
-            ).fetchall()
+            ranks = self._db.execute(_RANKS.format(where=only), (run_id,)).fetchall()
             if max_points is None:
                 steps = self._db.execute(
-                    "SELECT rank, body FROM events WHERE run_id = ? AND type = 'step' "
+                    f"SELECT rank, body FROM events WHERE run_id = ? AND type = 'step' {only} "
                     "ORDER BY rank, step, id",
                     (run_id,),
                 ).fetchall()
             else:
                 steps = self._db.execute(
-                    _THINNED_STEPS, (run_id, max_points, max_points)
+                    _THINNED_STEPS.format(rank=only.replace("rank", "e.rank")),
+                    (run_id, max_points, max_points),
                 ).fetchall()
             snapshots = self._db.execute(
                 "SELECT rank, body FROM events WHERE id IN (SELECT max(id) FROM events "
-                "WHERE run_id = ? AND type = 'chunks' GROUP BY rank)",
+                f"WHERE run_id = ? AND type = 'chunks' {only} GROUP BY rank)",
                 (run_id,),
             ).fetchall()
+        now = self.clock()
         detail: dict[str, Any] = {
-            **_summary(row),
+            **self._summary(row, now),
             "config": json.loads(config) if config is not None else None,
         }
-        per_rank: dict[int, dict[str, Any]] = {
-            rank: {
-                "rank": rank,
-                "status": status,
-                "error": error,
-                "host": host,
-                "last_step": last_step,
-                "num_steps": num_steps,
-                "dropped": dropped,
-                "last_seen": last_seen,
-                "steps": [],
-                "chunks": None,
-            }
-            for rank, status, error, host, last_step, num_steps, dropped, last_seen in ranks
-        }
-        for rank, body in steps:
-            per_rank[rank]["steps"].append(json.loads(body))
-        for rank, body in snapshots:
-            per_rank[rank]["chunks"] = json.loads(body)
+        per_rank = {r[0]: {**self._rank(r, now), "steps": [], "chunks": None} for r in ranks}
+        for rank_id, body in steps:
+            per_rank[rank_id]["steps"].append(json.loads(body))
+        for rank_id, body in snapshots:
+            per_rank[rank_id]["chunks"] = json.loads(body)
         detail["ranks"] = list(per_rank.values())
         return detail
+
+    def overview_rows(
+        self, run_id: str, num_steps: int
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], list[tuple[Any, ...]]] | None:
+        """What the overview aggregates: the run's summary, every rank's row, and the step
+        rows (step, rank, step_time_s, sent_bytes, moved_bytes, mem_device, mem_host,
+        overflow) of the latest `num_steps` steps; None when the run is unknown."""
+        with self._lock:
+            row = self._db.execute(
+                _RUN_SUMMARIES.format(where="WHERE r.run_id = ?"), (run_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            config = self._db.execute(
+                "SELECT config FROM runs WHERE run_id = ?", (run_id,)
+            ).fetchone()[0]
+            ranks = self._db.execute(_RANKS.format(where=""), (run_id,)).fetchall()
+            last_step = row[8]
+            steps = self._db.execute(
+                "SELECT step, rank, step_time_s, sent_bytes, moved_bytes, mem_device, mem_host, "
+                "overflow FROM events WHERE run_id = ? AND type = 'step' AND step > ?",
+                (run_id, last_step - num_steps),
+            ).fetchall()
+        now = self.clock()
+        summary = {
+            **self._summary(row, now),
+            "config": json.loads(config) if config is not None else None,
+        }
+        return summary, [self._rank(r, now) for r in ranks], steps
 
     def count_events(self, run_id: str | None = None) -> int:
         """Events stored (for one run, or in all)."""
@@ -268,30 +451,145 @@ class RunStore:
                 ).fetchone()[0]
             )
 
+    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """One statement under the store's lock, in autocommit mode (retention uses it)."""
+        with self._lock:
+            return self._db.execute(sql, parameters).fetchall()
+
     def close(self) -> None:
         """Close the connection (the file keeps everything committed)."""
         with self._lock:
             self._db.close()
 
+    def _stale(self, status: str, received: float, now: float) -> str:
+        return "stale" if status == "running" and now - received > self.stale_after_s else status
 
-def _summary(row: tuple[Any, ...]) -> dict[str, Any]:
-    run_id, started, last_seen, world_size, num_params, seen, finished, failed, step, dropped = row
-    if failed:
-        status = "failed"
-    elif finished and finished >= (world_size if world_size is not None else seen):
-        # Without a run_started (the dashboard came up mid-run) the ranks seen stand in.
-        status = "finished"
-    else:
-        status = "running"
-    return {
-        "run_id": run_id,
-        "status": status,
-        "started": started,
-        "last_seen": last_seen,
-        "world_size": world_size,
-        "num_params": num_params,
-        "ranks_seen": seen,
-        "ranks_finished": finished,
-        "last_step": step,
-        "dropped": dropped,
-    }
+    def _summary(self, row: tuple[Any, ...], now: float) -> dict[str, Any]:
+        (run_id, started, last_seen, world_size, num_params, seen, finished, failed, step,
+         dropped, received, warnings) = row  # fmt: skip
+        if failed:
+            status = "failed"
+        elif finished and finished >= (world_size if world_size is not None else seen):
+            # Without a run_started (the dashboard came up mid-run) the ranks seen stand in.
+            status = "finished"
+        else:
+            status = self._stale("running", received, now)
+        return {
+            "run_id": run_id,
+            "status": status,
+            "started": started,
+            "last_seen": last_seen,
+            "received": received,
+            "world_size": world_size,
+            "num_params": num_params,
+            "ranks_seen": seen,
+            "ranks_finished": finished,
+            "ranks_warned": warnings,
+            "last_step": step,
+            "dropped": dropped,
+        }
+
+    def _rank(self, row: tuple[Any, ...], now: float) -> dict[str, Any]:
+        (rank, status, error, host, last_step, num_steps, dropped, last_seen, received, skipped,
+         warning, warning_step, first_overflow, first_overflow_time, placement,
+         placement_step) = row  # fmt: skip
+        return {
+            "rank": rank,
+            "status": self._stale(status, received, now),
+            "error": error,
+            "host": host,
+            "last_step": last_step,
+            "num_steps": num_steps,
+            "dropped": dropped,
+            "last_seen": last_seen,
+            "received": received,
+            "skipped_in_a_row": skipped,
+            "warning": warning,
+            "warning_step": warning_step,
+            "first_overflow": first_overflow,
+            "first_overflow_time": first_overflow_time,
+            "placement": placement,
+            "placement_step": placement_step,
+        }
+
+
+def _row(event: dict[str, Any]) -> tuple[Any, ...]:
+    body = json.dumps(event, allow_nan=False)
+    head = (event["run_id"], event["rank"], event["type"], event.get("step"), event["time"], body)
+    if event["type"] != "step":
+        return (*head, None, None, None, None, None, None)
+    moved, memory = event["moved_bytes"], event["memory"]
+    return (
+        *head,
+        event["step_time_s"],
+        sum(event["comm_bytes"].values()),
+        moved["to_device"] + moved["to_host"],
+        memory["device"],
+        memory["host"],
+        int(event["overflow"]),
+    )
+
+
+def _summarise(
+    event: dict[str, Any],
+    received: float,
+    runs: dict[str, dict[str, Any]],
+    described: dict[str, dict[str, Any]],
+    ranks: dict[tuple[str, int], dict[str, Any]],
+) -> None:
+    """Fold one event into the run and rank rows that one transaction upserts."""
+    run_id, rank, kind, time_s = event["run_id"], event["rank"], event["type"], event["time"]
+    seen = runs.setdefault(
+        run_id, {"run_id": run_id, "first": time_s, "last": time_s, "received": received}
+    )
+    seen["first"], seen["last"] = min(seen["first"], time_s), max(seen["last"], time_s)
+    summary = ranks.setdefault(
+        (run_id, rank),
+        {
+            "run_id": run_id,
+            "rank": rank,
+            "status": None,
+            "error": None,
+            "host": None,
+            "last_step": -1,
+            "num_steps": 0,
+            "dropped": 0,
+            "last_seen": time_s,
+            "received": received,
+            "skipped_in_a_row": 0,
+            "warning": None,
+            "warning_step": None,
+            "first_overflow": None,
+            "first_overflow_time": None,
+            "placement": None,
+            "placement_step": None,
+        },
+    )
+    summary["last_seen"] = max(summary["last_seen"], time_s)
+    if kind == "run_started":
+        described[run_id] = {
+            "run_id": run_id,
+            "world_size": event["world_size"],
+            "num_params": event["num_params"],
+            "config": json.dumps(event["config"], allow_nan=False),
+        }
+        summary["host"] = event["host"]
+    elif kind == "step":
+        step = event["step"]
+        if step >= summary["last_step"]:
+            summary["last_step"] = step
+            summary["skipped_in_a_row"] = event.get("skipped_in_a_row", 0)
+        summary["num_steps"] += 1
+        if event.get("warning") is not None and step > (summary["warning_step"] or -1):
+            summary["warning"], summary["warning_step"] = event["warning"], step
+        first = summary["first_overflow"]
+        if event["overflow"] and (first is None or step < first):
+            summary["first_overflow"], summary["first_overflow_time"] = step, time_s
+    elif kind == "chunks":
+        if event["step"] >= (summary["placement_step"] or -1):
+            summary["placement"] = _placement(event["chunks"])
+            summary["placement_step"] = event["step"]
+    elif kind == "run_finished":
+        summary["status"], summary["error"] = event["status"], event["error"]
+    elif kind == "dropped":
+        summary["dropped"] += event["count"]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 
-from shardwise_dashboard.deps import HubDep, StoreDep, TokenDep
+from shardwise_dashboard.deps import HubDep, TokenDep, WriterDep
 from shardwise_dashboard.models import IngestResult
 from shardwise_dashboard.schema import EventBatch
 
@@ -20,15 +19,20 @@ router = APIRouter(prefix="/api/v1", tags=["ingest"])
         403: {"description": "The token sent is wrong."},
         413: {"description": "The body is over the size limit."},
         422: {"description": "Malformed JSON, a wrong type or field, or another schema version."},
+        503: {
+            "description": "Another process holds the database's lock: retry after the "
+            "`Retry-After` header's seconds; nothing was stored."
+        },
     },
 )
-async def ingest(batch: EventBatch, store: StoreDep, hub: HubDep) -> IngestResult:
-    """Validate a batch of events, store it in one transaction, then push it to live streams.
+async def ingest(batch: EventBatch, writer: WriterDep, hub: HubDep) -> IngestResult:
+    """Validate a batch of events, store it, then push it to live streams.
 
     The batch is stored whole or refused whole; the answer comes after the commit, so an
-    accepted event survives a restart of the dashboard."""
+    accepted event survives a restart of the dashboard. Batches that arrive together share a
+    transaction (group commit, off the event loop, which serves the live streams). A body
+    sent with `Content-Encoding: gzip` is accepted."""
     events = [event.model_dump(mode="json", by_alias=True) for event in batch.events]
-    # SQLite blocks: keep it off the event loop, which serves the live streams.
-    await run_in_threadpool(store.add, events)
+    await writer.write(events)
     hub.publish(events)
     return IngestResult(accepted=len(events))

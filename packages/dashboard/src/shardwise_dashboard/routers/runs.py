@@ -10,6 +10,10 @@ from starlette.concurrency import run_in_threadpool
 
 from shardwise_dashboard.deps import StoreDep
 from shardwise_dashboard.models import RunDetail, RunSummary
+from shardwise_dashboard.schema import MAX_RANK
+
+# Every numeric query parameter is bounded: an unbounded int reaches SQLite as an overflow.
+MAX_POINTS = 1_000_000
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
 
@@ -17,7 +21,8 @@ router = APIRouter(prefix="/api/v1", tags=["runs"])
 @router.get("/runs", response_model=list[RunSummary])
 async def list_runs(store: StoreDep) -> JSONResponse:
     """Every run, newest first: status (running, finished when every rank finished, failed
-    when one failed), world size, ranks seen and finished, last step, events dropped."""
+    when one failed, stale when nothing arrived for the server's --stale-after), world size,
+    ranks seen and finished, last step, events dropped."""
     return JSONResponse(await run_in_threadpool(store.runs))
 
 
@@ -33,14 +38,19 @@ async def get_run(
         int | None,
         Query(
             ge=2,
+            le=MAX_POINTS,
             description="Thin each rank's steps to about this many (every k-th, the last, "
             "and every overflow); default: all.",
         ),
     ] = None,
+    rank: Annotated[
+        int | None,
+        Query(ge=0, lt=MAX_RANK, description="Only this rank (default: every rank)."),
+    ] = None,
 ) -> JSONResponse:
     """One run: its summary and engine config and, per rank, its step events in step order
     and the latest chunk snapshot."""
-    detail = await run_in_threadpool(store.run, run_id, max_points)
+    detail = await run_in_threadpool(store.run, run_id, max_points, rank)
     if detail is None:
         raise HTTPException(404, f"no run with id {run_id!r}")
     # The events were validated when ingested: skip validating thousands of them again.

@@ -35,7 +35,8 @@ async def stream(
         str | None, Query(min_length=1, max_length=128, description="Follow one run only.")
     ] = None,
     limit: Annotated[
-        int | None, Query(ge=1, description="Close after this many `events` messages.")
+        int | None,
+        Query(ge=1, le=2**31, description="Close after this many `events` messages."),
     ] = None,
 ) -> StreamingResponse:
     """Live events, optionally of one run."""

@@ -89,6 +89,8 @@ class RankView {
     this.status = "running";
     this.host = "";
     this.error = null;
+    this.warning = null; // the engine's latest warning: {text, step}
+    this.skippedInARow = 0;
     this.dropped = 0;
     this.droppedSeen = new Set();
     this.lastSeen = 0; // the newest event's time (the rank's clock)
@@ -112,6 +114,9 @@ class RankView {
     this.errorLine = document.createElement("p");
     this.errorLine.className = "error";
     this.errorLine.hidden = true;
+    this.warningLine = document.createElement("p");
+    this.warningLine.className = "warning";
+    this.warningLine.hidden = true;
     const charts = document.createElement("div");
     charts.className = "charts";
     this.charts = CHARTS.map((spec) => {
@@ -136,7 +141,7 @@ class RankView {
       });
       return { spec, chart, latest };
     });
-    card.append(title, this.map, this.errorLine, charts);
+    card.append(title, this.warningLine, this.map, this.errorLine, charts);
     this.element = card;
   }
 
@@ -162,6 +167,10 @@ class RankView {
     this.steps.splice(at, 0, e.step);
     for (const [key, value] of Object.entries(values)) this.series[key].splice(at, 0, value);
     if (e.overflow) this.overflows.push(e.step);
+    if (e.step === this.steps[this.steps.length - 1]) this.skippedInARow = e.skipped_in_a_row ?? 0;
+    if (e.warning && (!this.warning || this.warning.step < e.step)) {
+      this.warning = { text: e.warning, step: e.step };
+    }
     this.dirty = true;
     this.chartsDirty = true;
   }
@@ -175,6 +184,7 @@ class RankView {
 
   apply(e) {
     this.lastSeen = Math.max(this.lastSeen, e.time);
+    if (this.status === "stale") this.status = "running"; // it spoke again
     if (e.type === "step") this.addStep(e);
     else if (e.type === "chunks") this.setChunks(e);
     else if (e.type === "run_started") this.host = e.host;
@@ -194,8 +204,14 @@ class RankView {
   merge(r) {
     for (const e of r.steps) this.addStep(e);
     if (r.chunks) this.setChunks(r.chunks);
-    if (r.status !== "running") this.status = r.status;
+    if (r.status !== "running" || this.status === "stale") this.status = r.status;
     this.error = r.error ?? this.error;
+    if (r.warning && (!this.warning || this.warning.step < r.warning_step)) {
+      this.warning = { text: r.warning, step: r.warning_step };
+    }
+    if (r.last_step >= (this.steps[this.steps.length - 1] ?? -1)) {
+      this.skippedInARow = r.skipped_in_a_row ?? 0;
+    }
     this.host = r.host ?? this.host;
     this.dropped = Math.max(this.dropped, r.dropped);
     this.lastSeen = Math.max(this.lastSeen, r.last_seen);
@@ -220,6 +236,12 @@ class RankView {
       this.element.dataset.steps = String(this.steps.length);
       this.errorLine.hidden = !this.error;
       this.errorLine.textContent = this.error ?? "";
+      this.warningLine.hidden = !this.warning;
+      this.element.dataset.warning = this.warning ? this.warning.text : "";
+      if (this.warning) {
+        const now = this.skippedInARow > 0 ? `, ${this.skippedInARow} skipped in a row now` : ", stepping again since";
+        this.warningLine.textContent = `⚠ step ${this.warning.step}: ${this.warning.text}${now}`;
+      }
     }
     if (this.chunksDirty) {
       this.chunksDirty = false;
@@ -319,6 +341,7 @@ function renderHeader(view) {
   for (const [key, value] of Object.entries(view.config ?? {})) {
     facts.push([key, typeof value === "object" ? JSON.stringify(value) : String(value)]);
   }
+  renderWarning(view);
   const dropped = [...view.ranks.values()].reduce((n, r) => n + r.dropped, 0);
   if (dropped) facts.push(["events dropped", String(dropped)]);
   $("run-facts").replaceChildren(
@@ -333,6 +356,37 @@ function renderHeader(view) {
     }),
   );
   $("run").dataset.status = s ? s.status : "";
+}
+
+/** The engine's warnings, above everything else: one line per distinct text. */
+function renderWarning(view) {
+  const byText = new Map();
+  const add = (text, rank, step, active) => {
+    const seen = byText.get(text) ?? { ranks: new Set(), rank, step, active: false };
+    seen.ranks.add(rank);
+    if (rank < seen.rank) [seen.rank, seen.step] = [rank, step];
+    seen.active ||= active;
+    byText.set(text, seen);
+  };
+  for (const r of view.ranks.values()) {
+    if (r.warning) add(r.warning.text, r.rank, r.warning.step, r.skippedInARow > 0);
+  }
+  for (const o of view.overview?.outliers ?? []) {
+    if (o.kind === "warning" && !byText.has(o.text)) {
+      byText.set(o.text, { ranks: { size: o.num_ranks }, rank: o.rank, step: o.step, active: o.active });
+    }
+  }
+  const banner = $("run-warning");
+  banner.hidden = byText.size === 0;
+  banner.replaceChildren(
+    ...[...byText.entries()].map(([text, w]) => {
+      const line = document.createElement("p");
+      const state = w.active ? "still skipping" : "stepping again";
+      line.textContent = `⚠ ${text} (rank ${w.rank}, step ${w.step}; ${w.ranks.size} rank${w.ranks.size === 1 ? "" : "s"}; ${state})`;
+      line.dataset.active = String(w.active);
+      return line;
+    }),
+  );
 }
 
 // ---- the runs list ---------------------------------------------------------------------
@@ -461,6 +515,8 @@ function connect() {
 
 window.addEventListener("hashchange", fromHash);
 setInterval(() => {
+  // Staleness is the server's judgement (its --stale-after): ask again while runs are live.
+  if (state.runs.some((r) => r.status === "running" || r.status === "stale")) loadRuns();
   if (!state.view) return;
   for (const r of state.view.ranks.values()) if (r.status === "running") r.dirty = true;
   scheduleRender();
