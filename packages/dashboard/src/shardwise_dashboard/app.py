@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from shardwise_dashboard import __version__
+from shardwise_dashboard.compression import GzipRequestBody
 from shardwise_dashboard.live import LiveHub
 from shardwise_dashboard.retention import Retention
 from shardwise_dashboard.routers import health, ingest, overview, page, runs, stream
@@ -75,6 +76,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.mount("/static", page.static_files(), name="static")
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StoreBusy, _busy)
+    app.add_middleware(GzipRequestBody, max_body_bytes=settings.max_body_bytes)
     return app
 
 

@@ -4,6 +4,10 @@ Training only ever puts events on the queue without waiting. When the queue is f
 is slow, down, or the dashboard was never started) the event is dropped and counted; the count
 is reported once when the emitter closes: as a "dropped" event to the sink (if it is still
 there) and as a warning in this rank's log (which holds even when the sink is gone).
+
+The thread sends at most one batch per `flush_interval_s` (sooner when `batch_size` events are
+waiting, at once when closing): a rank stepping ten times a second makes one request a second,
+not ten, which is what lets one dashboard follow a thousand ranks.
 """
 
 from __future__ import annotations
@@ -31,15 +35,27 @@ class TelemetryEmitter:
         rank: this rank.
         queue_size: events held before new ones are dropped.
         batch_size: most events sent in one write.
+        flush_interval_s: longest an event waits for others to share its write (0: send
+            whatever is queued at once).
     """
 
     def __init__(
-        self, sink: Sink, *, run_id: str, rank: int, queue_size: int = 10_000, batch_size: int = 200
+        self,
+        sink: Sink,
+        *,
+        run_id: str,
+        rank: int,
+        queue_size: int = 10_000,
+        batch_size: int = 200,
+        flush_interval_s: float = 1.0,
     ) -> None:
         if queue_size < 1 or batch_size < 1:
             raise ValueError(
                 f"queue_size and batch_size must be >= 1, got {queue_size}, {batch_size}"
             )
+        if not 0 <= flush_interval_s <= 60:
+            raise ValueError(f"flush_interval_s must be in [0, 60], got {flush_interval_s}")
+        self.flush_interval_s = flush_interval_s
         self.sink = sink
         self.run_id = run_id
         self.rank = rank
@@ -91,9 +107,10 @@ class TelemetryEmitter:
                 return
             batch = [first]
             stop = False
+            deadline = time.monotonic() + self.flush_interval_s
             while len(batch) < self.batch_size:
                 try:
-                    item = self._queue.get_nowait()
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
                 if item is _STOP:
