@@ -93,6 +93,7 @@ def reference(run: Run) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses = []
     for step in range(run.steps):
         total_grads = [torch.zeros_like(p) for p in params]
+        reached = [False] * len(params)  # as DDP: a gradient on any rank's slice
         step_loss = torch.zeros(())
         rank_losses = []
         for rank in range(run.world):
@@ -102,14 +103,17 @@ def reference(run: Run) -> tuple[list[float], dict[str, torch.Tensor]]:
                 loss = model(*batch_slice(step, micro, rank, run.world)) / run.accum
                 loss.backward()
                 rank_loss += loss.detach()
-                for total, p in zip(total_grads, params, strict=True):
+                for i, (total, p) in enumerate(zip(total_grads, params, strict=True)):
                     if p.grad is not None:
                         total.add_(p.grad)
+                        reached[i] = True
             rank_losses.append(rank_loss)
         for loss in rank_losses:
             step_loss += loss
-        for p, total in zip(params, total_grads, strict=True):
-            p.grad = total / run.world
+        for p, total, got in zip(params, total_grads, reached, strict=True):
+            # A parameter no slice's gradient reached keeps .grad None, as after zero_grad()
+            # in a torch loop: the optimizer leaves it (and its state) alone.
+            p.grad = total / run.world if got else None
         if run.max_norm:
             torch.nn.utils.clip_grad_norm_(params, run.max_norm, run.norm_type)
         optimizer.step()

@@ -109,7 +109,7 @@ def test_no_sync_accumulation(stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_branch_never_used_gets_zero_gradient(stage: int) -> None:
+def test_branch_never_used_is_left_alone_as_torch_leaves_it(stage: int) -> None:
     check(Run(stage=stage, branch="never"), exact=True)
 
 

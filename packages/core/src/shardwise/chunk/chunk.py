@@ -98,6 +98,9 @@ class Chunk(PoolMoves):
         self._reduced_in_own_slice = False
         # Tensors whose gradient the uninitialised grad_full holds; None once it is all valid.
         self._grads_written: set[int] | None = None
+        # Tensors a gradient reached on this rank since zero_grad(): the others are left out
+        # of the step, as torch leaves a parameter whose .grad is None.
+        self.grads_received: set[int] = set()
         self.grad_shard = torch.empty(0, dtype=torch.float32, device=device)
         self._pending_gather: tuple[torch.distributed.Work, torch.Tensor] | None = None
         # publish_master(wait=False)'s all-gather.
@@ -302,6 +305,7 @@ class Chunk(PoolMoves):
             )
             self._grads_written = set()
         target = self.grad_full[info.offset : info.offset + info.numel]
+        self.grads_received.add(index)
         if self._grads_written is None or index in self._grads_written:
             target.add_(grad.reshape(-1))
         else:
@@ -447,6 +451,7 @@ class Chunk(PoolMoves):
     def zero_grad(self) -> None:
         """Forget the gradients: the next reduced ones overwrite the shard instead of adding to
         it, which spares a pass over it (zeroed at the step if none came)."""
+        self.grads_received.clear()
         if self.grad_shard_in_full:  # the next backward adds onto this rank's slice
             self.grad_shard.zero_()
             self._reduced_in_own_slice = False

@@ -1,9 +1,10 @@
-"""Gradient norm over shards that together make the whole gradient."""
+"""Gradient norm over shards that together make the whole gradient, and what rides with it."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
@@ -12,25 +13,44 @@ from shardwise import comm
 from shardwise.comm import CommStats
 
 
+@dataclass(frozen=True, slots=True)
+class StepReduction:
+    """What the step's one all-reduce found.
+
+    Attributes:
+        norm: the global gradient norm (inf or nan when any rank's gradient holds one).
+        ranks_agree: every rank passed the same `signature`.
+        got_grad: per tensor, whether some rank's gradient reached it (the `got_grad` flags
+            combined over ranks).
+    """
+
+    norm: float
+    ranks_agree: bool
+    got_grad: list[bool]
+
+
 def global_grad_norm(
     grad_shards: list[torch.Tensor],
     norm_type: float,
     stats: CommStats,
     group: ProcessGroup | None,
+    *,
     signature: Sequence[float] = (),
-) -> tuple[float, bool]:
+    got_grad: Sequence[bool] = (),
+) -> StepReduction:
     """The `norm_type` norm of the gradient whose disjoint pieces are this rank's `grad_shards`
     and the other ranks' (padding is zero, so it changes nothing). inf or nan when any rank's
     gradient holds one: that is how an overflow is found, everywhere at once.
 
-    `signature` (small integers, e.g. pass counters) rides in the same all-reduce; the second
-    value returned says whether every rank passed the same one (see [Note: ranks in step] in
-    zero/rank_sync.py)."""
+    Two things ride in the same all-reduce: `signature` (small integers, e.g. pass counters;
+    see [Note: ranks in step] in zero/rank_sync.py), and `got_grad`, this rank's flag per
+    tensor (see [Note: tensors without gradients] in zero/optimizer.py)."""
     device = grad_shards[0].device if grad_shards else torch.device("cpu")
     if not grad_shards:
         # Nothing trainable on this model: still join the collective every rank issues.
         grad_shards = [torch.zeros(1, device=device)]
     mine = torch.tensor(list(signature), dtype=torch.float64, device=device)
+    flags = torch.tensor(list(got_grad), dtype=torch.float64, device=device)
     count = len(signature)
     if math.isinf(norm_type):
         local = (
@@ -41,17 +61,24 @@ def global_grad_norm(
         # max() drops nan; carry it in a second slot so an overflow is never missed. The
         # signature travels as itself and negated: MAX then gives its maximum and minimum.
         nan_flag = torch.stack([g.isnan().any() for g in grad_shards]).any()
-        flags = torch.cat([torch.stack([local.double(), nan_flag.double()]), mine, -mine])
-        comm.all_reduce(flags, stats, group, op=ReduceOp.MAX)
-        agreed = bool(torch.equal(flags[2 : 2 + count], -flags[2 + count :]))
-        return (math.nan if flags[1].item() > 0 else float(flags[0].item())), agreed
+        packed = torch.cat([torch.stack([local.double(), nan_flag.double()]), mine, -mine, flags])
+        comm.all_reduce(packed, stats, group, op=ReduceOp.MAX)
+        highest, lowest = packed[2 : 2 + count], -packed[2 + count : 2 + 2 * count]
+        norm = math.nan if packed[1].item() > 0 else float(packed[0].item())
+        return StepReduction(
+            norm, bool(torch.equal(highest, lowest)), _flags(packed[2 + 2 * count :])
+        )
     norms = torch._foreach_norm(grad_shards, norm_type)
     local_sum = torch.stack([n.double() for n in norms]).pow(norm_type).sum()
     # Under SUM the signature travels with its squares: n * sum(s^2) == sum(s)^2 holds only
     # when every rank's s is the same (exact in float64 for counters below 2**20).
-    packed = torch.cat([local_sum.reshape(1), mine, mine * mine])
+    packed = torch.cat([local_sum.reshape(1), mine, mine * mine, flags])
     comm.all_reduce(packed, stats, group)
-    sums, squares = packed[1 : 1 + count], packed[1 + count :]
+    sums, squares = packed[1 : 1 + count], packed[1 + count : 1 + 2 * count]
     agreed = bool(torch.equal(sums * sums, squares * comm.world_size(group)))
-    total: float = float(packed[0].item()) ** (1.0 / norm_type)
-    return total, agreed
+    norm = float(packed[0].item()) ** (1.0 / norm_type)
+    return StepReduction(norm, agreed, _flags(packed[1 + 2 * count :]))
+
+
+def _flags(values: torch.Tensor) -> list[bool]:
+    return [bool(v) for v in (values > 0).tolist()]

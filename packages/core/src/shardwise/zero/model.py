@@ -255,6 +255,13 @@ class ZeroModel(nn.Module):
         if self.param_gather is not None:
             self.param_gather.wait_all()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients, as `optimizer.zero_grad()` does (a loop may call either):
+        the chunks' gradients, and `.grad` of parameters the engine leaves to the user."""
+        for chunk in self.chunk_manager.trainable_chunks():
+            chunk.zero_grad()
+        super().zero_grad(set_to_none)
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward without loss scaling (the optimizer's `backward` scales)."""
         loss.backward()

@@ -7,6 +7,17 @@ view into the chunk's reduced fp32 gradient shard. Parameter groups (learning ra
 decay) are therefore kept exactly, and any optimizer that updates elementwise (SGD, Adam,
 AdamW, fused or not) runs unchanged on 1/N of the state. Parameters with no element on this rank
 drop out of this rank's groups.
+
+[Note: tensors without gradients]
+A plain torch loop (`zero_grad()` setting grads to None) leaves a parameter that no gradient
+reached out of the step: its value and its optimizer state (moments, step count, momentum)
+stay as they are, and DDP with `find_unused_parameters=True` does the same for a parameter no
+rank used. The chunks' gradient buffers hold zeros for such a tensor, which an optimizer would
+still step (weight decay, momentum). So each chunk notes which tensors a gradient reached on
+this rank since `zero_grad()`, the flags ride in the step's gradient-norm all-reduce (no extra
+collective), and a tensor no rank flagged gets `.grad = None` on its shard view, which every
+torch optimizer skips. A tensor some ranks flagged is stepped with the average over ranks, the
+others contributing zeros, as DDP does.
 """
 
 from __future__ import annotations
@@ -103,8 +114,15 @@ class ZeroOptimizer:
         self._closed = False
         self._step_hooks: list[Callable[[ZeroOptimizer], None]] = []
         self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
-        # (view the inner optimizer steps, its chunk, begin, end within the chunk's shard)
-        self._slots: list[tuple[torch.Tensor, Chunk, int, int]] = []
+        # (view the inner optimizer steps, its chunk, begin, end within the chunk's shard,
+        # its tensor's position in the step's got-gradient flags)
+        self._slots: list[tuple[torch.Tensor, Chunk, int, int, int]] = []
+        self._flag_position = {
+            (chunk.chunk_id, index): position
+            for position, (chunk, index) in enumerate(
+                (chunk, index) for chunk in self._chunks for index in range(len(chunk.tensors))
+            )
+        }
         # Parameter name -> the shard view the inner optimizer steps (checkpoints use it).
         self.shard_views: dict[str, torch.Tensor] = {}
         self._views_of_chunk: dict[int, list[torch.Tensor]] = {}
@@ -146,7 +164,8 @@ class ZeroOptimizer:
                     continue
                 begin, end = owned
                 shard = chunk.master[begin:end]
-                self._slots.append((shard, chunk, begin, end))
+                position = self._flag_position[(chunk.chunk_id, index)]
+                self._slots.append((shard, chunk, begin, end, position))
                 self.shard_views[chunk.tensors[index].name] = shard
                 self._views_of_chunk.setdefault(chunk.chunk_id, []).append(shard)
                 shards.append(shard)
@@ -182,15 +201,16 @@ class ZeroOptimizer:
         grads = [chunk.grads_for_step() for chunk in self._chunks]
         scale = self.grad_scaler.scale
         rank_sync = self.model.rank_sync
-        norm, in_step = global_grad_norm(
+        reduced = global_grad_norm(
             grads,
             self.norm_type,
             self.model.comm_stats,
             self.model.config.process_group,
             signature=rank_sync.step_signature(),
+            got_grad=self._got_grad_flags(),
         )
-        rank_sync.step_checked(in_step)
-        norm /= scale
+        rank_sync.step_checked(reduced.ranks_agree)
+        norm = reduced.norm / scale
         self.last_grad_norm = norm
         self.last_loss_scale = scale
         overflow = not math.isfinite(norm)
@@ -207,8 +227,10 @@ class ZeroOptimizer:
         if self.max_norm > 0:
             # As torch.nn.utils.clip_grad_norm_: never scale up, epsilon against zero norms.
             coef *= min(1.0, self.max_norm / (norm + 1e-6))
-        for view, chunk, begin, end in self._slots:
-            view.grad = chunk.grad_shard[begin:end]
+        got_grad = reduced.got_grad
+        for view, chunk, begin, end, position in self._slots:
+            # See [Note: tensors without gradients].
+            view.grad = chunk.grad_shard[begin:end] if got_grad[position] else None
         if isinstance(self.optim, HybridAdam):
             # Unscaled and clipped inside the fused update: no separate pass over gradients.
             self.optim.step(grad_scale=1.0 / coef)
@@ -221,6 +243,18 @@ class ZeroOptimizer:
             chunk.end_step()
         self._after_step()
         return True
+
+    def _got_grad_flags(self) -> list[bool]:
+        """Per trainable tensor, in chunk order: did a gradient reach it on this rank since
+        zero_grad()? See [Note: tensors without gradients]."""
+        flags: list[bool] = []
+        for chunk in self._chunks:
+            received, count = chunk.grads_received, len(chunk.tensors)
+            if len(received) == count:
+                flags.extend([True] * count)
+            else:
+                flags.extend(index in received for index in range(count))
+        return flags
 
     def _count_skips(self, overflow: bool) -> None:
         """Warn when steps keep being skipped with no loss scale left to lower."""
@@ -252,7 +286,7 @@ class ZeroOptimizer:
     def rebind_chunk(self, chunk: Chunk) -> None:
         """Point the views of `chunk` at its master again after it moved pools, and move the
         optimizer's state for them along."""
-        for view, owner, begin, end in self._slots:
+        for view, owner, begin, end, _ in self._slots:
             if owner is not chunk:
                 continue
             view.data = chunk.master[begin:end]
