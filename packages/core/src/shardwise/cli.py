@@ -1,4 +1,5 @@
-"""The `shardwise` command: `shardwise plan ...` predicts memory and recommends a configuration."""
+"""The `shardwise` command: `shardwise plan ...` predicts memory and recommends a configuration;
+`shardwise consolidate SRC DST` writes a sharded checkpoint as one file."""
 
 from __future__ import annotations
 
@@ -67,7 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--chunk-size", type=count, help="elements per chunk (default: search)")
     planner.add_argument("--activation-memory", type=size_in_bytes, default=0)
     planner.add_argument("--json", action="store_true", help="machine-readable output")
+    merger = commands.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint (e.g. a Lightning trainer.save_checkpoint directory) as "
+        "one .ckpt file that load_from_checkpoint and torch.load read without shardwise",
+    )
+    merger.add_argument("source", help="the sharded checkpoint")
+    merger.add_argument("target", help="the file to write, e.g. model.ckpt")
+    merger.add_argument("--weights-only", action="store_true", help="leave the optimizer state out")
+    merger.add_argument(
+        "--no-verify", action="store_true", help="skip the checksums of the source's files"
+    )
     args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        return _consolidate(args)
     if args.model:
         spec = ModelSpec.from_module(_build_model(args.model))
     else:
@@ -88,6 +102,35 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     print(result.to_json() if args.json else result.table())
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint.consolidate import consolidate
+
+    try:
+        written = consolidate(
+            args.source,
+            args.target,
+            optimizer=not args.weights_only,
+            verify_checksums=not args.no_verify,
+        )
+    except ValueError as error:  # CheckpointError included
+        print(f"shardwise consolidate: {error}", file=sys.stderr)
+        return 2
+    numel = sum(t.numel() for t in written["state_dict"].values())
+    if "optimizer_states" in written:
+        optimizer = "with optimizer state"
+    elif args.weights_only:
+        optimizer = "weights only"
+    else:
+        optimizer = (
+            "no optimizer state (none saved, or the saver did not name its parameter groups, "
+            "as the Lightning strategies do)"
+        )
+    print(
+        f"wrote {args.target}: {len(written['state_dict'])} tensors, {numel} elements, {optimizer}"
+    )
     return 0
 
 

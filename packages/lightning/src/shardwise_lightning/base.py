@@ -8,12 +8,13 @@ hands the LightningModule to `zero_model_wrapper(zero_stage=3)`, the optimizer f
 
 from __future__ import annotations
 
+import secrets
 import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,18 @@ from shardwise import (
     zero_optim_wrapper,
 )
 from shardwise import checkpoint as sharded_checkpoint
+from shardwise.checkpoint.consolidate import (
+    PARAM_GROUP_NAMES,
+    SHARDWISE_KEY,
+    lightning_checkpoint,
+    read_whole,
+)
+from shardwise.checkpoint.layout import param_slices
+from shardwise.zero.ignore import is_ignored
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
+
+StateDictType = Literal["sharded", "full"]
+STATE_DICT_TYPES: tuple[str, ...] = ("sharded", "full")
 
 
 class ShardwiseStrategyBase(DDPStrategy):
@@ -46,6 +58,10 @@ class ShardwiseStrategyBase(DDPStrategy):
 
     Args:
         loss_scale: the `DynamicGradScaler` settings (used when fp16 is involved).
+        state_dict_type: what `trainer.save_checkpoint` writes: "sharded" (a directory, every
+            rank its shards, world-size independent) or "full" (one `.ckpt` file from rank 0
+            that `load_from_checkpoint` and plain Lightning strategies read; see
+            [Note: full checkpoints]).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's `DDPStrategy` (`checkpoint_io`
             reads plain Lightning checkpoints; shardwise checkpoints are written by the
@@ -58,6 +74,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         self,
         *,
         loss_scale: Mapping[str, Any],
+        state_dict_type: str = "sharded",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -67,6 +84,11 @@ class ShardwiseStrategyBase(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         DynamicGradScaler(**loss_scale)  # validates the scaler settings now, not inside fit
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(
+                f"state_dict_type must be one of {', '.join(map(repr, STATE_DICT_TYPES))}, got "
+                f"{state_dict_type!r}"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -78,6 +100,10 @@ class ShardwiseStrategyBase(DDPStrategy):
             start_method="popen",
         )
         self._loss_scale = dict(loss_scale)
+        self.state_dict_type = cast(StateDictType, state_dict_type)
+        # Per optimizer parameter group, its parameters' names in group order: how torch
+        # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
+        self._param_group_names: list[list[str]] = []
         self._zero_model: ZeroModel | None = None
         self._loaded_sharded = False
 
@@ -164,7 +190,11 @@ class ShardwiseStrategyBase(DDPStrategy):
 
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
         if self._zero_model is not None and self._zero_model.module is model:
-            return self._zero_model  # a later fit/validate of the same, already sharded module
+            # A later fit/validate of the same, already sharded module.
+            assert self.lightning_module is not None
+            fn = self.lightning_module.trainer.state.fn
+            self._check_all_managed(f"at the start of {getattr(fn, 'value', fn)}")
+            return self._zero_model
         self._zero_model = zero_model_wrapper(
             model, zero_stage=3, gemini_config=self.gemini_config(self.root_device)
         )
@@ -193,6 +223,11 @@ class ShardwiseStrategyBase(DDPStrategy):
         if previous is not None:
             # A later fit of the same sharded module: its new optimizer replaces the old one.
             previous.close()
+        names = {id(p): name for name, p in self._zero_model.module.named_parameters()}
+        self._param_group_names = [
+            [names[id(p)] for p in group["params"] if id(p) in names]
+            for group in optimizer.param_groups
+        ]
         clip = trainer.gradient_clip_val
         engine = zero_optim_wrapper(
             self._zero_model,
@@ -237,18 +272,45 @@ class ShardwiseStrategyBase(DDPStrategy):
     ) -> None:
         """Write a shardwise checkpoint at `filepath` (every rank its shards; world-size
         independent): model and, unless weights only, optimizer and loss scaler from the
-        engine, the rest of Lightning's checkpoint (loops, schedulers, callbacks) beside."""
-        if storage_options is not None:
+        engine, the rest of Lightning's checkpoint (loops, schedulers, callbacks) beside. With
+        `state_dict_type="full"`, one file from rank 0 instead (see [Note: full checkpoints])."""
+        if storage_options is not None and self.state_dict_type == "sharded":
             raise TypeError(
-                "save_checkpoint(storage_options=...) cannot be honoured: shardwise checkpoints "
-                "are written by the engine, not through a CheckpointIO"
+                "save_checkpoint(storage_options=...) cannot be honoured: sharded checkpoints "
+                "are written by the engine, not through a CheckpointIO (state_dict_type='full' "
+                "writes through it)"
             )
         if self._zero_model is None:
             raise ValueError("nothing to save: the model is not set up by the strategy yet")
-        path = self.broadcast(str(filepath))
+        self._check_all_managed("when saving a checkpoint")
+        path = Path(self.broadcast(str(filepath)))
         optimizer = self.zero_optimizer() if "optimizer_states" in checkpoint else None
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        sharded_checkpoint.save(path, self._zero_model, optimizer, extra=rest)
+        if optimizer is not None:
+            rest[PARAM_GROUP_NAMES] = self._param_group_names
+        if self.state_dict_type == "sharded":
+            sharded_checkpoint.save(path, self._zero_model, optimizer, extra=rest)
+            return
+        # [Note: full checkpoints]
+        # The shards go to disk as for a sharded save, in a directory of their own beside the
+        # target, and rank 0 reads them back whole (shardwise/checkpoint/consolidate.py) and
+        # writes one ordinary Lightning checkpoint through the CheckpointIO: `state_dict` with
+        # the module's keys, `optimizer_states` in torch's format (numbered by the parameter
+        # groups of configure_optimizers), the loss scaler under "shardwise". One code path
+        # with `shardwise consolidate`; rank 0 holds the whole state for the write, as any
+        # full-state save does.
+        staging = path.parent / self.broadcast(f".{path.name}.shards-{secrets.token_hex(4)}")
+        try:
+            sharded_checkpoint.save(staging, self._zero_model, optimizer, extra=rest)
+            if self.is_global_zero:
+                whole = read_whole(staging, optimizer=optimizer is not None, verify_checksums=False)
+                self.checkpoint_io.save_checkpoint(
+                    lightning_checkpoint(whole), path, storage_options=storage_options
+                )
+        finally:
+            self.barrier("shardwise_full_checkpoint")
+            if self.is_global_zero:
+                _remove_link_and_target(staging)
 
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
@@ -262,22 +324,109 @@ class ShardwiseStrategyBase(DDPStrategy):
             optimizer = self.zero_optimizer() if fitting else None
             extra = sharded_checkpoint.load(path, self._zero_model, optimizer)
             self._loaded_sharded = True
-            return cast(dict[str, Any], extra)
+            extra = dict(extra)
+            extra.pop(PARAM_GROUP_NAMES, None)
+            return extra
+        # One file: a full checkpoint of these strategies, `shardwise consolidate`'s output, or
+        # one of any Lightning strategy. Weights load in load_model_state_dict; the optimizer
+        # state (torch's format) is sliced into this rank's shards here.
         loaded = super().load_checkpoint(path, weights_only=weights_only)
         if fitting and loaded.get("optimizer_states"):
-            raise ValueError(
-                f"{path} is a plain Lightning checkpoint: its optimizer state cannot be "
-                f"resumed into sharded optimizer state. Resume from a checkpoint saved with this "
-                f"strategy, or load the weights in on_fit_start / with trainer.validate first"
-            )
+            self._load_whole_optimizer_state(path, loaded)
         self._loaded_sharded = False
         return loaded
 
+    def _load_whole_optimizer_state(self, path: Path, loaded: Mapping[str, Any]) -> None:
+        """Slice a torch-format optimizer state (numbered by the parameter groups of
+        configure_optimizers, as every Lightning strategy saves it) into this rank's shards."""
+        optimizer = self.zero_optimizer()
+        assert optimizer is not None and self._zero_model is not None
+        states = loaded["optimizer_states"]
+        saved = states[0]
+        groups = saved["param_groups"]
+        counts = [len(group["params"]) for group in groups]
+        expected = [len(names) for names in self._param_group_names]
+        if len(states) != 1 or counts != expected:
+            raise ValueError(
+                f"{path} holds optimizer state for {len(states)} optimizer(s) with "
+                f"{counts} parameters per group, but configure_optimizers gives one optimizer "
+                f"with {expected}: resume with the same configure_optimizers, or load the weights "
+                f"alone (trainer.validate(ckpt_path=...), or a checkpoint saved with "
+                f"save_weights_only=True)"
+            )
+        slices = {item.name: item for item in param_slices(self._zero_model)}
+        optimizer.optim.state.clear()
+        for group, saved_group, names in zip(
+            optimizer.param_groups, groups, self._param_group_names, strict=True
+        ):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+            for name, number in zip(names, saved_group["params"], strict=True):
+                view = optimizer.shard_views.get(name)
+                fields = saved["state"].get(number)
+                if view is None or not fields:
+                    continue
+                item = slices[name]
+                begin, end = item.local_range()
+                optimizer.optim.state[view] = {
+                    key: value.reshape(-1)[begin:end].to(view.device, view.dtype, copy=True)
+                    if isinstance(value, torch.Tensor)
+                    and value.numel() == item.numel > 0
+                    and value.dim() > 0
+                    else value
+                    for key, value in fields.items()
+                }
+        scaler = loaded.get(SHARDWISE_KEY, {}).get("grad_scaler")
+        if scaler is not None:
+            optimizer.grad_scaler.load_state_dict(scaler)
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # The LightningModule's on_load_checkpoint has just run: it may have rebuilt a layer.
+        self._check_all_managed("after on_load_checkpoint")
         if self._loaded_sharded:
             return  # load_checkpoint already wrote the weights into the shards
         assert self._zero_model is not None
         self._zero_model.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    # ---- every entry: the module is still the one the engine sharded ----------------------------
+
+    def _check_all_managed(self, when: str) -> None:
+        """Raise when the LightningModule holds parameters the engine does not manage: a layer
+        built or replaced after the strategy sharded the module (in on_load_checkpoint, setup
+        after the first fit, between Trainer calls). Such a layer would run unsharded, be left
+        out of checkpoints and loads, and fail at stage 3's next gather."""
+        if self._zero_model is None:
+            return
+        manages = self._zero_model.chunk_manager.manages
+        strays = [
+            name
+            for name, param in self._zero_model.module.named_parameters()
+            if not manages(param) and not is_ignored(param)
+        ]
+        if strays:
+            shown = ", ".join(strays[:5]) + (
+                f" and {len(strays) - 5} more" if len(strays) > 5 else ""
+            )
+            raise ValueError(
+                f"{len(strays)} parameter(s) of the LightningModule are not managed by the "
+                f"shardwise engine {when}: {shown}. A layer was built or replaced after the "
+                f"strategy sharded the module (e.g. in on_load_checkpoint or between Trainer "
+                f"calls), so it would run unsharded and never be loaded or saved. Build every "
+                f"layer in __init__ or configure_model and let the checkpoint fill its weights "
+                f"(ckpt_path=... loads them into the shards); to change the architecture, build "
+                f"a new LightningModule and a new Trainer"
+            )
+
+    def on_train_start(self) -> None:
+        self._check_all_managed("at the start of fit")
+
+    def on_validation_start(self) -> None:
+        self._check_all_managed("at the start of validation")
+
+    def on_test_start(self) -> None:
+        self._check_all_managed("at the start of test")
+
+    def on_predict_start(self) -> None:
+        self._check_all_managed("at the start of predict")
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # the engine restored it in load_checkpoint
@@ -288,10 +437,7 @@ class ShardwiseStrategyBase(DDPStrategy):
             return
         path = Path(filepath)
         if path.is_symlink():
-            target = path.resolve()
-            path.unlink()
-            if target.is_dir():
-                shutil.rmtree(target, ignore_errors=True)
+            _remove_link_and_target(path)
         else:
             super().remove_checkpoint(filepath)
 
@@ -326,6 +472,16 @@ def _check_trainer(trainer: Trainer, module: LightningModule) -> None:
             "LightningModule.backward is overridden, but the engine runs backward itself (loss "
             "scaling, gradients into chunks); remove the override"
         )
+
+
+def _remove_link_and_target(path: Path) -> None:
+    """Remove a sharded checkpoint: its link and the version directory it names."""
+    if not path.is_symlink():
+        return
+    target = path.resolve()
+    path.unlink()
+    if target.is_dir():
+        shutil.rmtree(target, ignore_errors=True)
 
 
 def _is_shardwise_checkpoint(path: Path) -> bool:

@@ -45,6 +45,9 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
             max_scale: the dynamic loss scale, used with "16-mixed".
         timeout: as for Lightning's DDPStrategy.
+        state_dict_type: what `trainer.save_checkpoint` writes: "sharded" (a directory, every
+            rank its shards, loadable at any world size) or "full" (one `.ckpt` file from rank
+            0 that `LightningModule.load_from_checkpoint` and other strategies read).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         hysteresis: int = 2,
         max_scale: float = 2**32,
         timeout: timedelta | None = default_pg_timeout,
+        state_dict_type: str = "sharded",
     ) -> None:
         for name, value in (
             ("cpu_offload", cpu_offload),
@@ -129,6 +133,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            state_dict_type=state_dict_type,
         )
         self.cpu_offload = cpu_offload
         self.fp32_reduce_scatter = fp32_reduce_scatter

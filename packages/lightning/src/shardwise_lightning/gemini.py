@@ -49,6 +49,9 @@ class GeminiStrategy(ShardwiseStrategyBase):
         shard_param_frac, offload_optim_frac, offload_param_frac: "static": the share of
             chunks sharded, and of optimizer sides and shards kept in host memory.
         process_group_backend, timeout: as for Lightning's DDPStrategy.
+        state_dict_type: what `trainer.save_checkpoint` writes: "sharded" (a directory, every
+            rank its shards, loadable at any world size) or "full" (one `.ckpt` file from rank
+            0 that `LightningModule.load_from_checkpoint` and other strategies read).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class GeminiStrategy(ShardwiseStrategyBase):
         offload_param_frac: float = 0.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        state_dict_type: str = "sharded",
     ) -> None:
         for name, value in (
             ("use_chunk", use_chunk),
@@ -134,6 +138,7 @@ class GeminiStrategy(ShardwiseStrategyBase):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            state_dict_type=state_dict_type,
         )
         self._placement = placement
         self._force_outputs_fp32 = force_outputs_fp32

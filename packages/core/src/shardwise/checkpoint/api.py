@@ -89,6 +89,7 @@ def save(
         "saved_world_size": slices[0].chunk.world_size if slices else 1,
         "saved_stage": model.stage,
         "optimizer_type": _type_name(optimizer.optim) if optimizer is not None else None,
+        "state_dict_keys": _state_dict_keys(model, slices),
     }
     write_manifest_and_commit(target, version, description)
 
@@ -164,6 +165,20 @@ def _check_pair(model: ZeroModel, optimizer: ZeroOptimizer | None) -> None:
             )
         if optimizer.model is not model:
             raise ValueError("optimizer wraps another model than the one given")
+
+
+def _state_dict_keys(model: ZeroModel, slices: list[ParamSlice]) -> dict[str, str]:
+    """The module's `state_dict()` keys, each with the saved entry holding its value: a tied
+    weight under every name it has there, persistent buffers only. A consolidated checkpoint
+    is rebuilt from this (see shardwise/checkpoint/consolidate.py)."""
+    entry_of = {id(item.chunk.tensors[item.index].param): f"model.{item.name}" for item in slices}
+    for name, buffer in model.module.named_buffers():
+        entry_of.setdefault(id(buffer), f"buffer.{name}")
+    return {
+        key: entry_of[id(value)]
+        for key, value in model.module.state_dict(keep_vars=True).items()
+        if id(value) in entry_of
+    }
 
 
 def _type_name(optimizer: torch.optim.Optimizer) -> str:

@@ -154,13 +154,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_files(path: Path, manifest: dict[str, Any]) -> None:
+def verify_files(path: Path, manifest: dict[str, Any], *, collective: bool = True) -> None:
     """Check every file's size and checksum, each rank a share, and raise the same error on
-    every rank (naming the first bad file) so no rank is left waiting in a collective."""
+    every rank (naming the first bad file) so no rank is left waiting in a collective. With
+    `collective=False` this process checks every file alone (one rank reading a checkpoint)."""
     names = sorted(manifest["files"])
     problem: tuple[int, str] | None = None
+    rank, world = (_rank(), _world()) if collective else (0, 1)
     for i, name in enumerate(names):
-        if i % _world() != _rank():
+        if i % world != rank:
             continue
         expected = manifest["files"][name]
         file = path / name
@@ -173,7 +175,7 @@ def verify_files(path: Path, manifest: dict[str, Any]) -> None:
             problem = (i, f"{file} is corrupted: its SHA-256 differs from the manifest's")
         if problem:
             break
-    problems = sorted(p for p in _all_gather(problem) if p)
+    problems = sorted(p for p in (_all_gather(problem) if collective else [problem]) if p)
     if problems:
         raise CheckpointError(problems[0][1])
 

@@ -1,0 +1,165 @@
+"""Checkpoints other code reads: `state_dict_type="full"` writes one `.ckpt` from rank 0, and
+`shardwise consolidate` turns a sharded checkpoint into one; `load_from_checkpoint` reads both
+without shardwise. A layer rebuilt after the strategy sharded the module is refused.
+
+Two ranks train 8 steps and save both forms; a 2-epoch run resumed from the full file (its
+torch-format optimizer state sliced into the shards) continues exactly as the uninterrupted
+run, and Lightning's plain `ddp` resumes from it too. The weights in both files are the fp32
+masters, equal bit for bit to the state the ranks hold; the two files' optimizer states are
+equal bit for bit as well.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning_cases import Net, fit, full_state, trainer
+from torch import nn
+
+from shardwise.cli import main as shardwise_cli
+from shardwise.testing import run_ranks
+from shardwise_lightning import FullyShardedStrategy, GeminiStrategy
+
+STEPS_PER_EPOCH = 8
+
+
+def _full() -> GeminiStrategy:
+    return GeminiStrategy(placement_policy="cuda", chunk_size=500, state_dict_type="full")
+
+
+class RebuiltOnLoad(Net):
+    """The fairscale-era idiom: on_load_checkpoint replaces a layer of the sharded module."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        assert self.net is not None
+        self.net[4] = nn.Linear(32, 4)
+
+
+def _save_and_resume(directory: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    continuous = fit("shardwise_gemini", max_epochs=2)
+    out["continuous"] = continuous
+    for name, strategy in (("full", _full()), ("sharded", FullyShardedStrategy())):
+        torch.manual_seed(0)
+        module = Net()
+        run = trainer(strategy, max_epochs=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run.fit(module)
+        run.save_checkpoint(directory / f"{name}.ckpt")
+        out[f"{name}_state"] = full_state(run, module)
+    # Resumed from the one file, by this strategy and by Lightning's plain ddp.
+    out["resumed"] = fit(_full(), max_epochs=2, ckpt_path=directory / "full.ckpt")
+    out["resumed_ddp"] = fit("ddp", max_epochs=2, ckpt_path=directory / "full.ckpt")
+    # A layer rebuilt in on_load_checkpoint: refused, then at the next entry too.
+    torch.manual_seed(0)
+    rebuilt = RebuiltOnLoad()
+    run = trainer("shardwise_gemini", max_epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run.fit(rebuilt)
+        for entry in ("test", "predict"):
+            try:
+                if entry == "test":
+                    run.test(rebuilt, ckpt_path=directory / "sharded.ckpt", verbose=False)
+                else:
+                    run.predict(rebuilt)
+                out[entry] = "no error"
+            except ValueError as error:
+                out[entry] = str(error)
+    out["tested_batches"] = len(rebuilt.test_losses)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    directory = tmp_path_factory.mktemp("lightning_full")
+    return directory, run_ranks(_save_and_resume, 2, directory, timeout_s=180)
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
+
+
+def test_full_checkpoint_loads_with_load_from_checkpoint(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    directory, ranks = saved
+    file = directory / "full.ckpt"
+    assert file.is_file()
+    assert not list(directory.glob(".full.ckpt.shards-*"))  # the staging shards are gone
+    model = Net.load_from_checkpoint(file, map_location="cpu")
+    _assert_same(dict(model.state_dict()), ranks[0]["full_state"])
+    raw = torch.load(file, weights_only=False)
+    assert raw["global_step"] == STEPS_PER_EPOCH and raw["epoch"] == 1  # after the epoch
+    assert raw["lr_schedulers"][0]["last_epoch"] == 1
+    assert "shardwise_param_group_names" not in raw
+    (saved_optimizer,) = raw["optimizer_states"]
+    assert [len(g["params"]) for g in saved_optimizer["param_groups"]] == [6]
+    first = saved_optimizer["state"][0]
+    assert first["exp_avg"].shape == (32, 16)  # whole and in the parameter's shape
+    assert float(first["step"]) == STEPS_PER_EPOCH
+
+
+def test_resume_from_the_full_checkpoint_continues_exactly(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for rank, result in enumerate(saved[1]):
+        continuous = result["continuous"]
+        for name in ("resumed", "resumed_ddp"):
+            resumed = result[name]
+            assert resumed.losses == continuous.losses[STEPS_PER_EPOCH:], (rank, name)
+            _assert_same(resumed.state, continuous.state)
+
+
+def test_consolidate_command_output_loads_with_load_from_checkpoint(
+    saved: tuple[Path, list[dict[str, Any]]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory, ranks = saved
+    assert (directory / "sharded.ckpt" / "manifest.json").is_file()
+    with pytest.raises(IsADirectoryError):
+        Net.load_from_checkpoint(directory / "sharded.ckpt")  # the problem being solved
+    target = directory / "merged" / "model.ckpt"
+    assert shardwise_cli(["consolidate", str(directory / "sharded.ckpt"), str(target)]) == 0
+    assert "with optimizer state" in capsys.readouterr().out
+    model = Net.load_from_checkpoint(target, map_location="cpu")
+    _assert_same(dict(model.state_dict()), ranks[0]["sharded_state"])
+    merged = torch.load(target, weights_only=False)
+    full = torch.load(directory / "full.ckpt", weights_only=False)
+    assert merged.keys() == full.keys()
+    assert merged["global_step"] == full["global_step"]
+    # Both strategies trained the same numbers: the same optimizer state, field by field.
+    for index, fields in full["optimizer_states"][0]["state"].items():
+        for field, value in fields.items():
+            assert torch.equal(merged["optimizer_states"][0]["state"][index][field], value)
+    weights = directory / "weights.ckpt"
+    assert (
+        shardwise_cli(
+            ["consolidate", "--weights-only", str(directory / "sharded.ckpt"), str(weights)]
+        )
+        == 0
+    )
+    assert "optimizer_states" not in torch.load(weights, weights_only=False)
+    # Not a checkpoint: refused with the reason, no traceback.
+    assert shardwise_cli(["consolidate", str(directory / "merged"), str(directory / "x.ckpt")]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_a_layer_rebuilt_after_sharding_is_refused(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for result in saved[1]:
+        for entry in ("test", "predict"):
+            message = result[entry]
+            assert "2 parameter(s) of the LightningModule are not managed" in message, message
+            assert "net.4.weight, net.4.bias" in message
+            assert "configure_model" in message
+        assert "after on_load_checkpoint" in result["test"]
+        assert "at the start of predict" in result["predict"]
+        assert result["tested_batches"] == 0  # refused before evaluating the unloaded layer
