@@ -165,8 +165,6 @@ def _errors() -> list[str]:
             wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), max_norm=-1
         ),
     )
-    with pytest.raises(ValueError, match="no_sync"), wrapped.no_sync():
-        pass
     expect(
         ValueError,
         "strict_ddp_mode",

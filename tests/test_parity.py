@@ -103,7 +103,7 @@ def test_overlapped_reduction_is_bit_exact() -> None:
     check(Run(stage=2, overlap=True, branch="some_ranks"), exact=True)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_no_sync_accumulation(stage: int) -> None:
     check(Run(stage=stage, accum=3, no_sync=True), exact=False)
 

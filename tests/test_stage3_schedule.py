@@ -200,3 +200,61 @@ def _release_during_prefetch() -> bool:
 
 def test_releasing_a_chunk_whose_prefetch_is_running_waits_for_it() -> None:
     assert run_ranks(_release_during_prefetch, 2) == [True, True]
+
+
+def _no_sync_passes() -> dict[str, Any]:
+    """Two micro-batches under no_sync, then one outside, at stage 3."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    wrapped = zero_model_wrapper(
+        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": 1500}
+    )
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    chunks = wrapped.chunk_manager.chunks
+    stats = wrapped.comm_stats
+    peak_gathered = 0
+
+    def count(*_: object) -> None:
+        nonlocal peak_gathered
+        peak_gathered = max(peak_gathered, sum(c.state is ChunkState.GATHERED for c in chunks))
+
+    for block in model.blocks:
+        block.register_full_backward_hook(count)
+    result: dict[str, Any] = {}
+    optimizer.zero_grad()
+    reductions = (CommOp.REDUCE_SCATTER, CommOp.ALL_REDUCE)
+    for micro in range(3):
+        before = {op: stats.calls(op) for op in reductions}
+        _, loss = wrapped(*batch_slice(0, micro, rank, 2))
+        if micro < 2:
+            with wrapped.no_sync():
+                optimizer.backward(loss)
+            result[f"reductions_{micro}"] = sum(stats.calls(op) - before[op] for op in reductions)
+            result[f"grad_bytes_{micro}"] = wrapped.memory_report()["grads"]
+            result[f"gathered_after_{micro}"] = sum(c.state is ChunkState.GATHERED for c in chunks)
+        else:
+            optimizer.backward(loss)
+            result["grad_bytes_after_sync"] = wrapped.memory_report()["grads"]
+    trainable = [c for c in chunks if c.requires_grad]
+    result["unsharded_grad_bytes"] = sum(c.padded_numel * 4 for c in trainable)
+    result["shard_grad_bytes"] = sum(c.shard_numel * 4 for c in trainable)
+    result["peak_gathered"] = peak_gathered
+    result["chunks"] = len(chunks)
+    return result
+
+
+def test_no_sync_at_stage_3_reduces_nothing_and_releases_chunks_as_it_goes() -> None:
+    result = run_ranks(_no_sync_passes, 2)[0]
+    # Inside no_sync: no gradient reduction; what remains are the pass checks of [Note: ranks
+    # in step], all-reduces of a few numbers, one at the forward and one at the backward.
+    assert result["reductions_0"] == 2 and result["reductions_1"] == 2, result
+    # Whole gradients are kept beside the fp32 gradient shards (the documented cost),
+    # parameters are not: every chunk is released once its gradients are in, as in a
+    # synchronised pass.
+    kept = result["unsharded_grad_bytes"] + result["shard_grad_bytes"]
+    assert result["grad_bytes_0"] == result["grad_bytes_1"] == kept, result
+    assert result["gathered_after_0"] == result["gathered_after_1"] == 0
+    assert result["peak_gathered"] < result["chunks"]
+    # The synchronised backward reduces the sum and keeps only this rank's shard.
+    assert result["grad_bytes_after_sync"] == result["shard_grad_bytes"], result

@@ -266,9 +266,11 @@ def test_four_ranks(stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_clipping_and_accumulation(stage: int) -> None:
-    cases = [Case(stage=stage, max_norm=0.05), Case(stage=stage, accum=3)]
-    if stage < 3:
-        cases.append(Case(stage=stage, accum=3, no_sync=True))
+    cases = [
+        Case(stage=stage, max_norm=0.05),
+        Case(stage=stage, accum=3),
+        Case(stage=stage, accum=3, no_sync=True),
+    ]
     # The norm and the micro-batch sums are added in another order than torch's.
     _check(run_ranks(_compare, 2, cases), exact=False)
 
@@ -281,6 +283,9 @@ def test_every_stage_3_placement() -> None:
     ]
     cases = [Case(stage=3, placement=p) for p in placements]
     _check(run_ranks(_compare, 2, cases), exact=True)
+    # Accumulation under no_sync keeps whole gradients between passes, in every placement.
+    no_sync = [Case(stage=3, placement=p, accum=2, no_sync=True) for p in placements]
+    _check(run_ranks(_compare, 2, no_sync), exact=False)
 
 
 def _step_without_backward(stage: int) -> bool:

@@ -104,6 +104,10 @@ class GradReducer:
                 self._completed.append(chunk.chunk_id)
                 if self.reduce_in_backward and self.require_sync:
                     self._reduce_ready_in_order()
+                elif self.reduce_in_backward and self._on_reduced is not None:
+                    # Under no_sync the gradients stay whole in the chunk and nothing is
+                    # reduced, but backward needs the chunk's parameters no more all the same.
+                    self._on_reduced(chunk)
 
         return hook
 

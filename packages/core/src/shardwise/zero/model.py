@@ -269,14 +269,12 @@ class ZeroModel(nn.Module):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, unreduced, during the backward passes run inside; the
-        next backward outside (or the optimizer step) reduces the sum. Stage 1 never reduces
-        before the step, so this is free there."""
-        if self.stage == 3:
-            raise ValueError(
-                "no_sync() is not supported at stage 3: it would keep a full unsharded gradient "
-                "of every chunk; call backward several times before step() instead, and the "
-                "gradients accumulate in their shards"
-            )
+        next backward outside (or the optimizer step) reduces the sum, as FSDP's `no_sync()`.
+        Stage 1 never reduces before the step, so this is free there. Memory: each chunk keeps
+        its whole gradient (in the reduce dtype) from its first backward inside until that
+        reduction, i.e. stage 3 then holds the unsharded gradient of the model on the device,
+        as stage 2 always does between reductions; calling backward several times outside
+        no_sync accumulates in the shards instead, at one reduction per pass."""
         previous = self.reducer.require_sync
         self.reducer.require_sync = False
         try:
