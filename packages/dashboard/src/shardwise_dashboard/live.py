@@ -52,15 +52,17 @@ class LiveHub:
         """Close a stream; unknown streams are ignored."""
         self._subscribers.discard(subscriber)
 
-    def publish(self, events: list[dict[str, Any]]) -> None:
-        """Send `events` to every subscriber that follows their run, as one message per run."""
+    def publish(self, events: list[dict[str, Any]], bodies: list[str] | None = None) -> None:
+        """Send `events` to every subscriber that follows their run, as one message per run
+        (`bodies`: each event's JSON, when already made)."""
         if not self._subscribers:
             return
-        by_run: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for event in events:
-            by_run[event["run_id"]].append(event)
-        encoded = {run_id: json.dumps(batch) for run_id, batch in by_run.items()}
-        every_run = json.dumps(events) if len(by_run) > 1 else next(iter(encoded.values()))
+        texts = bodies if bodies is not None else [json.dumps(event) for event in events]
+        by_run: dict[str, list[str]] = defaultdict(list)
+        for event, text in zip(events, texts, strict=True):
+            by_run[event["run_id"]].append(text)
+        encoded = {run_id: "[" + ",".join(batch) + "]" for run_id, batch in by_run.items()}
+        every_run = "[" + ",".join(texts) + "]" if len(by_run) > 1 else next(iter(encoded.values()))
         for subscriber in self._subscribers:
             if subscriber.run_id is None:
                 message = every_run

@@ -18,6 +18,7 @@ import json
 import sqlite3
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ CREATE TABLE IF NOT EXISTS events (
     type TEXT NOT NULL,
     step INTEGER,
     time REAL NOT NULL,
-    body TEXT NOT NULL,          -- the validated event as JSON
+    body TEXT NOT NULL,          -- the validated event as JSON (zlib-compressed BLOB if large)
     -- step events only (NULL otherwise): what the overview aggregates across ranks
     step_time_s REAL,
     sent_bytes INTEGER,
@@ -203,6 +204,21 @@ _PLACEMENT = {
 }
 
 
+# Bodies at least this long are kept zlib-compressed: a chunk snapshot shrinks about 14-fold,
+# which is most of the database of a run with many ranks, for ~20 us each.
+_COMPRESS_MIN_CHARS = 512
+
+
+def encode_body(text: str) -> str | bytes:
+    """How an event's JSON is kept in `events.body`."""
+    return zlib.compress(text.encode(), 1) if len(text) >= _COMPRESS_MIN_CHARS else text
+
+
+def decode_body(body: str | bytes) -> Any:
+    """An event from `events.body` (text, or compressed bytes)."""
+    return json.loads(zlib.decompress(body) if isinstance(body, bytes) else body)
+
+
 class StoreError(ValueError):
     """The database file cannot be used; the message is one line naming the file and why."""
 
@@ -313,8 +329,16 @@ class RunStore:
         """Store validated events (dicts in the schema's JSON shape) in one transaction."""
         self.add_batches([events])
 
-    def add_batches(self, batches: Sequence[Sequence[dict[str, Any]]]) -> None:
+    def add_batches(
+        self,
+        batches: Sequence[Sequence[dict[str, Any]]],
+        bodies: Sequence[Sequence[str]] | None = None,
+    ) -> None:
         """Store several batches of validated events in one transaction (all or none).
+
+        Args:
+            batches: the events.
+            bodies: each event's JSON, when the caller has it already (else made here).
 
         Raises:
             StoreBusy: another process held the write lock for longer than the busy timeout.
@@ -324,9 +348,10 @@ class RunStore:
         runs: dict[str, dict[str, Any]] = {}
         described: dict[str, dict[str, Any]] = {}
         ranks: dict[tuple[str, int], dict[str, Any]] = {}
-        for events in batches:
-            for event in events:
-                rows.append(_row(event))
+        for index, events in enumerate(batches):
+            texts = bodies[index] if bodies is not None else event_bodies(events)
+            for event, text in zip(events, texts, strict=True):
+                rows.append(_row(event, text))
                 _summarise(event, received, runs, described, ranks)
         with self._lock:
             try:
@@ -405,9 +430,9 @@ class RunStore:
         }
         per_rank = {r[0]: {**self._rank(r, now), "steps": [], "chunks": None} for r in ranks}
         for rank_id, body in steps:
-            per_rank[rank_id]["steps"].append(json.loads(body))
+            per_rank[rank_id]["steps"].append(decode_body(body))
         for rank_id, body in snapshots:
-            per_rank[rank_id]["chunks"] = json.loads(body)
+            per_rank[rank_id]["chunks"] = decode_body(body)
         detail["ranks"] = list(per_rank.values())
         return detail
 
@@ -513,8 +538,13 @@ class RunStore:
         }
 
 
-def _row(event: dict[str, Any]) -> tuple[Any, ...]:
-    body = json.dumps(event, allow_nan=False)
+def event_bodies(events: Sequence[dict[str, Any]]) -> list[str]:
+    """Each event's JSON, as stored and as streamed."""
+    return [json.dumps(event, allow_nan=False) for event in events]
+
+
+def _row(event: dict[str, Any], text: str) -> tuple[Any, ...]:
+    body = encode_body(text)
     head = (event["run_id"], event["rank"], event["type"], event.get("step"), event["time"], body)
     if event["type"] != "step":
         return (*head, None, None, None, None, None, None)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shardwise_dashboard.storage import RunStore
+from shardwise_dashboard.storage import RunStore, event_bodies
 
 _STOP = object()
 _log = logging.getLogger("shardwise_dashboard")
@@ -56,12 +56,14 @@ class BatchWriter:
         self._thread = threading.Thread(target=self._run, name="dashboard-writer", daemon=True)
         self._thread.start()
 
-    async def write(self, events: Batch) -> None:
-        """Store `events` and return once they are committed (raises what the store raised:
-        `StoreBusy` when another process holds the lock)."""
+    async def write(self, events: Batch, bodies: Sequence[str] | None = None) -> None:
+        """Store `events` (with their JSON `bodies` when already made) and return once they
+        are committed (raises what the store raised: `StoreBusy` when another process holds
+        the lock)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        self._queue.put((events, loop, done))
+        texts = bodies if bodies is not None else event_bodies(events)
+        self._queue.put((events, texts, loop, done))
         await done
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -104,15 +106,19 @@ class BatchWriter:
             if stop:
                 return
 
-    def _commit(self, group: list[tuple[Batch, asyncio.AbstractEventLoop, Any]]) -> None:
+    def _commit(
+        self, group: list[tuple[Batch, Sequence[str], asyncio.AbstractEventLoop, Any]]
+    ) -> None:
         error: BaseException | None = None
         try:
-            self.store.add_batches([events for events, _, _ in group])
+            self.store.add_batches(
+                [events for events, _, _, _ in group], [texts for _, texts, _, _ in group]
+            )
             self.commits += 1
             self.batches += len(group)
         except Exception as failure:
             error = failure
-        for _, loop, done in group:
+        for _, _, loop, done in group:
             # RuntimeError: that request's event loop is gone (the server is shutting down).
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_settle, done, error)

@@ -7,6 +7,7 @@ from fastapi import APIRouter
 from shardwise_dashboard.deps import HubDep, TokenDep, WriterDep
 from shardwise_dashboard.models import IngestResult
 from shardwise_dashboard.schema import EventBatch
+from shardwise_dashboard.storage import event_bodies
 
 router = APIRouter(prefix="/api/v1", tags=["ingest"])
 
@@ -32,7 +33,9 @@ async def ingest(batch: EventBatch, writer: WriterDep, hub: HubDep) -> IngestRes
     accepted event survives a restart of the dashboard. Batches that arrive together share a
     transaction (group commit, off the event loop, which serves the live streams). A body
     sent with `Content-Encoding: gzip` is accepted."""
-    events = [event.model_dump(mode="json", by_alias=True) for event in batch.events]
-    await writer.write(events)
-    hub.publish(events)
+    events = batch.model_dump(mode="json", by_alias=True)["events"]
+    # Made once: stored and streamed as is.
+    bodies = event_bodies(events)
+    await writer.write(events, bodies)
+    hub.publish(events, bodies)
     return IngestResult(accepted=len(events))
