@@ -84,6 +84,19 @@ def test_evaluation_and_the_best_checkpoint_are_accepted(stage: int) -> None:
     assert settings.zero_stage == stage
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_activation_checkpointing_is_accepted(stage: int) -> None:
+    settings = resolve(
+        CallbackOptions(zero_stage=stage),
+        _args(
+            activation_checkpointing=True,
+            gradient_checkpointing=True,
+            activation_checkpointing_kwargs={"use_reentrant": True},
+        ),
+    )
+    assert settings.zero_stage == stage
+
+
 def test_unsupported_transformers_is_refused() -> None:
     check_transformers_version("5.23.0")
     for version in ("4.57.1", "6.0.0"):

@@ -2,8 +2,9 @@
 
 One torchrun launch (tests/hf/trainer_run.py) trains tiny Llama and GPT-2 models from configs
 with a plain Trainer and with the callback (stage 3, and Llama at stages 1 and 2), evaluating
-during and after training, saves, resumes, loads the best checkpoint and builds a conflicting
-set-up; the tests below assert on what it wrote. Loading the saved models happens in a plain process
+during and after training, saves, resumes, loads the best checkpoint, trains with activation
+checkpointing (reentrant and not, plain and at stages 1-3) and builds a conflicting set-up and a
+Trainer that does not run distributed; the tests below assert on what it wrote. Loading the saved models happens in a plain process
 without shardwise (tests/hf/load_plain.py).
 """
 
@@ -18,9 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from launch import torchrun
 
 HERE = Path(__file__).resolve().parent
+
+
 KINDS = ("llama", "gpt2")
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "0"}
 
@@ -237,3 +241,40 @@ def test_fp16_loss_scale_skips_steps_and_the_scheduler(seen: dict[str, Any]) -> 
     plain = seen["llama"]["plain_loss"]
     assert all(math.isclose(a, b, rel_tol=2e-3) for a, b in zip(normal["loss"], plain, strict=True))
     assert normal["loss"][-1] < normal["loss"][0]
+
+
+@pytest.mark.parametrize("kind", ["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_matches_the_plain_trainer(seen: dict[str, Any], kind: str) -> None:
+    # gradient_checkpointing=True with use_reentrant False and True, at stages 1-3, against the
+    # plain Trainer with the same setting. Recomputing a layer gives the same fp32 numbers as
+    # its first forward, so the tolerance is the one of the runs without checkpointing (see
+    # [Note: tolerance]): bit-identical up to the first clipped step, 1e-5 relative after.
+    runs = seen["checkpointing"]
+    plain = runs[f"{kind}_plain"]
+    # Checkpointing changes no number of the plain Trainer either.
+    assert plain["loss"] == seen["llama"]["plain_loss"]
+    clipped = [i for i, norm in enumerate(plain["grad_norm"]) if norm > 1.0]
+    first = clipped[0] if clipped else len(plain["loss"])
+    for stage in (1, 2, 3):
+        run = runs[f"{kind}_{stage}"]
+        assert run["checkpointing"] and plain["checkpointing"]
+        assert run["loss"][: first + 1] == plain["loss"][: first + 1], (stage, run, plain)
+        for mine, ref in (
+            *zip(run["loss"], plain["loss"], strict=True),
+            *zip(run["grad_norm"], plain["grad_norm"], strict=True),
+        ):
+            assert math.isclose(mine, ref, rel_tol=1e-5), (stage, run, plain)
+        # 6 steps of 2 micro-batches: 12 passes of the model, and the projection inside the
+        # checkpointed layer ran 24 times (its recomputation in backward included) ...
+        assert run["layer_calls"] == plain["layer_calls"] == 24, (stage, run)
+        # ... while the recomputation is no new pass of the model (the engine's pass
+        # counters, checked across ranks at stage 3, count root forwards).
+        assert run["root_calls"] == plain["root_calls"] == 12, (stage, run)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the Trainer runs distributed")
+def test_a_trainer_that_is_not_distributed_is_refused(seen: dict[str, Any]) -> None:
+    message = seen["not_distributed"]
+    assert "the Trainer does not run distributed" in message, message
+    assert "world_size=1" in message and "process group has 2 ranks" in message
+    assert "use_cpu=True" in message

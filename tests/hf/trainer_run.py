@@ -1,6 +1,7 @@
 """Runs under `torchrun --nproc-per-node=2`: plain Trainer runs against the same runs with
 ShardwiseCallback at stages 1, 2 and 3, evaluating during and after training, a save, a resume,
-loading the best checkpoint and a conflicting set-up; writes what it saw as JSON.
+loading the best checkpoint, activation checkpointing (reentrant and not) at every stage, a
+conflicting set-up and a Trainer that does not run distributed; writes what it saw as JSON.
 
     torchrun --standalone --nproc-per-node=2 tests/hf/trainer_run.py OUT_DIR
 """
@@ -353,6 +354,64 @@ def fp16_runs(out: Path) -> dict[str, Any]:
     return seen
 
 
+def checkpointing_runs(out: Path) -> dict[str, Any]:
+    """Activation checkpointing (`gradient_checkpointing=True`), reentrant and not: the plain
+    Trainer and the callback at stages 1, 2 and 3; each rank counts the calls of a projection
+    inside the first decoder layer (it runs again in backward when checkpointed)."""
+    seen: dict[str, Any] = {}
+    for reentrant in (False, True):
+        kind = "reentrant" if reentrant else "non_reentrant"
+        for stage in (None, 1, 2, 3):
+            model = build("llama")
+            calls = [0, 0]  # the projection's, the whole model's (root forward passes)
+
+            def count(module: Any, args: Any, calls: list[int] = calls) -> None:
+                calls[0] += 1
+
+            def count_root(module: Any, args: Any, calls: list[int] = calls) -> None:
+                calls[1] += 1
+
+            model.register_forward_pre_hook(count_root)
+
+            # transformers checkpoints a layer's forward, not its __call__: the layer's own hooks
+            # run once, those of the modules inside it (the engine's gathers) run again.
+            model.model.layers[0].mlp.down_proj.register_forward_pre_hook(count)
+            trainer = Trainer(
+                model=model,
+                args=arguments(
+                    out / f"checkpointing_{kind}_{stage}",
+                    gradient_checkpointing=True,
+                    gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+                ),
+                train_dataset=dataset(),
+                callbacks=[] if stage is None else [ShardwiseCallback(zero_stage=stage)],
+            )
+            trainer.train()
+            seen[f"{kind}_{stage or 'plain'}"] = {
+                "loss": history(trainer, "loss"),
+                "grad_norm": history(trainer, "grad_norm"),
+                "layer_calls": calls[0],
+                "root_calls": calls[1],
+                "checkpointing": bool(model.is_activation_checkpointing),
+            }
+    return seen
+
+
+def not_distributed(out: Path) -> str:
+    """Without use_cpu=True, a CPU Trainer under torchrun does not run distributed although
+    the process group has 2 ranks (every rank would train on all the data)."""
+    try:
+        Trainer(
+            model=build("llama"),
+            args=arguments(out / "not_distributed", use_cpu=False),
+            train_dataset=dataset(),
+            callbacks=[ShardwiseCallback()],
+        )
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
@@ -364,6 +423,9 @@ def main() -> None:
         "bf16": bf16_runs(out),
         "fp16": fp16_runs(out),
         "conflict_error": conflicts(out),
+        "checkpointing": checkpointing_runs(out),
+        # Last: TrainingArguments without use_cpu change accelerate's shared state.
+        "not_distributed": not_distributed(out),
     }
     if dist.get_rank() == 0:
         (out / "seen.json").write_text(json.dumps(results, indent=1))

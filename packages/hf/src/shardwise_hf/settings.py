@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardwise import MixedPrecision
 
@@ -73,11 +74,6 @@ def _argument_conflicts(args: Any, trainer: Any) -> list[str]:
         found.append("torch_compile=True: compiled graphs bypass the gather hooks; set it False")
     if getattr(args, "auto_find_batch_size", False):
         found.append("auto_find_batch_size=True rebuilds the model wrapper; set it False")
-    checkpointing = getattr(args, "activation_checkpointing", False) or getattr(
-        args, "gradient_checkpointing", False
-    )
-    if checkpointing:
-        found.append("activation checkpointing is on: not supported with shardwise; turn it off")
     for name in ("fp16_full_eval", "bf16_full_eval"):
         if getattr(args, name, False):
             found.append(
@@ -88,6 +84,18 @@ def _argument_conflicts(args: Any, trainer: Any) -> list[str]:
         found.append(
             "restore_callback_states_from_checkpoint=True would replace the ShardwiseCallback "
             "that owns the engine; set it False (the engine state is restored anyway)"
+        )
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    trainer_ranks = getattr(args, "world_size", ranks)
+    if ranks > 1 and trainer_ranks != ranks:
+        mode = getattr(args, "parallel_mode", None)
+        found.append(
+            f"the Trainer does not run distributed (TrainingArguments world_size="
+            f"{trainer_ranks}, parallel_mode={getattr(mode, 'value', mode)!r}) although the "
+            f"process group has {ranks} ranks: every rank would train on the whole dataset and "
+            f"the gradients of {ranks} copies of each batch would be averaged. On a CPU host "
+            f"pass use_cpu=True (--use_cpu); elsewhere give each rank its own device "
+            f"(torchrun --nproc-per-node=<devices>)"
         )
     if getattr(args, "n_gpu", 1) > 1:
         found.append(
