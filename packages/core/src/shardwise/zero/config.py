@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -131,6 +132,9 @@ class ZeroConfig:
         gradient_reduction: "reduce_scatter", "all_to_all" (exchange slices, sum locally),
             "all_reduce" (keep this rank's slice), or "auto": all-to-all on gloo,
             reduce-scatter otherwise.
+        param_init_fn: for a model built on the meta device, `fn(module)` initialises one
+            module's own parameters and buffers once they have storage (see [Note: meta-device
+            models] in zero/meta_init.py); None calls the module's `reset_parameters()`.
     """
 
     stage: int
@@ -144,6 +148,7 @@ class ZeroConfig:
     reduce_scatter_bucket_bytes: int = 0
     gradient_reduction: str = "auto"
     overlap_param_gather: bool = False
+    param_init_fn: Callable[[torch.nn.Module], None] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int):
@@ -170,6 +175,10 @@ class ZeroConfig:
             raise ValueError(
                 "overlap_param_gather applies to stages 1 and 2; stage 3 gathers each chunk "
                 "before use and prefetches the next (prefetch=True)"
+            )
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise TypeError(
+                f"param_init_fn must be a callable taking a module, got {self.param_init_fn!r}"
             )
         if not isinstance(self.mixed_precision, MixedPrecision):
             raise TypeError(

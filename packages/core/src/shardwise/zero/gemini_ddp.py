@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ _GEMINI_CONFIG_KEYS = (
     "gpu_margin_mem_ratio",
     "gradient_reduction",
     "reduce_scatter_bucket_bytes",
+    "param_init_fn",
 )
 
 
@@ -78,6 +79,8 @@ class GeminiDDP(ZeroModel):
         prefetch: gather the next chunk of the recorded order ahead of its use.
         reduce_scatter_bucket_bytes: reduce the gradients of consecutive chunks together until
             they reach this many bytes (0: one reduction per chunk).
+        param_init_fn: initialises a module of a model built on the meta device (see
+            `ZeroConfig`).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class GeminiDDP(ZeroModel):
         *,
         prefetch: bool = True,
         reduce_scatter_bucket_bytes: int = 0,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         if not isinstance(gemini_manager, GeminiManager):
             raise TypeError(
@@ -138,6 +142,7 @@ class GeminiDDP(ZeroModel):
             overlap_communication=gemini_manager.auto is None,
             force_outputs_fp32=force_outputs_fp32,
             reduce_scatter_bucket_bytes=reduce_scatter_bucket_bytes,
+            param_init_fn=param_init_fn,
         )
         self.pin_memory = pin_memory
         gemini_manager.pin_memory = pin_memory
@@ -179,7 +184,8 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
     in bytes, and chunk_search_n_grids); hidden_dim (chunk sizes rounded up to a multiple);
     mixed_precision (a `MixedPrecision`, or a torch dtype for parameters); process_group;
     prefetch; gradient_reduction ("auto", "reduce_scatter", "all_to_all" or "all_reduce", see
-    ZeroConfig).
+    ZeroConfig); param_init_fn (initialises each module of a model built on the meta device;
+    see ZeroConfig).
     """
     config = dict(gemini_config)
     unknown = sorted(set(config) - set(_GEMINI_CONFIG_KEYS))
@@ -231,6 +237,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         strict_ddp_mode=config.get("strict_ddp_mode", False),
         prefetch=config.get("prefetch", True),
         reduce_scatter_bucket_bytes=config.get("reduce_scatter_bucket_bytes", 0),
+        param_init_fn=config.get("param_init_fn"),
     )
 
 

@@ -22,6 +22,7 @@ from shardwise.zero.gather_scheduler import GatherScheduler
 from shardwise.zero.grad_reducer import GradReducer
 from shardwise.zero.ignore import is_ignored, keep_ignored_local
 from shardwise.zero.init_context import sliced, unslice, whole_numel
+from shardwise.zero.meta_init import MetaMaterializer, has_meta_tensors
 from shardwise.zero.param_gather import DeferredParamGather
 from shardwise.zero.rank_sync import RankSync
 from shardwise.zero.state_dict import gather_full_state_dict, load_full_state_dict
@@ -77,7 +78,13 @@ class ZeroModel(nn.Module):
         super().__init__()
         object.__setattr__(module, _WRAPPED_MARK, True)
         comm.destroy_default_group_at_exit()  # see [Note: gloo at exit] in comm/lifecycle.py
-        self.module = module.to(config.device)
+        # See [Note: meta-device models] in zero/meta_init.py.
+        self._meta = (
+            MetaMaterializer(module, config.device, config.param_init_fn)
+            if has_meta_tensors(module)
+            else None
+        )
+        self.module = module if self._meta is not None else module.to(config.device)
         self.config = config
         self._dtypes = config.mixed_precision.chunk_dtypes()
         if chunk_manager is None:
@@ -91,8 +98,15 @@ class ZeroModel(nn.Module):
         self.rank_sync = RankSync(
             self.comm_stats, config.process_group, check_passes=config.stage == 3
         )
-        self._sync_buffers()
-        self._pack(chunk_manager)
+        if self._meta is None:
+            self._sync_buffers()
+            self._pack(chunk_manager)
+        else:
+            self._pack(chunk_manager)
+            self._meta.finish()
+            self.module.to(config.device)
+            self._sync_buffers()
+            self._meta = None  # every tensor has storage now; a later re-pack needs none
 
     def _new_chunk_manager(self, stats: CommStats) -> ChunkManager:
         return ChunkManager(
@@ -159,8 +173,12 @@ class ZeroModel(nn.Module):
         `set_params_to_ignore` stay out of the chunks (see [Note: ignored parameters])."""
         stats, group = self.comm_stats, self.config.process_group
 
+        meta = self._meta
+
         def make_whole(param: nn.Parameter) -> None:
-            if sliced(param):
+            if meta is not None:
+                meta.before_packing(param)
+            elif sliced(param):
                 unslice(param, stats, group)
 
         named = list(self.module.named_parameters())

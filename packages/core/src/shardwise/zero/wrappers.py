@@ -51,6 +51,7 @@ def zero_model_wrapper(
         "process_group",
         "force_outputs_fp32",
         "gradient_reduction",
+        "param_init_fn",
     )
     unknown = sorted(set(config) - set(allowed))
     if unknown:
@@ -67,6 +68,7 @@ def zero_model_wrapper(
             process_group=config.get("process_group"),
             force_outputs_fp32=config.get("force_outputs_fp32", False),
             gradient_reduction=config.get("gradient_reduction", "auto"),
+            param_init_fn=config.get("param_init_fn"),
         ),
     )
 
