@@ -317,7 +317,7 @@ def test_the_page_and_its_assets_are_served_from_the_package(client: TestClient)
     assert all(link.startswith(("/static/", "data:")) for link in links), links  # no CDN
     script = client.get("/static/app.js").text
     modules = re.findall(r'from "\./([a-z]+\.js)"', script)
-    assert sorted(modules) == ["charts.js", "chunkmap.js"]
+    assert sorted(modules) == ["charts.js", "chunkmap.js", "overview.js"]
     for module in [*modules, "style.css"]:
         response = client.get(f"/static/{module}")
         assert response.status_code == 200 and len(response.text) > 100, module

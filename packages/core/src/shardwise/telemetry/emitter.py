@@ -47,7 +47,7 @@ class TelemetryEmitter:
         rank: int,
         queue_size: int = 10_000,
         batch_size: int = 200,
-        flush_interval_s: float = 1.0,
+        flush_interval_s: float = 0.5,
     ) -> None:
         if queue_size < 1 or batch_size < 1:
             raise ValueError(

@@ -1,18 +1,23 @@
-// The dashboard page: a runs list, and for the selected run one card per rank (chunk map
-// and charts). History comes from /api/v1/runs/{id}; live events from the /api/v1/stream
-// Server-Sent Events. Events only update state and mark it dirty; drawing happens at most
-// once per animation frame, so 8 ranks at 10 steps/s cost a few redraws per second each.
+// The dashboard page: a runs list, and for the selected run its overview (overview.js: fits
+// one screen at any rank count) and rank cards (chunk map and charts): one per rank up to
+// MAX_RANK_CARDS ranks, beyond that only the rank picked in the overview. History comes from
+// /api/v1/runs/{id}; live events from the /api/v1/stream Server-Sent Events. Events only
+// update state and mark it dirty; drawing happens at most once per animation frame, so 8
+// ranks at 10 steps/s cost a few redraws per second each.
 
 import { LineChart, formatBytes, formatNumber } from "./charts.js";
 import { renderChunkMap } from "./chunkmap.js";
+import { OverviewView } from "./overview.js";
 
 const API = "/api/v1";
 const HISTORY_POINTS = 4000;
+const MAX_RANK_CARDS = 16;
 const $ = (id) => document.getElementById(id);
 
 const state = {
   runs: [], // summaries, newest first
   selected: null, // run id shown
+  detailRank: null, // of a large run, the rank whose card is shown
   follow: true, // no explicit choice: show the newest run as it appears
   view: null, // RunView of the selected run
   listDirty: true,
@@ -269,8 +274,10 @@ class RankView {
 // ---- one run ---------------------------------------------------------------------------
 
 class RunView {
-  constructor(runId) {
+  constructor(runId, detailRank) {
     this.runId = runId;
+    this.detailRank = detailRank;
+    this.large = null; // more ranks than cards? known once the overview answered
     this.summary = null;
     this.config = null;
     this.ranks = new Map();
@@ -282,6 +289,37 @@ class RunView {
     $("no-run-selected").hidden = true;
     $("run-header").hidden = false;
     $("legend").hidden = false;
+    this.overview = new OverviewView(
+      runId,
+      $("overview"),
+      (rank) => {
+        location.hash = `run=${encodeURIComponent(runId)}&rank=${rank}`;
+      },
+      (data) => {
+        if (this !== state.view) return;
+        this.summary = { ...(this.summary ?? {}), ...data, ranks: undefined };
+        this.config ??= data.config;
+        this.large = data.ranks.length > MAX_RANK_CARDS || (data.world_size ?? 0) > MAX_RANK_CARDS;
+        section.dataset.large = String(this.large);
+        if (this.large) {
+          // It grew past a card per rank: keep only the picked one.
+          for (const [rank, view] of this.ranks) {
+            if (rank !== this.detailRank) {
+              view.element.remove();
+              this.ranks.delete(rank);
+            }
+          }
+        }
+        this.headerDirty = true;
+        scheduleRender();
+      },
+    );
+  }
+
+  /** Whether this rank gets a card (all of a small run; the picked one of a large run). */
+  shows(rank) {
+    if (this.large === null) return false; // not known yet: history loads after
+    return !this.large || rank === this.detailRank;
   }
 
   rankView(rank) {
@@ -297,7 +335,8 @@ class RunView {
   }
 
   apply(e) {
-    this.rankView(e.rank).apply(e);
+    if (this.shows(e.rank)) this.rankView(e.rank).apply(e);
+    this.overview.refreshSoon();
     if (e.type === "run_started" && this.summary) this.summary.world_size = e.world_size;
     if (e.type === "run_started" && !this.config) this.config = e.config;
     if (e.type !== "step" && e.type !== "chunks") this.headerDirty = true;
@@ -306,12 +345,13 @@ class RunView {
   merge(detail) {
     this.summary = detail;
     this.config = detail.config;
-    for (const r of detail.ranks) this.rankView(r.rank).merge(r);
+    for (const r of detail.ranks) if (this.shows(r.rank)) this.rankView(r.rank).merge(r);
     this.headerDirty = true;
     $("run").dataset.loaded = "true";
   }
 
   render(chartsDue) {
+    if (this.overview.render()) this.headerDirty = true;
     if (this.headerDirty) {
       this.headerDirty = false;
       renderHeader(this);
@@ -371,7 +411,7 @@ function renderWarning(view) {
   for (const r of view.ranks.values()) {
     if (r.warning) add(r.warning.text, r.rank, r.warning.step, r.skippedInARow > 0);
   }
-  for (const o of view.overview?.outliers ?? []) {
+  for (const o of view.overview?.data?.outliers ?? []) {
     if (o.kind === "warning" && !byText.has(o.text)) {
       byText.set(o.text, { ranks: { size: o.num_ranks }, rank: o.rank, step: o.step, active: o.active });
     }
@@ -442,34 +482,48 @@ async function loadRuns() {
 
 // ---- selection and history ---------------------------------------------------------------
 
-function select(runId) {
+function select(runId, detailRank = null) {
+  if (state.view) state.view.overview.close();
   state.selected = runId;
-  state.view = new RunView(runId);
+  state.detailRank = detailRank;
+  state.view = new RunView(runId, detailRank);
   state.listDirty = true;
   loadRun(state.view);
   scheduleRender();
 }
 
 async function loadRun(view) {
-  // History is thinned to what a chart can show; live events then arrive at full resolution.
-  const query = `max_points=${HISTORY_POINTS}`;
-  const response = await fetch(`${API}/runs/${encodeURIComponent(view.runId)}?${query}`);
+  // The overview first: it says whether the run is small enough for a card per rank.
+  await view.overview.load();
   if (view !== state.view) return; // another run was selected meanwhile
-  if (response.status === 404) {
+  if (view.large === null) {
     $("run").dataset.loaded = "true"; // nothing stored yet; live events will fill it
+    view.large = false;
     return;
   }
+  $("rank-hint").hidden = !view.large || view.detailRank !== null;
+  if (view.large && view.detailRank === null) {
+    $("run").dataset.loaded = "true";
+    return;
+  }
+  // History is thinned to what a chart can show; live events then arrive at full resolution.
+  let query = `max_points=${HISTORY_POINTS}`;
+  if (view.large) query += `&rank=${view.detailRank}`;
+  const response = await fetch(`${API}/runs/${encodeURIComponent(view.runId)}?${query}`);
+  if (view !== state.view) return;
   if (!response.ok) return;
   view.merge(await response.json());
+  if (view.large) view.ranks.get(view.detailRank)?.element.scrollIntoView({ block: "nearest" });
   scheduleRender();
 }
 
 function fromHash() {
-  const match = /^#run=(.+)$/.exec(location.hash);
+  const match = /^#run=([^&]+)(?:&rank=(\d+))?$/.exec(location.hash);
   if (match) {
     state.follow = false;
     const runId = decodeURIComponent(match[1]);
-    if (runId !== state.selected) select(runId);
+    const rank = match[2] === undefined ? null : Number(match[2]);
+    if (runId !== state.selected || rank !== state.detailRank) select(runId, rank);
   }
 }
 
@@ -502,6 +556,7 @@ function connect() {
     if (state.view) loadRun(state.view);
   });
   source.addEventListener("resync", () => {
+    if (state.view) state.view.overview.refreshSoon();
     loadRuns();
     if (state.view) loadRun(state.view);
   });
