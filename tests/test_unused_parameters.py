@@ -311,3 +311,40 @@ def _step_without_backward(stage: int) -> bool:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_step_without_backward_changes_nothing(stage: int) -> None:
     assert run_ranks(_step_without_backward, 2, stage) == [True, True]
+
+
+def _gradients_against_ddp(case: Case) -> list[tuple[str, bool]]:
+    """After backward, before the step: `model.full_grads()` against DDP's `.grad`."""
+    plain = _build(case)
+    ddp = DistributedDataParallel(plain, find_unused_parameters=True)
+    plain_optimizer = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.1)
+    model = _build(case)
+    config: dict[str, Any] = {"device": torch.device("cpu")}
+    if case.stage == 3:
+        config["chunk_size_numel"] = 700
+    wrapped = zero_model_wrapper(model, case.stage, config)
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    same: list[tuple[str, bool]] = []
+    for step in range(2):  # the alternate branch runs at step 0 only
+        x, target = _batch(step, rank, world)
+        optimizer.zero_grad()
+        optimizer.backward((wrapped(x, step) - target).pow(2).mean())
+        grads = wrapped.full_grads()
+        plain_optimizer.zero_grad()
+        (ddp(x, step) - target).pow(2).mean().backward()
+        for name, param in plain.named_parameters():
+            if param.requires_grad:
+                mine = grads[name]
+                equal = mine is None if param.grad is None else torch.equal(mine, param.grad)
+                same.append((f"{name} at step {step}", equal))
+        same.append(("alternate skipped", step == 0 or grads["alternate.weight"] is None))
+        optimizer.step()
+        plain_optimizer.step()
+    return same
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_full_grads_equal_ddp_gradients_with_none_where_nothing_flowed(stage: int) -> None:
+    for same in run_ranks(_gradients_against_ddp, 2, Case(stage=stage)):
+        assert [name for name, equal in same if not equal] == []

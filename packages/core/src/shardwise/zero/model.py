@@ -25,7 +25,11 @@ from shardwise.zero.init_context import sliced, unslice, whole_numel
 from shardwise.zero.meta_init import MetaMaterializer, has_meta_tensors
 from shardwise.zero.param_gather import DeferredParamGather
 from shardwise.zero.rank_sync import RankSync
-from shardwise.zero.state_dict import gather_full_state_dict, load_full_state_dict
+from shardwise.zero.state_dict import (
+    gather_full_grads,
+    gather_full_state_dict,
+    load_full_state_dict,
+)
 
 if TYPE_CHECKING:
     from shardwise.zero.optimizer import ZeroOptimizer
@@ -329,6 +333,18 @@ class ZeroModel(nn.Module):
         if assign:
             raise ValueError("assign=True cannot be honoured: parameters are views of chunks")
         return load_full_state_dict(self.module, self.chunk_manager, state_dict, strict=strict)
+
+    def full_grads(self, only_rank_0: bool = False) -> dict[str, torch.Tensor | None]:
+        """The gradients the next `step()` would use, whole: each trainable parameter's
+        gradient averaged over ranks, before clipping and still multiplied by the loss scale
+        (divide by `optimizer.loss_scale` under fp16), in fp32 on CPU, by the inner module's
+        names; None where no rank's gradient reached it since `zero_grad()`.
+        For logging and inspecting gradients, which live sharded in the chunks. A collective:
+        it reduces what backward left unreduced (stage 1, `no_sync`), so call it after the
+        last backward before `step()`. With `only_rank_0`, other ranks get an empty dict."""
+        self.reducer.reduce_all()
+        keep = not only_rank_0 or comm.rank(self.config.process_group) == 0
+        return gather_full_grads(self.chunk_manager, keep=keep)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds now (parameters, master weights, gradients)."""

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
@@ -29,6 +30,32 @@ def gather_parameters(
                 piece = full[info.offset : info.offset + info.numel].view(info.shape)
                 values[id(info.param)] = piece.to("cpu", dtype or piece.dtype, copy=True)
     return values
+
+
+def gather_full_grads(chunk_manager: ChunkManager, *, keep: bool) -> dict[str, torch.Tensor | None]:
+    """Every trainable parameter's reduced (averaged) fp32 gradient, whole, on CPU, by name;
+    None where no rank's gradient reached it since zero_grad(), as torch leaves `.grad`. One
+    chunk is gathered at a time; a collective, whose result only ranks with `keep` hold."""
+    chunks = list(chunk_manager.trainable_chunks())
+    device = chunks[0].device if chunks else torch.device("cpu")
+    reached = torch.tensor(
+        [float(i in c.grads_received) for c in chunks for i in range(len(c.tensors))],
+        device=device,
+    )
+    comm.all_reduce(reached, chunk_manager.stats, chunk_manager.group, op=ReduceOp.MAX)
+    flags = iter(reached.tolist())
+    grads: dict[str, torch.Tensor | None] = {}
+    for chunk in chunks:
+        full = torch.empty(chunk.padded_numel, dtype=torch.float32, device=chunk.device)
+        shard = chunk.grads_for_step().to(chunk.device)
+        comm.all_gather(full, shard, chunk_manager.stats, chunk_manager.group)
+        for info in chunk.tensors:
+            piece = full[info.offset : info.offset + info.numel].view(info.shape)
+            if next(flags) and keep:
+                grads[info.name] = piece.to("cpu", copy=True)
+            elif keep:
+                grads[info.name] = None
+    return grads
 
 
 def gather_full_state_dict(
