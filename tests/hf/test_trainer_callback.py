@@ -4,8 +4,8 @@ One torchrun launch (tests/hf/trainer_run.py) trains tiny Llama and GPT-2 models
 with a plain Trainer and with the callback (stage 3, and Llama at stages 1 and 2), evaluating
 during and after training, saves, resumes, loads the best checkpoint, trains with activation
 checkpointing (reentrant and not, plain and at stages 1-3) and builds a conflicting set-up and a
-Trainer that does not run distributed; the tests below assert on what it wrote. Loading the saved models happens in a plain process
-without shardwise (tests/hf/load_plain.py).
+Trainer that does not run distributed; the tests below assert on what it wrote. Loading the
+saved models happens in a plain process without shardwise (tests/hf/load_plain.py).
 """
 
 from __future__ import annotations

@@ -63,6 +63,12 @@ from shardwise_lightning import (
         (lambda: FullyShardedStrategy(hysteresis=0), ValueError, "hysteresis"),
         (lambda: ShardwisePrecision("16-true"), ValueError, "'16-true'"),
         (
+            lambda: GeminiStrategy(placement_policy="cuda", state_dict_type="consolidated"),
+            ValueError,
+            "state_dict_type must be one of 'sharded', 'full', got 'consolidated'",
+        ),
+        (lambda: FullyShardedStrategy(state_dict_type="FULL"), ValueError, "got 'FULL'"),
+        (
             lambda: GeminiStrategy(
                 placement_policy="cuda", precision_plugin=pl.plugins.HalfPrecision()
             ),
