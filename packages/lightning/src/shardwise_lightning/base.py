@@ -64,9 +64,9 @@ class ShardwiseStrategyBase(DDPStrategy):
             [Note: full checkpoints]).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's `DDPStrategy` (`checkpoint_io`
-            reads plain Lightning checkpoints; shardwise checkpoints are written by the
-            engine). Processes come from torchrun (or another external launcher) or from
-            Lightning relaunching the script; spawn/fork launchers are not offered, since they
+            reads and writes single-file checkpoints; sharded ones are the engine's).
+            Processes come from torchrun (or another external launcher) or from Lightning
+            relaunching the script; spawn/fork launchers are not offered, since they
             copy weights back through the module's own, sharded, state_dict.
     """
 
@@ -315,8 +315,10 @@ class ShardwiseStrategyBase(DDPStrategy):
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load a shardwise checkpoint (from any world size) into the engine and return the
-        rest of Lightning's checkpoint; a plain Lightning checkpoint file loads its weights."""
+        """Load a sharded checkpoint (from any world size) into the engine and return the
+        rest of Lightning's checkpoint. A single file (a full checkpoint of these strategies,
+        `shardwise consolidate`'s output, or one of any Lightning strategy) loads its weights
+        and, when fitting, its optimizer state sliced into this rank's shards."""
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None and self._zero_model is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
