@@ -182,15 +182,15 @@ class Plan:
     until: float
 
 
-def node(url: str, plan: Plan, ranks: range, tally: Tally) -> None:
+def node(url: str, plan: Plan, ranks: range, tally: Tally, phase: float = 1.0) -> None:
     """The ranks of one node: they step together; their sender posts what each rank's emitter
-    held for a flush interval (the first event waits at most that long)."""
+    held for `phase` (in [0.5, 1), per node, as TelemetryEmitter) of a flush interval."""
     pending = Encoded()
     first_at = 0.0
     step = 0
     while True:
         due = plan.start + step / plan.rate
-        flush_at = first_at + plan.flush_interval_s
+        flush_at = first_at + plan.flush_interval_s * phase
         if len(pending) and (flush_at <= due or due >= plan.until):
             time.sleep(max(0.0, flush_at - time.perf_counter()))
             if time.perf_counter() - flush_at > plan.flush_interval_s:
@@ -211,6 +211,11 @@ def node(url: str, plan: Plan, ranks: range, tally: Tally) -> None:
             if step % plan.chunk_every == 0:
                 pending.add_chunks(plan.run_id, rank, step, plan.num_chunks)
         step += 1
+
+
+def node_phases(count: int) -> list[float]:
+    # Evenly spread, in a scrambled order (as hashes of hostnames would be).
+    return [0.5 + ((i * 0.6180339887) % 1.0) / 2 for i in range(count)]
 
 
 def legacy_rank(url: str, plan: Plan, rank: int, tally: Tally) -> None:
@@ -372,9 +377,12 @@ def run_scenario(
                 workers = [
                     threading.Thread(
                         target=node,
-                        args=(url, plan, range(n, min(n + per_node, ranks)), tally),
+                        # Nodes' flush phases: spread over [0.5, 1) as hostnames' hashes are.
+                        args=(url, plan, range(n, min(n + per_node, ranks)), tally, phase),
                     )
-                    for n in range(0, ranks, per_node)
+                    for n, phase in zip(
+                        range(0, ranks, per_node), node_phases(-(-ranks // per_node)), strict=True
+                    )
                 ]
             cpu_before = sum(process.cpu_times()[:2])
             client_before = time.process_time()
@@ -433,16 +441,16 @@ def write_results(
         "cores).",
         f"Each rank steps {args.rate:g} times a second in step with the others, with a "
         f"{args.chunks}-chunk snapshot every {args.chunk_every} steps. *node*: as shardwise's "
-        f"telemetry delivers, each rank's emitter holds events up to {args.flush_interval:g} s "
-        f"and the {args.ranks_per_node} ranks of a node share one sender (one POST per flush, "
-        "a new connection each, gzipped over 16 KiB). *legacy*: each rank posts each step at "
-        "once, alone (the delivery before). *saturation*: 8 clients post batches of 50 step "
-        "events back to back on kept-alive connections. POST latency: send to answer (after "
-        "the commit). Age: event created to its POST answered (includes the wait to be "
-        "batched). Server CPU: cores the server process used while the ranks ran (psutil). "
-        "Database: MB per hour of run in use as written, and once history is "
-        "thinned (`--thin-after-minutes`, default 60: every 10th step kept). Lost: accepted "
-        "but not in SQLite.",
+        "telemetry delivers, each rank's emitter holds events for its node's share (0.5 to 1) "
+        f"of {args.flush_interval:g} s and the {args.ranks_per_node} ranks of a node share one "
+        "sender (one POST per flush, a new connection each, gzipped over 16 KiB). *legacy*: "
+        "each rank posts each step at once, alone (the delivery before). *saturation*: 8 "
+        "clients post batches of 50 step events back to back on kept-alive connections. POST "
+        "latency: send to answer (after the commit). Age: event created to its POST answered "
+        "(includes the wait to be batched). Server CPU: cores the server process used while "
+        "the ranks ran (psutil). Database: MB per hour of run in use as written, and once "
+        "history is thinned (`--thin-after-minutes`, default 60: every 10th step kept). Lost: "
+        "accepted but not in SQLite.",
         "",
         "| delivery | ranks | senders | target | events sent | stored | lost | failed POSTs | "
         "POSTs/s | events/s stored | POST p50 / p99 ms | age p50 / p99 ms | server CPU | "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +15,7 @@ from shardwise_dashboard.compression import GzipRequestBody
 from shardwise_dashboard.live import LiveHub
 from shardwise_dashboard.retention import Retention
 from shardwise_dashboard.routers import health, ingest, overview, page, runs, stream
+from shardwise_dashboard.schema import EventBatch
 from shardwise_dashboard.settings import Settings
 from shardwise_dashboard.storage import RunStore, StoreBusy
 from shardwise_dashboard.writer import BatchWriter
@@ -77,7 +79,26 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StoreBusy, _busy)
     app.add_middleware(GzipRequestBody, max_body_bytes=settings.max_body_bytes)
+    _document_event_batch(app)
     return app
+
+
+def _document_event_batch(app: FastAPI) -> None:
+    """Put the ingestion body's schema (EventBatch and the events in it) in the OpenAPI
+    components: the ingest route parses its body itself, so FastAPI does not see the model."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = generate()
+            schema = EventBatch.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            components.update(schema.pop("$defs", {}))
+            components["EventBatch"] = schema
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _busy(request: Request, error: Exception) -> JSONResponse:

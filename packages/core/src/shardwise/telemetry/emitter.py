@@ -7,7 +7,10 @@ there) and as a warning in this rank's log (which holds even when the sink is go
 
 The thread sends at most one batch per `flush_interval_s` (sooner when `batch_size` events are
 waiting, at once when closing): a rank stepping ten times a second makes one request a second,
-not ten, which is what lets one dashboard follow a thousand ranks.
+not ten, which is what lets one dashboard follow a thousand ranks. Ranks step together, so
+they would also flush together: each node waits its own fraction (one half to all) of the
+interval, the same for all of its ranks (they share a sender, see sinks.py), so a thousand
+ranks' batches reach the dashboard spread over half an interval rather than at one instant.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import socket
 import threading
 import time
+import zlib
 from typing import Any
 
 from shardwise.telemetry import events
@@ -56,6 +61,10 @@ class TelemetryEmitter:
         if not 0 <= flush_interval_s <= 60:
             raise ValueError(f"flush_interval_s must be in [0, 60], got {flush_interval_s}")
         self.flush_interval_s = flush_interval_s
+        # This node's share of the interval, in [0.5, 1): the same for its ranks, spread
+        # across nodes (see the module note).
+        node = zlib.crc32(socket.gethostname().encode()) % 1000
+        self._flush_wait_s = flush_interval_s * (0.5 + node / 2000)
         self.sink = sink
         self.run_id = run_id
         self.rank = rank
@@ -107,7 +116,7 @@ class TelemetryEmitter:
                 return
             batch = [first]
             stop = False
-            deadline = time.monotonic() + self.flush_interval_s
+            deadline = time.monotonic() + self._flush_wait_s
             while len(batch) < self.batch_size:
                 try:
                     item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
