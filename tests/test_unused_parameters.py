@@ -354,3 +354,38 @@ def _gradients_against_ddp(case: Case) -> list[tuple[str, bool]]:
 def test_full_grads_equal_ddp_gradients_with_none_where_nothing_flowed(stage: int) -> None:
     for same in run_ranks(_gradients_against_ddp, 2, Case(stage=stage)):
         assert [name for name, equal in same if not equal] == []
+
+
+def _stage_1_grads_against_a_local_backward() -> list[tuple[str, bool]]:
+    """Stage 1 keeps gradients whole until the step: after backward, `p.grad` is this rank's
+    local gradient, as a plain (unwrapped) model's backward on the same slice gives it."""
+    case = Case(stage=1)
+    plain = _build(case)
+    model = _build(case)
+    wrapped = zero_model_wrapper(model, 1, {"device": torch.device("cpu")})
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks: list[tuple[str, bool]] = []
+    optimizer.zero_grad()
+    for micro in range(2):  # accumulated without zero_grad between, as torch does
+        x, target = _batch(micro, rank, world)
+        optimizer.backward((wrapped(x, 1) - target).pow(2).mean())
+        plain.experts_run.clear()
+        (plain(x, 1) - target).pow(2).mean().backward()
+        for (name, mine), theirs in zip(model.named_parameters(), plain.parameters(), strict=True):
+            if theirs.requires_grad:
+                equal = (
+                    mine.grad is None
+                    if theirs.grad is None
+                    else mine.grad is not None and torch.equal(mine.grad, theirs.grad)
+                )
+                checks.append((f"{name} after backward {micro}", equal))
+    optimizer.step()
+    checks.append(("none after step", all(p.grad is None for p in model.parameters())))
+    return checks
+
+
+def test_stage_1_grad_is_the_local_gradient_after_backward() -> None:
+    for checks in run_ranks(_stage_1_grads_against_a_local_backward, 2):
+        assert [name for name, ok in checks if not ok] == []
+        assert len(checks) > 20

@@ -7,6 +7,7 @@ import os
 import secrets
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
@@ -134,6 +135,11 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         mark_prepared(trainer.model)
         trainer.optimizer = facing
         trainer.accelerator.scaler = EngineLossScaler(facing)
+        # The engine clips over every rank's shards (max_grad_norm was handed to it above). The
+        # Trainer's own clip_grad_norm_ over model.parameters() would see stage 1's local,
+        # unreduced gradients (`.grad` shows them) and scale them: it clips nothing here, and
+        # on_log reports the engine's norm.
+        trainer.accelerator.clip_grad_norm_ = _engine_clips
         self.settings, self.model, self.optimizer = settings, model, optimizer
         if dist.is_initialized():
             # Every rank stamps the engine state alike (rank 0's token).
@@ -254,6 +260,10 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
                 "checkpoint_dir": self._saving_to,
             },
         }
+
+
+def _engine_clips(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    return torch.zeros(())
 
 
 def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:

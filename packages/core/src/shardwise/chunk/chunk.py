@@ -95,6 +95,7 @@ class Chunk(PoolMoves):
         self._grad_shard_stale = False  # see zero_grad()
         # See share_grad_shard_with_full().
         self.grad_shard_in_full = False
+        self.exposes_grads = False
         self._reduced_in_own_slice = False
         # Tensors whose gradient the uninitialised grad_full holds; None once it is all valid.
         self._grads_written: set[int] | None = None
@@ -306,7 +307,12 @@ class Chunk(PoolMoves):
             self._grads_written = set()
         target = self.grad_full[info.offset : info.offset + info.numel]
         self.grads_received.add(index)
-        if self._grads_written is None or index in self._grads_written:
+        if self.exposes_grads:
+            # `.grad` is a view of `target` (see exposed_grad()): autograd accumulated into it
+            # in place, or made a new tensor that holds the sum so far.
+            if grad.data_ptr() != target.data_ptr():
+                target.copy_(grad.reshape(-1))
+        elif self._grads_written is None or index in self._grads_written:
             target.add_(grad.reshape(-1))
         else:
             target.copy_(grad.reshape(-1))
@@ -315,6 +321,16 @@ class Chunk(PoolMoves):
             info.state = TensorState.READY_FOR_REDUCE
             self.num_grads_ready += 1
         return self.num_grads_ready == self.num_trainable
+
+    def exposed_grad(self, index: int) -> torch.Tensor | None:
+        """What `.grad` of tensor `index` shows after its gradient reached the chunk: at stage
+        1 its local, unreduced gradient, a view into the whole gradient buffer (no copy), as
+        DDP users read `.grad` after backward; elsewhere None (the chunk holds it)."""
+        if not self.exposes_grads:
+            return None
+        assert self.grad_full is not None
+        info = self.tensors[index]
+        return self.grad_full[info.offset : info.offset + info.numel].view(info.shape)
 
     def prepare_reduce(self) -> torch.Tensor:
         """The gradient buffer, ready to reduce-scatter (pre-divided when asked). A chunk whose
@@ -347,6 +363,7 @@ class Chunk(PoolMoves):
             self.grad_full[: self.shard_begin].zero_()
             self.grad_full[self.shard_begin + self.shard_numel :].zero_()
             self._reduced_in_own_slice = True
+            self._hide_grads()  # the buffer holds reduced slices now, not local gradients
             self.end_pass_without_reduce()
             return
         else:
@@ -453,10 +470,16 @@ class Chunk(PoolMoves):
         it, which spares a pass over it (zeroed at the step if none came)."""
         self.grads_received.clear()
         if self.grad_shard_in_full:  # the next backward adds onto this rank's slice
+            self._hide_grads()
             self.grad_shard.zero_()
             self._reduced_in_own_slice = False
             return
         self._grad_shard_stale = not self.grads_in_payload_mode
+
+    def _hide_grads(self) -> None:
+        if self.exposes_grads:
+            for info in self.tensors:
+                info.param.grad = None
 
     def share_grad_shard_with_full(self) -> None:
         """Stage 1: keep the reduced gradient slice the optimizer reads in this rank's own
@@ -470,6 +493,8 @@ class Chunk(PoolMoves):
             self.grad_full = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
         self.grad_shard = self.grad_full[self.shard_begin : self.shard_begin + self.shard_numel]
         self.grad_shard_in_full = True
+        # `.grad` may show the whole local gradient when the parameters compute in its dtype.
+        self.exposes_grads = self.dtypes.compute == torch.float32
 
     # ---- after the optimizer step ----------------------------------------------------------
 

@@ -95,8 +95,9 @@ class GradReducer:
             assert param.grad is not None
             allocates = chunk.grad_full is None
             complete = chunk.add_grad(index, param.grad)
-            # The chunk now holds the gradient; dropping .grad frees the per-parameter copy.
-            param.grad = None
+            # The chunk now holds the gradient; dropping .grad frees the per-parameter copy
+            # (stage 1 shows a view of the chunk's copy instead).
+            param.grad = chunk.exposed_grad(index)
             if allocates and self._after_grad is not None:
                 self._after_grad(f"after the gradient of {chunk.tensors[index].name}")
             if complete:
