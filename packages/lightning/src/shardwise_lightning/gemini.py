@@ -11,7 +11,8 @@ from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
-from shardwise import ChunkManager, GeminiManager
+from shardwise.gemini import placement_policy
+from shardwise.gemini.manager import device_budget
 from shardwise.zero.config import default_device
 from shardwise_lightning.base import ShardwiseStrategyBase
 
@@ -212,13 +213,11 @@ def _unsharded_placement(placement: dict[str, Any]) -> dict[str, Any]:
 
 def _check_placement(placement: dict[str, Any]) -> None:
     """Validate the placement arguments through the core now, not inside fit."""
-    probe = ChunkManager(chunk_size_numel=1, device=default_device())
-    GeminiManager(
+    policy = placement_policy(
         placement["placement_policy"],
-        probe,
-        device_budget_bytes=placement["device_budget_bytes"],
         shard_param_frac=placement["shard_param_frac"],
         offload_optim_frac=placement["offload_optim_frac"],
         offload_param_frac=placement["offload_param_frac"],
         gpu_margin_mem_ratio=placement["gpu_margin_mem_ratio"],
     )
+    device_budget(policy, placement["device_budget_bytes"], default_device())

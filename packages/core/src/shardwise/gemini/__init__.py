@@ -1,7 +1,27 @@
 """Placement of chunks in device and host memory."""
 
 from shardwise.gemini.errors import DeviceBudgetExceeded
-from shardwise.gemini.manager import PLACEMENT_POLICIES, GeminiManager
+from shardwise.gemini.manager import GeminiManager
+from shardwise.gemini.policies import (
+    PLACEMENT_POLICIES,
+    AutoPlacement,
+    DevicePlacement,
+    HostPlacement,
+    PlacementPolicy,
+    StaticPlacement,
+    placement_policy,
+)
 from shardwise.gemini.tracer import MemoryTracer
 
-__all__ = ["PLACEMENT_POLICIES", "DeviceBudgetExceeded", "GeminiManager", "MemoryTracer"]
+__all__ = [
+    "PLACEMENT_POLICIES",
+    "AutoPlacement",
+    "DeviceBudgetExceeded",
+    "DevicePlacement",
+    "GeminiManager",
+    "HostPlacement",
+    "MemoryTracer",
+    "PlacementPolicy",
+    "StaticPlacement",
+    "placement_policy",
+]

@@ -15,7 +15,6 @@ Every choice depends only on chunk order, so every rank and every run decides al
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +24,9 @@ from shardwise.chunk import Chunk, ChunkManager, Pool
 from shardwise.chunk.accounting import resident_bytes_by_pool
 from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.errors import DeviceBudgetExceeded
+from shardwise.gemini.policies import AutoPlacement, PlacementPolicy
+from shardwise.gemini.policies import placement_policy as placement_policy_object
 from shardwise.gemini.tracer import MemoryTracer
-
-PLACEMENT_POLICIES = ("cuda", "device", "cpu", "static", "auto")
 
 
 class GeminiManager:
@@ -59,105 +58,46 @@ class GeminiManager:
         offload_param_frac: float = 0.0,
         gpu_margin_mem_ratio: float = 0.0,
     ) -> None:
-        if not isinstance(placement_policy, str):
-            raise TypeError(f"placement_policy must be a str, got {placement_policy!r}")
-        if placement_policy not in PLACEMENT_POLICIES:
-            raise ValueError(
-                f"placement_policy must be one of {', '.join(map(repr, PLACEMENT_POLICIES))}, "
-                f"got {placement_policy!r}"
-            )
+        self.policy = placement_policy_object(
+            placement_policy,
+            shard_param_frac=shard_param_frac,
+            offload_optim_frac=offload_optim_frac,
+            offload_param_frac=offload_param_frac,
+            gpu_margin_mem_ratio=gpu_margin_mem_ratio,
+        )
         if not isinstance(chunk_manager, ChunkManager):
             raise TypeError(
                 f"chunk_manager must be a ChunkManager, got {type(chunk_manager).__name__}"
             )
-        fractions = {
-            "shard_param_frac": shard_param_frac,
-            "offload_optim_frac": offload_optim_frac,
-            "offload_param_frac": offload_param_frac,
-        }
-        for name, value in fractions.items():
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not 0 <= value <= 1
-            ):
-                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-        defaults = {"shard_param_frac": 1.0, "offload_optim_frac": 0.0, "offload_param_frac": 0.0}
-        if placement_policy != "static" and fractions != defaults:
-            changed = sorted(k for k in fractions if fractions[k] != defaults[k])
-            raise ValueError(
-                f"{changed} apply only to placement_policy='static', got {placement_policy!r}"
-            )
-        if (
-            isinstance(gpu_margin_mem_ratio, bool)
-            or not isinstance(gpu_margin_mem_ratio, (int, float))
-            or not 0 <= gpu_margin_mem_ratio <= 1
-        ):
-            raise ValueError(
-                f"gpu_margin_mem_ratio must be a number in [0, 1], got {gpu_margin_mem_ratio!r}"
-            )
-        if gpu_margin_mem_ratio and placement_policy != "auto":
-            raise ValueError(
-                f"gpu_margin_mem_ratio applies only to placement_policy='auto', "
-                f"got {placement_policy!r}"
-            )
-        if offload_param_frac > 0 and shard_param_frac < 1:
-            raise ValueError(
-                f"offload_param_frac={offload_param_frac} needs every chunk sharded "
-                f"(shard_param_frac=1.0, got {shard_param_frac}): a gathered chunk's payload "
-                f"stays on the device"
-            )
-        if device_budget_bytes is not None and (
-            isinstance(device_budget_bytes, bool)
-            or not isinstance(device_budget_bytes, int)
-            or device_budget_bytes < 1
-        ):
-            raise ValueError(
-                f"device_budget_bytes must be a positive int, got {device_budget_bytes!r}"
-            )
-        self.placement_policy = "cuda" if placement_policy == "device" else placement_policy
+        self.placement_policy = self.policy.name
         self.chunk_manager = chunk_manager
         self.pin_memory = pin_memory
-        self.shard_param_frac = float(shard_param_frac)
-        self.offload_optim_frac = float(offload_optim_frac)
-        self.offload_param_frac = float(offload_param_frac)
-        self.device_budget_bytes = device_budget_bytes or _default_budget(chunk_manager.device)
+        self.device_budget_bytes = device_budget(
+            self.policy, device_budget_bytes, chunk_manager.device
+        )
         self.peak_device_bytes = 0
         self._optimizer_bytes: Callable[[Chunk], int] = lambda chunk: 0
         self._rebind: Callable[[Chunk], None] = lambda chunk: None
         self.auto: AutoPlacer | None = None
-        if self.placement_policy == "auto":
-            if self.device_budget_bytes is None:
-                raise ValueError(
-                    "placement_policy='auto' needs a device budget: pass device_budget_bytes "
-                    "(on CUDA it defaults to the device's capacity less 10%)"
-                )
+        if isinstance(self.policy, AutoPlacement):
+            assert self.device_budget_bytes is not None
             tracer = MemoryTracer(chunk_manager.device, self._device_model_bytes)
             self.auto = AutoPlacer(
                 chunk_manager,
                 budget=self.device_budget_bytes,
-                margin_ratio=float(gpu_margin_mem_ratio),
+                margin_ratio=float(self.policy.margin_ratio),
                 device_bytes=self._device_model_bytes,
                 tracer=tracer,
             )
 
     @property
     def sharded_fraction(self) -> float:
-        return self.shard_param_frac if self.placement_policy == "static" else 1.0
+        return self.policy.sharded_fraction
 
     def place_chunks(self) -> None:
         """Apply the policy to the packed chunks (see [Note: placement policies])."""
         chunks = self.chunk_manager.chunks
-        sharded = [c for c in chunks if not c.keep_gathered]
-        trainable = [c for c in chunks if c.requires_grad]
-        if self.placement_policy in ("cpu", "auto"):
-            host_payload, host_optim = {id(c) for c in sharded}, {id(c) for c in trainable}
-        elif self.placement_policy == "static":
-            n = len(chunks)
-            host_payload = {id(c) for c in sharded[: math.floor(self.offload_param_frac * n)]}
-            host_optim = {id(c) for c in trainable[: math.floor(self.offload_optim_frac * n)]}
-        else:
-            host_payload, host_optim = set(), set()
+        host_payload, host_optim = self.policy.host_chunks(chunks)
         for chunk in chunks:
             chunk.place(
                 payload=Pool.HOST if id(chunk) in host_payload else Pool.DEVICE,
@@ -247,6 +187,26 @@ class GeminiManager:
 
     def __repr__(self) -> str:
         return f"GeminiManager(placement_policy={self.placement_policy!r}, {self.chunk_manager!r})"
+
+
+def device_budget(
+    policy: PlacementPolicy, device_budget_bytes: int | None, device: torch.device
+) -> int | None:
+    """The budget `policy` decides against on `device`: `device_budget_bytes` when given, else
+    the device's capacity less 10% on CUDA, else none; refused when the policy needs one."""
+    if device_budget_bytes is not None and (
+        isinstance(device_budget_bytes, bool)
+        or not isinstance(device_budget_bytes, int)
+        or device_budget_bytes < 1
+    ):
+        raise ValueError(f"device_budget_bytes must be a positive int, got {device_budget_bytes!r}")
+    budget = device_budget_bytes or _default_budget(device)
+    if policy.needs_budget and budget is None:
+        raise ValueError(
+            f"placement_policy={policy.name!r} needs a device budget: pass device_budget_bytes "
+            f"(on CUDA it defaults to the device's capacity less 10%)"
+        )
+    return budget
 
 
 def _default_budget(device: torch.device) -> int | None:

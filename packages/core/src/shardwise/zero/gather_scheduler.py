@@ -98,9 +98,9 @@ class GatherScheduler:
     ) -> None:
         self.chunk_manager = chunk_manager
         self._on_backward = on_backward
-        # Prefetching allocates ahead of the memory manager's decisions: "auto" gathers on
-        # demand so each gather is planned against the budget.
-        self.prefetch = prefetch and (gemini is None or gemini.auto is None)
+        # Prefetching allocates ahead of the memory manager's decisions, which a policy that
+        # plans each gather against its budget does not allow.
+        self.prefetch = prefetch and (gemini is None or gemini.policy.allows_prefetch)
         self._gemini = gemini
         self._warmed_up = False
         self._forward = _Trace()

@@ -137,9 +137,7 @@ class GeminiDDP(ZeroModel):
             process_group=chunk_manager.group,
             gradient_reduction=chunk_manager.reduce_method.value,
             prefetch=prefetch,
-            # "auto" plans every gather against its budget from a timeline in which a chunk is
-            # released as soon as it is reduced: it reduces synchronously.
-            overlap_communication=gemini_manager.auto is None,
+            overlap_communication=gemini_manager.policy.allows_overlapped_reduction,
             force_outputs_fp32=force_outputs_fp32,
             reduce_scatter_bucket_bytes=reduce_scatter_bucket_bytes,
             param_init_fn=param_init_fn,

@@ -1,0 +1,171 @@
+"""Placement policies as objects: where each chunk's payload and optimizer side start, and what
+the policy lets the schedule do (prefetch, overlapped reduction).
+
+See [Note: placement policies] in gemini/manager.py for what each policy places where.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from shardwise.chunk import Chunk
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlacementPolicy:
+    """Base of the policies. Subclasses say where chunks start and what they allow."""
+
+    name: ClassVar[str]
+    allows_prefetch: ClassVar[bool] = True
+    """Gathers may run ahead of the module that needs them (their memory is not planned)."""
+    allows_overlapped_reduction: ClassVar[bool] = True
+    """A gradient reduction may still run while backward goes on and the next gather starts."""
+    needs_budget: ClassVar[bool] = False
+    """The policy decides against a device budget, so one must be known."""
+
+    @property
+    def sharded_fraction(self) -> float:
+        """The share of chunks, in chunk order, whose payload is sharded."""
+        return 1.0
+
+    def host_chunks(self, chunks: list[Chunk]) -> tuple[set[int], set[int]]:
+        """Ids of the chunks whose payload shard, and of those whose optimizer side, start in
+        host memory; every other buffer starts on the device."""
+        return set(), set()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DevicePlacement(PlacementPolicy):
+    """ "cuda" / "device": every buffer on the compute device."""
+
+    name: ClassVar[str] = "cuda"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostPlacement(PlacementPolicy):
+    """ "cpu": sharded payloads and the whole optimizer side in host memory."""
+
+    name: ClassVar[str] = "cpu"
+
+    def host_chunks(self, chunks: list[Chunk]) -> tuple[set[int], set[int]]:
+        return _sharded_and_trainable(chunks)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StaticPlacement(PlacementPolicy):
+    """ "static": fixed fractions of the chunks, in chunk order.
+
+    Args:
+        shard_param_frac: share of chunks sharded (the rest keep their payload gathered).
+        offload_optim_frac: share of chunks whose optimizer side lives in host memory.
+        offload_param_frac: share of chunks whose payload shard lives in host memory.
+    """
+
+    name: ClassVar[str] = "static"
+    shard_param_frac: float = 1.0
+    offload_optim_frac: float = 0.0
+    offload_param_frac: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field_name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
+            _check_fraction(field_name, getattr(self, field_name))
+        if self.offload_param_frac > 0 and self.shard_param_frac < 1:
+            raise ValueError(
+                f"offload_param_frac={self.offload_param_frac} needs every chunk sharded "
+                f"(shard_param_frac=1.0, got {self.shard_param_frac}): a gathered chunk's "
+                f"payload stays on the device"
+            )
+
+    @property
+    def sharded_fraction(self) -> float:
+        return float(self.shard_param_frac)
+
+    def host_chunks(self, chunks: list[Chunk]) -> tuple[set[int], set[int]]:
+        n = len(chunks)
+        sharded = [c for c in chunks if not c.keep_gathered]
+        trainable = [c for c in chunks if c.requires_grad]
+        return (
+            {id(c) for c in sharded[: math.floor(self.offload_param_frac * n)]},
+            {id(c) for c in trainable[: math.floor(self.offload_optim_frac * n)]},
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoPlacement(PlacementPolicy):
+    """ "auto": start as "cpu", then plan every gather against the device budget and move
+    optimizer sides to the device where the warm-up showed room (see [Note: auto placement]).
+
+    Args:
+        margin_ratio: the share, in [0, 1], of the device room left after warm-up that
+            optimizer state may use (the seeds' `gpu_margin_mem_ratio`).
+    """
+
+    name: ClassVar[str] = "auto"
+    # Each gather is planned against the budget from a timeline in which a chunk is released
+    # as soon as it is reduced: nothing may run ahead of the plan.
+    allows_prefetch: ClassVar[bool] = False
+    allows_overlapped_reduction: ClassVar[bool] = False
+    needs_budget: ClassVar[bool] = True
+    margin_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_fraction("gpu_margin_mem_ratio", self.margin_ratio)
+
+    def host_chunks(self, chunks: list[Chunk]) -> tuple[set[int], set[int]]:
+        return _sharded_and_trainable(chunks)
+
+
+PLACEMENT_POLICIES = ("cuda", "device", "cpu", "static", "auto")
+
+
+def placement_policy(
+    name: str,
+    *,
+    shard_param_frac: float = 1.0,
+    offload_optim_frac: float = 0.0,
+    offload_param_frac: float = 0.0,
+    gpu_margin_mem_ratio: float = 0.0,
+) -> PlacementPolicy:
+    """The policy object for the seeds' `placement_policy` name and its arguments, refusing
+    arguments the named policy has no use for."""
+    if not isinstance(name, str):
+        raise TypeError(f"placement_policy must be a str, got {name!r}")
+    if name not in PLACEMENT_POLICIES:
+        raise ValueError(
+            f"placement_policy must be one of {', '.join(map(repr, PLACEMENT_POLICIES))}, "
+            f"got {name!r}"
+        )
+    fractions = {
+        "shard_param_frac": shard_param_frac,
+        "offload_optim_frac": offload_optim_frac,
+        "offload_param_frac": offload_param_frac,
+    }
+    if name == "static":
+        return StaticPlacement(**fractions)
+    StaticPlacement(**fractions)  # validates the values before saying they do not apply
+    defaults = {"shard_param_frac": 1.0, "offload_optim_frac": 0.0, "offload_param_frac": 0.0}
+    if fractions != defaults:
+        changed = sorted(k for k in fractions if fractions[k] != defaults[k])
+        raise ValueError(f"{changed} apply only to placement_policy='static', got {name!r}")
+    if name == "auto":
+        return AutoPlacement(margin_ratio=gpu_margin_mem_ratio)
+    AutoPlacement(margin_ratio=gpu_margin_mem_ratio)  # validates the value likewise
+    if gpu_margin_mem_ratio:
+        raise ValueError(
+            f"gpu_margin_mem_ratio applies only to placement_policy='auto', got {name!r}"
+        )
+    return HostPlacement() if name == "cpu" else DevicePlacement()
+
+
+def _check_fraction(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+def _sharded_and_trainable(chunks: list[Chunk]) -> tuple[set[int], set[int]]:
+    return (
+        {id(c) for c in chunks if not c.keep_gathered},
+        {id(c) for c in chunks if c.requires_grad},
+    )
