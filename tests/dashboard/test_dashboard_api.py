@@ -156,6 +156,14 @@ def test_a_bad_chunk_row_is_refused(client: TestClient) -> None:
     event["chunks"][1]["payload"] = "disk"
     response = post(client, [event])
     assert response.status_code == 422 and "payload" in response.text
+    event = chunks_event()
+    event["chunks"][0]["tensor_states"] = {"\ud800": 1}  # a lone surrogate, as JSON can say
+    response = client.post(
+        "/api/v1/events",
+        content=json.dumps({"events": [event]}),
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 422 and "tensor_states" in response.text
     assert_healthy_and_empty(client)
 
 
