@@ -75,6 +75,28 @@ def test_old_runs_go_and_a_size_cap_deletes_the_oldest_first(tmp_path: Path) -> 
     store.close()
 
 
+def _steps_kept(store: RunStore) -> list[int]:
+    detail = store.run("only")
+    assert detail is not None
+    return [event["step"] for event in detail["ranks"][0]["steps"]]
+
+
+def test_a_single_run_over_the_cap_is_thinned_deeper_not_deleted(tmp_path: Path) -> None:
+    clock = Clock(1e9)
+    store = RunStore(tmp_path / "runs.sqlite", clock=clock)
+    store.add([step_event("only", 0, s, overflow=s == 333) for s in range(2000)])
+    retention = Retention(store, max_age_s=None, max_bytes=1, thin_after_s=None)
+    first = retention.run_once()
+    kept = _steps_kept(store)
+    # The older half to every 100th step (the overflow kept), the newer half whole.
+    assert kept == sorted({*range(0, 999, 100), 333, *range(999, 2000)}), kept[:20]
+    assert first.runs_deleted == [] and [r["run_id"] for r in store.runs()] == ["only"]
+    retention.run_once()  # still over: the older half, to every 1,000th
+    kept = _steps_kept(store)
+    assert kept[:4] == [0, 333, 999, 1000]
+    store.close()
+
+
 def test_batches_that_arrive_together_share_a_commit(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "runs.sqlite")
     writer = BatchWriter(store)

@@ -7,8 +7,10 @@ One pass (run by the writer thread every minute, between groups of batches):
    (10 x `thin_every`)-th step and each rank's latest; the rest is deleted. Only rows that
    arrived since the last pass are looked at (a range of row ids), so a pass costs what a
    minute of ingestion wrote, not the size of the history;
-3. while the pages in use exceed `max_bytes`, the run heard from longest ago is deleted (never
-   the last one left: a single run over the cap is reported in the log instead).
+3. while the pages in use exceed `max_bytes`, the run heard from longest ago is deleted; the
+   last one left is thinned deeper instead: the older half of its steps to every 100th, then
+   (at later passes, if still over) every 1,000th, and so on, overflows and its latest chunk
+   snapshots kept, so even one endless run stays near the cap.
 SQLite reuses the pages freed, so the file stops growing; it does not shrink (VACUUM would
 block ingestion for as long as it takes).
 """
@@ -60,6 +62,7 @@ class Retention:
         self.thin_after_s = thin_after_s
         self.thin_every = thin_every
         self._thinned_up_to = 0  # row id: everything at or below it was looked at
+        self._deep_every: dict[str, int] = {}  # per run: how far its older half is thinned
         self._warned_single_run = False
 
     def used_bytes(self) -> int:
@@ -89,11 +92,15 @@ class Retention:
                     "SELECT run_id FROM runs ORDER BY coalesce(received, last_seen) LIMIT 2"
                 )
                 if len(oldest) < 2:
+                    if oldest and self._thin_deeper(oldest[0][0]):
+                        report.events_thinned += 1
+                        report.used_bytes = self.used_bytes()
+                        break  # one step deeper per pass: the next pass sees the result
                     if not self._warned_single_run:
                         self._warned_single_run = True
                         _log.warning(
                             "the dashboard's database uses %d bytes, over its cap of %d, "
-                            "with one run left: it is kept (thinned) rather than deleted",
+                            "with one run left, thinned as far as it goes: it is kept",
                             report.used_bytes,
                             self.max_bytes,
                         )
@@ -102,6 +109,36 @@ class Retention:
                 report.runs_deleted.append(oldest[0][0])
                 report.used_bytes = self.used_bytes()
         return report
+
+    def _thin_deeper(self, run_id: str) -> bool:
+        """Thin the older half of the run's steps ten times further than before; False when
+        there is nothing left to thin."""
+        every = self._deep_every.get(run_id, self.thin_every) * 10
+        ((low, high),) = self.store.execute(
+            "SELECT min(step), max(step) FROM events WHERE run_id = ? AND type = 'step'",
+            (run_id,),
+        )
+        if low is None or every > high:
+            return False
+        middle = (low + high) // 2
+        self.store.execute("BEGIN IMMEDIATE")
+        try:
+            self.store.execute(
+                "DELETE FROM events WHERE run_id = ? AND type = 'step' AND step < ? "
+                "AND step % ? != 0 AND NOT overflow",
+                (run_id, middle, every),
+            )
+            self.store.execute(
+                "DELETE FROM events WHERE run_id = ? AND type = 'chunks' AND step < ? "
+                "AND step % ? != 0",
+                (run_id, middle, 10 * every),
+            )
+        except BaseException:
+            self.store.execute("ROLLBACK")
+            raise
+        self.store.execute("COMMIT")
+        self._deep_every[run_id] = every
+        return True
 
     def _delete_run(self, run_id: str) -> None:
         self.store.execute("BEGIN IMMEDIATE")
