@@ -150,10 +150,27 @@ class Retention:
             raise
         self.store.execute("COMMIT")
 
+    def _last_id_before(self, cutoff: float) -> int | None:
+        """The last row id whose event is older than `cutoff`, by bisection over row ids
+        (events arrive in about time order): a few lookups, where a scan of the time column
+        would read the whole newer history at every pass while the writer waits."""
+        ((high,),) = self.store.execute("SELECT max(id) FROM events")
+        low = self._thinned_up_to  # known to be before the cutoff (or 0)
+        if high is None or high <= low:
+            return None
+        while low < high:
+            middle = (low + high + 1) // 2
+            row = self.store.execute(
+                "SELECT time FROM events WHERE id >= ? ORDER BY id LIMIT 1", (middle,)
+            )
+            if row and row[0][0] < cutoff:
+                low = middle
+            else:
+                high = middle - 1
+        return low if low > self._thinned_up_to else None
+
     def _thin(self, cutoff: float) -> int:
-        ((upto,),) = self.store.execute(
-            "SELECT max(id) FROM events WHERE id > ? AND time < ?", (self._thinned_up_to, cutoff)
-        )
+        upto = self._last_id_before(cutoff)
         if upto is None:
             return 0
         before = self._changes()
