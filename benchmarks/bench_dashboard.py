@@ -462,16 +462,20 @@ def write_results(
         target = (
             "as fast as answered"
             if row["phase"] == "saturation"
-            else f"{row['rate']:g} steps/s, {row['seconds']:.0f} s"
+            else f"{row['rate']:g} per s per rank, {row['seconds']:.0f} s"
         )
-        thinned = f"{row['db_mb_per_hour_thinned']:,.0f}" if row["phase"] != "saturation" else "-"
+        database = (
+            f"{row['db_mb_per_hour']:,.0f} / {row['db_mb_per_hour_thinned']:,.0f}"
+            if row["phase"] != "saturation"
+            else "-"
+        )
         lines.append(
             f"| {row['phase']} | {row['ranks']:,} | {row['senders']:,} | {target} | "
             f"{row['events_sent']:,} | {row['events_stored']:,} | {row['lost']} | "
             f"{row['failed_posts']} | {row['posts_per_s']:,.1f} | {row['events_per_s']:,.1f} | "
             f"{row['p50_ms']:.0f} / {row['p99_ms']:.0f} | "
             f"{row['age_p50_ms']:.0f} / {row['age_p99_ms']:.0f} | "
-            f"{row['server_cpu_cores']:.2f} | {row['db_mb_per_hour']:,.0f} / {thinned} |"
+            f"{row['server_cpu_cores']:.2f} | {database} |"
         )
     lines.append(END)
     block = "\n".join(lines)
