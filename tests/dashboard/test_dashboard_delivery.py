@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -63,7 +64,8 @@ class _CountingSink:
 
 def test_the_emitter_sends_at_most_one_batch_per_interval_and_flushes_at_close() -> None:
     sink = _CountingSink()
-    emitter = TelemetryEmitter(sink, run_id="r", rank=0, flush_interval_s=1.0)
+    # A node waits half to all of the interval: at least 1 s here, longer than the emitting.
+    emitter = TelemetryEmitter(sink, run_id="r", rank=0, flush_interval_s=2.0)
     for step in range(20):  # 20 steps at 40 steps/s: half a second
         emitter.emit(step_event(step=step))
         time.sleep(0.025)
@@ -139,3 +141,25 @@ def test_a_batch_the_dashboard_did_not_take_is_an_error_on_every_rank(
     finally:
         relay.close()
         peer.close()
+
+
+def test_a_sink_waits_out_a_locked_database_once(tmp_path: Path) -> None:
+    db = tmp_path / "runs.sqlite"
+    server = Server(db)  # its writes wait 1 s for a lock, then answer 503, Retry-After: 1
+    holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        release = threading.Timer(1.5, holder.execute, args=("ROLLBACK",))
+        release.start()
+        sink = HttpSink(server.url, share_node=False, timeout_s=5.0)
+        began = time.perf_counter()
+        sink.write([step_event("locked", 0, 0)])  # 503 after 1 s; again 1 s later: stored
+        waited = time.perf_counter() - began
+        release.join()
+        assert sink.posts == 2 and 1.5 < waited < 4.5, (sink.posts, waited)
+        store = RunStore(db)
+        assert store.count_events("locked") == 1
+        store.close()
+    finally:
+        holder.close()
+        server.stop()

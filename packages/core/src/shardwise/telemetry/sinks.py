@@ -353,4 +353,6 @@ class _Relay:
         with self._ready:
             self._closed = True
             self._ready.notify_all()
-        self._threads[1].join(10.0)
+        # As the emitter's own close: a dashboard that does not answer delays exit a little,
+        # never for long.
+        self._threads[1].join(5.0)
