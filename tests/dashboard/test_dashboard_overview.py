@@ -105,7 +105,9 @@ def test_a_thousand_ranks_fit_one_screen_and_update_live(tmp_path: Path) -> None
             page.wait_for_selector(
                 f'#overview[data-ranks="{RANKS}"][data-last-step="{STEPS - 1}"]', timeout=10_000
             )
-            page.wait_for_selector(f'#heatmap[data-ranks="{RANKS}"][data-chunks="{CHUNKS}"]')
+            page.wait_for_selector(
+                f'#heatmap[data-ranks="{RANKS}"][data-chunks="{CHUNKS}"][data-host-chunks="32"]'
+            )
             load_s = time.perf_counter() - began
             page.wait_for_selector('#connection[data-state="live"]', timeout=10_000)
             page.wait_for_selector('#run-list li[data-run-id="big"]', timeout=10_000)
@@ -122,6 +124,7 @@ def test_a_thousand_ranks_fit_one_screen_and_update_live(tmp_path: Path) -> None
             _post(server.url, live)
             page.wait_for_selector(f'#overview[data-last-step="{STEPS}"]', timeout=10_000)
             live_s = time.perf_counter() - posted
+            host_chunks = page.get_attribute("#heatmap", "data-host-chunks")
 
             # The slowest rank's detail is one click away.
             page.click('#outliers li[data-kind="slowest"] .rank-link')
@@ -147,5 +150,6 @@ def test_a_thousand_ranks_fit_one_screen_and_update_live(tmp_path: Path) -> None
         "memory": MEMORY,
     }
     assert WARNING in warning and "1024 ranks" in warning
+    assert host_chunks == str(32 + CHUNKS)  # rank 42's chunks moved to the host, live
     assert shown_cards == 0  # no card per rank at this size: the overview stands in
     assert detail_cards == 1

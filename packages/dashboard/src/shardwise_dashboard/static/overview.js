@@ -279,6 +279,10 @@ export class OverviewView {
       for (let x = 0; x < chunks; x++) put(x + 2, y, PLACEMENT_RGB[letters[x]] ?? MISSING_RGB);
     }
     canvas.dataset.rowsPerPixel = String(per);
+    // Read by the browser test: chunks whose payload is on the host, over all ranks.
+    canvas.dataset.hostChunks = String(
+      ranks.reduce((n, r) => n + ((r.placement ?? "").match(/[Hh]/g)?.length ?? 0), 0),
+    );
     this.chunkCount = chunks;
     if (canvas.width !== cw || canvas.height !== ch) {
       canvas.width = cw;
