@@ -305,6 +305,9 @@ def _all_cases(directory: Path) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # test_fully_sharded_native_strategy_sync_batchnorm: the manual model, sync_batchnorm.
+        # As in the original the model has no BatchNorm, so this checks that the flag's
+        # layer-sync step composes with the strategy; torch's SyncBatchNorm itself refuses
+        # CPU tensors (under ddp too), so a BatchNorm model would need CUDA.
         torch.manual_seed(0)
         out["manual"] = _run_multiple_stages(
             directory / "manual", TestFSDPModelManualWrapped(), "full", sync_batchnorm=True
