@@ -239,7 +239,6 @@ def _strategy(**kwargs: Any) -> FullyShardedStrategy:
 
 def _loops(**kwargs: Any) -> dict[str, Any]:
     return {
-        "enable_checkpointing": True,
         "max_epochs": 1,
         "limit_train_batches": 2,
         "limit_val_batches": 2,
@@ -255,7 +254,7 @@ def _run_multiple_stages(
     out: dict[str, Any] = {}
     ck = ModelCheckpoint(dirpath=directory, save_last=True)
     strategy = _strategy(state_dict_type=state_dict_type)
-    run = trainer(strategy, **_loops(callbacks=[ck], **kwargs))
+    run = trainer(strategy, **_loops(enable_checkpointing=True, callbacks=[ck], **kwargs))
     run.fit(model)
     model_path = Path(ck.last_model_path)
     run.save_checkpoint(model_path, weights_only=True)
@@ -320,7 +319,7 @@ def _all_cases(directory: Path) -> dict[str, Any]:
         # Deliberate difference: layers rebuilt in on_load_checkpoint would run unsharded and
         # unloaded, so the strategy refuses them (see the README's Lightning section).
         rebuilt = RebuildOnLoad()
-        run = trainer(_strategy(), **_loops(enable_checkpointing=False))
+        run = trainer(_strategy(), **_loops())
         run.fit(rebuilt)
         try:
             run.test(ckpt_path=out["manual"]["model_path"], verbose=False)
