@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import socket
 import sqlite3
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -163,3 +166,34 @@ def test_a_sink_waits_out_a_locked_database_once(tmp_path: Path) -> None:
     finally:
         holder.close()
         server.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_the_node_s_sender_takes_batches_from_its_own_user_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    relay, (peer,) = _node_sinks(f"http://127.0.0.1:{free_port()}", monkeypatch, ranks=2)
+    address = peer._peer.address  # type: ignore[union-attr]
+    payload = json.dumps([step_event("intruder", 1, 0)]).encode()
+    child = os.fork()
+    if child == 0:  # another user of the machine: answered (0), shut out (1), or (2) neither
+        code = 2
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as intruder:
+                intruder.settimeout(5)
+                intruder.connect(address)
+                try:
+                    intruder.sendall(struct.pack("!I", len(payload)) + payload)
+                    code = 0 if intruder.recv(1) else 1
+                except (ConnectionResetError, BrokenPipeError):
+                    code = 1
+        finally:
+            os._exit(code)
+    try:
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 1  # the connection closed, no answer
+    finally:
+        relay.close()
+        peer.close()

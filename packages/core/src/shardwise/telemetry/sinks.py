@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 _ACK, _NACK = b"\x01", b"\x00"
 _LENGTH = struct.Struct("!I")
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class Sink(Protocol):
@@ -177,6 +178,14 @@ def _relay_address(endpoint: str) -> str:
     return f"\0shardwise-telemetry-{digest}"
 
 
+def _same_user(connection: socket.socket) -> bool:
+    # An abstract socket is reachable by every user of the machine: only this user's processes
+    # may hand batches to a sender that holds the dashboard token, or receive them.
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    _pid, uid, _gid = _CREDENTIALS.unpack(credentials)
+    return bool(uid == os.getuid())
+
+
 def _read_exact(connection: socket.socket, size: int) -> bytes:
     data = b""
     while len(data) < size:
@@ -228,7 +237,11 @@ class _Peer:
         connection.settimeout(self.timeout_s)
         try:
             connection.connect(self.address)
+            trusted = _same_user(connection)
         except OSError:
+            connection.close()
+            return False
+        if not trusted:
             connection.close()
             return False
         self._connection = connection
@@ -297,8 +310,12 @@ class _Relay:
         while True:
             try:
                 connection, _ = self._listener.accept()
+                trusted = _same_user(connection)
             except OSError:
                 return  # closed
+            if not trusted:
+                connection.close()
+                continue
             threading.Thread(
                 target=self._serve, args=(connection,), name="shardwise-telemetry-peer", daemon=True
             ).start()
