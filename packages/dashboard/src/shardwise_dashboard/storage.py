@@ -72,7 +72,8 @@ CREATE TABLE IF NOT EXISTS events (
     mem_host INTEGER,
     overflow INTEGER
 );
-CREATE INDEX IF NOT EXISTS events_by_step ON events (run_id, type, step);
+-- One rank's steps and snapshots (the detail of a rank of a large run, the latest snapshots).
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, type, rank, step);
 -- Covers the overview's read of recent steps: it never touches the rows and their bodies.
 CREATE INDEX IF NOT EXISTS step_metrics ON events (
     run_id, step, rank, step_time_s, sent_bytes, moved_bytes, mem_device, mem_host, overflow
@@ -112,7 +113,6 @@ UPDATE ranks SET first_overflow = (
     SELECT min(step) FROM events e
     WHERE e.run_id = ranks.run_id AND e.rank = ranks.rank AND e.type = 'step' AND e.overflow
 );
-DROP INDEX IF EXISTS events_by_run;
 """,
 }
 
