@@ -13,6 +13,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from shardwise import ZeroModel, ZeroOptimizer, telemetry, zero_model_wrapper, zero_optim_wrapper
+from shardwise.amp import LossScaleConfig
 from shardwise.telemetry import TelemetryRecorder
 from shardwise_hf import engine_state
 from shardwise_hf.compat import check_transformers_version, find_trainer
@@ -78,11 +79,13 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             chunk_size=chunk_size,
             precision=precision,
             device_budget_bytes=device_budget_bytes,
-            initial_scale=initial_scale,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
+            loss_scale=LossScaleConfig(
+                initial_scale=initial_scale,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+            ),
         )
         self.settings: EngineSettings | None = None
         self.model: ZeroModel | None = None
@@ -122,11 +125,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             inner,
             max_norm=settings.max_grad_norm,
             optim_config=settings.optim_config or None,
-            initial_scale=self.options.initial_scale,
-            growth_interval=self.options.growth_interval,
-            hysteresis=self.options.hysteresis,
-            min_scale=self.options.min_scale,
-            max_scale=self.options.max_scale,
+            loss_scale=self.options.loss_scale,
         )
         facing = TrainerOptimizer(optimizer)
         trainer.model_wrapped = TrainerModel(model)

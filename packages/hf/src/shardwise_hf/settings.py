@@ -6,13 +6,14 @@ Trainer, is collected and reported in a single ValueError, so a user fixes a scr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardwise import MixedPrecision
+from shardwise.amp import LossScaleConfig
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -27,11 +28,7 @@ class CallbackOptions:
     chunk_size: int | None = None
     precision: str = "auto"
     device_budget_bytes: int | None = None
-    initial_scale: float = 2**16
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1
-    max_scale: float = 2**32
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

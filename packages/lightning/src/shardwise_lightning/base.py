@@ -30,7 +30,6 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from shardwise import (
-    DynamicGradScaler,
     TensorShardStrategy,
     ZeroInitContext,
     ZeroModel,
@@ -39,6 +38,7 @@ from shardwise import (
     zero_optim_wrapper,
 )
 from shardwise import checkpoint as sharded_checkpoint
+from shardwise.amp import LossScaleConfig
 from shardwise.checkpoint.consolidate import (
     PARAM_GROUP_NAMES,
     SHARDWISE_KEY,
@@ -57,7 +57,7 @@ class ShardwiseStrategyBase(DDPStrategy):
     """Base of the shardwise strategies (ZeRO stage 3 over the chunk engine).
 
     Args:
-        loss_scale: the `DynamicGradScaler` settings (used when fp16 is involved).
+        loss_scale: the dynamic loss scale's settings (used when fp16 is involved).
         state_dict_type: what `trainer.save_checkpoint` writes: "sharded" (a directory, every
             rank its shards, world-size independent) or "full" (one `.ckpt` file from rank 0
             that `load_from_checkpoint` and plain Lightning strategies read; see
@@ -73,7 +73,7 @@ class ShardwiseStrategyBase(DDPStrategy):
     def __init__(
         self,
         *,
-        loss_scale: Mapping[str, Any],
+        loss_scale: LossScaleConfig,
         state_dict_type: str = "sharded",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -83,7 +83,6 @@ class ShardwiseStrategyBase(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        DynamicGradScaler(**loss_scale)  # validates the scaler settings now, not inside fit
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(
                 f"state_dict_type must be one of {', '.join(map(repr, STATE_DICT_TYPES))}, got "
@@ -99,7 +98,9 @@ class ShardwiseStrategyBase(DDPStrategy):
             timeout=timeout,
             start_method="popen",
         )
-        self._loss_scale = dict(loss_scale)
+        if not isinstance(loss_scale, LossScaleConfig):
+            raise TypeError(f"loss_scale must be a LossScaleConfig, got {loss_scale!r}")
+        self._loss_scale = loss_scale
         self.state_dict_type = cast(StateDictType, state_dict_type)
         # Per optimizer parameter group, its parameters' names in group order: how torch
         # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
@@ -234,7 +235,7 @@ class ShardwiseStrategyBase(DDPStrategy):
             optimizer,
             max_norm=float(clip or 0.0),
             norm_type=2.0,
-            **self._loss_scale,
+            loss_scale=self._loss_scale,
         )
         self.optimizers = [cast(Optimizer, engine)]
 

@@ -13,6 +13,7 @@ from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
 from shardwise import MixedPrecision
+from shardwise.amp import LossScaleConfig
 from shardwise_lightning.base import ShardwiseStrategyBase
 
 
@@ -117,15 +118,15 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         ):
             raise ValueError(f"min_num_params must be a positive int, got {min_num_params!r}")
         super().__init__(
-            loss_scale={
-                "initial_scale": initial_scale,
-                "min_scale": min_scale,
-                "growth_factor": growth_factor,
-                "backoff_factor": backoff_factor,
-                "growth_interval": growth_interval,
-                "hysteresis": hysteresis,
-                "max_scale": max_scale,
-            },
+            loss_scale=LossScaleConfig(
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                max_scale=max_scale,
+            ),
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,

@@ -11,6 +11,7 @@ from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
+from shardwise.amp import LossScaleConfig
 from shardwise.gemini import placement_policy
 from shardwise.gemini.manager import device_budget
 from shardwise.zero.config import default_device
@@ -123,15 +124,15 @@ class GeminiStrategy(ShardwiseStrategyBase):
             placement = _unsharded_placement(placement)
         _check_placement(placement)
         super().__init__(
-            loss_scale={
-                "initial_scale": initial_scale,
-                "min_scale": min_scale,
-                "growth_factor": growth_factor,
-                "backoff_factor": backoff_factor,
-                "growth_interval": growth_interval,
-                "hysteresis": hysteresis,
-                "max_scale": max_scale,
-            },
+            loss_scale=LossScaleConfig(
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                max_scale=max_scale,
+            ),
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,

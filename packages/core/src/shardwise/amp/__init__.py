@@ -1,5 +1,10 @@
 """Loss scaling for mixed-precision training."""
 
-from shardwise.amp.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from shardwise.amp.grad_scaler import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    GradScaler,
+    LossScaleConfig,
+)
 
-__all__ = ["ConstantGradScaler", "DynamicGradScaler", "GradScaler"]
+__all__ = ["ConstantGradScaler", "DynamicGradScaler", "GradScaler", "LossScaleConfig"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 _DYNAMIC_KEYS = (
@@ -71,6 +72,50 @@ def _check_count(owner: str, name: str, value: object) -> int:
     if value < 1:
         raise ValueError(f"{owner}: {name} must be >= 1, got {value}")
     return value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossScaleConfig:
+    """The dynamic loss scale's settings, validated once (the seeds' seven loss-scale
+    arguments, which every entry point takes, become this).
+
+    See `DynamicGradScaler` for how they act together.
+    """
+
+    initial_scale: float = 2**16
+    """The scale of the first step."""
+    growth_factor: float = 2.0
+    """Factor > 1 applied after `growth_interval` clean steps in a row."""
+    backoff_factor: float = 0.5
+    """Factor in (0, 1) applied on overflow once the hysteresis is used up."""
+    growth_interval: int = 1000
+    """Clean steps between growths, >= 1."""
+    hysteresis: int = 2
+    """Overflows tolerated before backing off, >= 1."""
+    min_scale: float = 1.0
+    """Lower bound, > 0."""
+    max_scale: float = 2**32
+    """Upper bound, >= initial_scale."""
+
+    def __post_init__(self) -> None:
+        owner = "DynamicGradScaler"
+        for name in ("initial_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            _check_number(owner, name, getattr(self, name))
+        for name in ("growth_interval", "hysteresis"):
+            _check_count(owner, name, getattr(self, name))
+        if self.growth_factor <= 1:
+            raise ValueError(f"{owner}: growth_factor must be > 1, got {self.growth_factor}")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(
+                f"{owner}: backoff_factor must be in (0, 1), got {self.backoff_factor}"
+            )
+        if self.min_scale <= 0:
+            raise ValueError(f"{owner}: min_scale must be > 0, got {self.min_scale}")
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise ValueError(
+                f"{owner}: need min_scale <= initial_scale <= max_scale, got {self.min_scale}, "
+                f"{self.initial_scale}, {self.max_scale}"
+            )
 
 
 class ConstantGradScaler(GradScaler):
@@ -149,28 +194,37 @@ class DynamicGradScaler(GradScaler):
         max_scale: float = 2**32,
     ) -> None:
         super().__init__()
-        owner = "DynamicGradScaler"
-        self.initial_scale = _check_number(owner, "initial_scale", initial_scale)
-        self.growth_factor = _check_number(owner, "growth_factor", growth_factor)
-        self.backoff_factor = _check_number(owner, "backoff_factor", backoff_factor)
-        self.growth_interval = _check_count(owner, "growth_interval", growth_interval)
-        self.hysteresis = _check_count(owner, "hysteresis", hysteresis)
-        self.min_scale = _check_number(owner, "min_scale", min_scale)
-        self.max_scale = _check_number(owner, "max_scale", max_scale)
-        if self.growth_factor <= 1:
-            raise ValueError(f"{owner}: growth_factor must be > 1, got {growth_factor}")
-        if not 0 < self.backoff_factor < 1:
-            raise ValueError(f"{owner}: backoff_factor must be in (0, 1), got {backoff_factor}")
-        if self.min_scale <= 0:
-            raise ValueError(f"{owner}: min_scale must be > 0, got {min_scale}")
-        if not self.min_scale <= self.initial_scale <= self.max_scale:
-            raise ValueError(
-                f"{owner}: need min_scale <= initial_scale <= max_scale, got {min_scale}, "
-                f"{initial_scale}, {max_scale}"
-            )
+        config = LossScaleConfig(
+            initial_scale=initial_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        self.initial_scale = float(config.initial_scale)
+        self.growth_factor = float(config.growth_factor)
+        self.backoff_factor = float(config.backoff_factor)
+        self.growth_interval = config.growth_interval
+        self.hysteresis = config.hysteresis
+        self.min_scale = float(config.min_scale)
+        self.max_scale = float(config.max_scale)
         self._scale = self.initial_scale
         self.growth_step = 0
         self.hysteresis_step = 0
+
+    @classmethod
+    def from_config(cls, config: LossScaleConfig) -> DynamicGradScaler:
+        return cls(
+            initial_scale=config.initial_scale,
+            growth_factor=config.growth_factor,
+            backoff_factor=config.backoff_factor,
+            growth_interval=config.growth_interval,
+            hysteresis=config.hysteresis,
+            min_scale=config.min_scale,
+            max_scale=config.max_scale,
+        )
 
     @property
     def scale(self) -> float:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
+from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler, LossScaleConfig
 from shardwise.chunk import Chunk
 from shardwise.optim import HybridAdam
 from shardwise.zero.grad_norm import global_grad_norm
@@ -350,8 +350,9 @@ class SkippedStepsWarning(RuntimeWarning):
     """Optimizer steps keep being skipped for non-finite gradients."""
 
 
-def grad_scaler_for(model: ZeroModel, **settings: Any) -> GradScaler:
-    """A DynamicGradScaler with `settings` when any of the model's dtypes is fp16, otherwise a
-    constant scale of 1 (the settings are validated all the same)."""
-    dynamic = DynamicGradScaler(**settings)
-    return dynamic if model.config.mixed_precision.uses_loss_scaling else ConstantGradScaler()
+def grad_scaler_for(model: ZeroModel, loss_scale: LossScaleConfig) -> GradScaler:
+    """A DynamicGradScaler with `loss_scale` when any of the model's dtypes is fp16, otherwise
+    a constant scale of 1 (the settings were validated all the same, when built)."""
+    if model.config.mixed_precision.uses_loss_scaling:
+        return DynamicGradScaler.from_config(loss_scale)
+    return ConstantGradScaler()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from shardwise.amp import LossScaleConfig
 from shardwise.chunk import ChunkManager, Pool
 from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager, MemoryTracer
@@ -248,13 +249,15 @@ class ShardedOptimizerV2(ZeroOptimizer):
             raise TypeError(f"verbose must be a bool, got {verbose!r}")
         scaler = grad_scaler_for(
             sharded_model,
-            initial_scale=initial_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
+            LossScaleConfig(
+                initial_scale=initial_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+            ),
         )
         super().__init__(
             sharded_model, optimizer, grad_scaler=scaler, max_norm=max_norm, norm_type=norm_type

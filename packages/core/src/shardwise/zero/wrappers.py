@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.amp import LossScaleConfig
 from shardwise.zero.config import (
     DEFAULT_CHUNK_SIZE_NUMEL,
     MixedPrecision,
@@ -93,6 +94,7 @@ def zero_optim_wrapper(
     optim_config: Mapping[str, Any] | None = None,
     *,
     warn_after_skipped_steps: int = 10,
+    loss_scale: LossScaleConfig | None = None,
 ) -> ZeroOptimizer:
     """Wrap `optimizer` (built over `model.parameters()`) to step sharded fp32 master weights.
 
@@ -114,12 +116,32 @@ def zero_optim_wrapper(
             parameters run into the next forward; see `ZeroConfig`).
         warn_after_skipped_steps: warn when this many steps in a row were skipped for inf or
             nan gradients with no loss scale left to lower (see `ZeroOptimizer`).
+        loss_scale: the seven scaler settings as one `LossScaleConfig`, in place of the
+            separate arguments (which must then keep their defaults).
     """
     if not isinstance(model, ZeroModel):
         raise TypeError(
             f"model must be the result of zero_model_wrapper, got {type(model).__name__}"
         )
     check_no_optimizer_yet(model)
+    separate = LossScaleConfig(
+        initial_scale=initial_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
+    if loss_scale is None:
+        loss_scale = separate
+    elif not isinstance(loss_scale, LossScaleConfig):
+        raise TypeError(f"loss_scale must be a LossScaleConfig, got {loss_scale!r}")
+    elif separate != LossScaleConfig():
+        raise ValueError(
+            "pass the loss-scale settings either as loss_scale=LossScaleConfig(...) or as "
+            "separate arguments, not both"
+        )
     options = dict(optim_config or {})
     unknown = sorted(set(options) - set(_OPTIM_CONFIG_KEYS))
     if unknown:
@@ -146,20 +168,10 @@ def zero_optim_wrapper(
             overlap_communication=overlap,
             overlap_param_gather=param_gather,
         )
-    scaler = grad_scaler_for(
-        model,
-        initial_scale=initial_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-    )
     return ZeroOptimizer(
         model,
         optimizer,
-        grad_scaler=scaler,
+        grad_scaler=grad_scaler_for(model, loss_scale),
         max_norm=max_norm,
         norm_type=norm_type,
         warn_after_skipped_steps=warn_after_skipped_steps,
