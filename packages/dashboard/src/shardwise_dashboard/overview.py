@@ -17,6 +17,9 @@ METRICS = ("step_time_s", "sent_bytes", "moved_bytes", "mem_device", "mem_host")
 OUTLIER_WINDOW = 10
 """Steps over which a rank's step time and traffic are compared with the others'."""
 
+NOTABLE_RATIO = 1.1
+"""A largest value at least this many times the median is an outlier worth a look."""
+
 
 def _median(ordered: list[float]) -> float:
     mid = len(ordered) // 2
@@ -135,6 +138,8 @@ def outliers(ranks: list[dict[str, Any]], step_rows: list[tuple[Any, ...]]) -> l
                     "median": median,
                     "unit": unit,
                     "window": OUTLIER_WINDOW if kind != "memory" else 1,
+                    # The largest is named even when all are alike; the page dims it then.
+                    "notable": value >= NOTABLE_RATIO * median,
                 }
             )
     return found

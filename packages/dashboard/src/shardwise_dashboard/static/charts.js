@@ -148,6 +148,7 @@ export class LineChart {
 }
 
 export function formatBytes(v) {
+  if (Math.abs(v) < 1) return "0 B"; // also the -1e-9 a flat line's axis is widened to
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
   let i = 0;
   let x = Math.abs(v);

@@ -211,6 +211,7 @@ export class OverviewView {
     const items = this.data.outliers.map((o) => {
       const li = el("li", `outlier outlier-${o.kind}`);
       li.dataset.kind = o.kind;
+      if (o.notable === false) li.classList.add("unremarkable");
       li.dataset.rank = String(o.rank);
       const link = el("button", "rank-link", `rank ${o.rank}`);
       link.type = "button";
@@ -228,6 +229,9 @@ export class OverviewView {
     const canvas = this.heatmap;
     canvas.dataset.ranks = String(ranks.length);
     canvas.dataset.chunks = String(chunks);
+    // A few ranks or chunks get cells of at most 14 px, not the whole box.
+    canvas.style.maxWidth = `${(chunks + 2) * 14}px`;
+    canvas.style.height = `${Math.min(260, Math.max(28, ranks.length * 14))}px`;
     const ratio = window.devicePixelRatio || 1;
     const cw = Math.max(1, Math.round(canvas.clientWidth * ratio));
     const ch = Math.max(1, Math.round(canvas.clientHeight * ratio));
