@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +12,7 @@ from helpers import CHUNK_NUMEL, Run, batch_slice, make_model, reference
 from shardwise import (
     ChunkManager,
     ColoDDP,
+    CommOp,
     GeminiDDP,
     GeminiManager,
     zero_model_wrapper,
@@ -229,3 +232,27 @@ def test_stage1_refuses_a_backward_between_step_and_zero_grad() -> None:
     # ZeRO formula's memory): a backward before zero_grad() would add onto it.
     for message in run_ranks(_stage1_backward_after_step_without_zero_grad, 2):
         assert "call optimizer.zero_grad() between step() and the next backward" in message
+
+
+def _packing_counts(bucket: int | None) -> dict[str, Any]:
+    model = make_model()
+    wrapped = zero_model_wrapper(model, 2, {"device": CPU})
+    manager = wrapped.chunk_manager
+    broadcasts = wrapped.comm_stats.calls(CommOp.BROADCAST)
+    options = {"reduce_bucket_size": bucket} if bucket else None
+    zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1), optim_config=options)
+    return {
+        "repacked": wrapped.chunk_manager is not manager,
+        "chunks": len(wrapped.chunk_manager.chunks),
+        "extra_broadcasts": wrapped.comm_stats.calls(CommOp.BROADCAST) - broadcasts,
+    }
+
+
+def test_stages_1_and_2_are_packed_once_with_the_default_bucket_and_without_broadcasts_else() -> (
+    None
+):
+    default = run_ranks(_packing_counts, 2, None)[0]
+    assert default == {"repacked": False, "chunks": 1, "extra_broadcasts": 0}
+    small = run_ranks(_packing_counts, 2, 3001)[0]
+    # A bucket size of its own re-packs the chunks, from values every rank already shares.
+    assert small["repacked"] and small["chunks"] > 1 and small["extra_broadcasts"] == 0

@@ -153,9 +153,10 @@ class Chunk(PoolMoves):
     def shard_begin(self) -> int:
         return self.rank * self.shard_numel
 
-    def close(self, src_rank: int = 0) -> None:
-        """Copy the parameters into the flat buffer, make every rank hold `src_rank`'s values,
-        point the parameters at the buffer, and keep this rank's shard."""
+    def close(self, src_rank: int | None = 0) -> None:
+        """Copy the parameters into the flat buffer, make every rank hold `src_rank`'s values
+        (None: they already do), point the parameters at the buffer, and keep this rank's
+        shard."""
         if self.closed:
             raise RuntimeError(f"chunk {self.chunk_id} is already closed")
         self.closed = True
@@ -164,7 +165,8 @@ class Chunk(PoolMoves):
             self.full[info.offset : info.offset + info.numel].copy_(info.param.data.reshape(-1))
         # Ranks may have built the model with different random states: rank 0's values win,
         # as in DDP, so every rank starts from the same parameters.
-        comm.broadcast(self.full, src_rank, self.stats, self.group)
+        if src_rank is not None:
+            comm.broadcast(self.full, src_rank, self.stats, self.group)
         if self.dtypes.compute != self.dtypes.payload:
             self.full_compute = self.full.to(self.dtypes.compute)
         self._bind_params()

@@ -84,6 +84,7 @@ class ChunkManager:
         *,
         numel_of: Callable[[nn.Parameter], int] = torch.Tensor.numel,
         make_whole: Callable[[nn.Parameter], None] | None = None,
+        values_agree: bool = False,
     ) -> None:
         """Pack the parameters into chunks, closing each chunk as soon as its last parameter is
         in (same order on all ranks; see [Note: packing one chunk at a time]).
@@ -97,6 +98,8 @@ class ChunkManager:
             make_whole: called on each parameter just before it is packed, to give it its
                 whole values (a collective when it gathers them: every rank calls it on the
                 same parameters in the same order).
+            values_agree: every rank already holds the same values (a re-pack), so no chunk
+                broadcasts rank 0's.
         """
         unique: dict[int, tuple[str, nn.Parameter]] = {}  # tied parameters are stored once
         for name, param in named_params:
@@ -138,7 +141,7 @@ class ChunkManager:
             self._where[id(param)] = (chunk, len(chunk.tensors))
             chunk.append(name, param)
             if index in last:
-                last[index].close()
+                last[index].close(src_rank=None if values_agree else 0)
         assert all(chunk.closed for chunk in new_chunks)
         self.chunks.extend(new_chunks)
 

@@ -127,16 +127,27 @@ class ZeroModel(nn.Module):
 
     def _pack(self, chunk_manager: ChunkManager) -> None:
         """Move the parameters into chunks and hook the module (stage 3) and gradients."""
+        self._pack_chunks(chunk_manager, values_agree=False)
+        self._install_hooks()
+
+    def _pack_chunks(self, chunk_manager: ChunkManager, *, values_agree: bool) -> None:
         self.chunk_manager = chunk_manager
         gemini = self.gemini_manager
         self._register_parameters(
-            chunk_manager, gemini.sharded_fraction if gemini is not None else 1.0
+            chunk_manager,
+            gemini.sharded_fraction if gemini is not None else 1.0,
+            values_agree=values_agree,
         )
         if gemini is not None:
             gemini.place_chunks()
         if self.config.stage == 1:
             for chunk in chunk_manager.trainable_chunks():
                 chunk.share_grad_shard_with_full()
+
+    def _install_hooks(self) -> None:
+        """The gather schedule (stage 3), deferred parameter gathers, gradient reduction and
+        the root hooks, as the config says."""
+        chunk_manager, gemini = self.chunk_manager, self.gemini_manager
         self.scheduler: GatherScheduler | None = None
         self._forward_was_recorded = False
         if self.config.stage == 3:
@@ -169,7 +180,18 @@ class ZeroModel(nn.Module):
             self.module.register_forward_hook(self._after_forward, always_call=True),
         ]
 
-    def _register_parameters(self, chunk_manager: ChunkManager, sharded_fraction: float) -> None:
+    def _remove_hooks(self) -> None:
+        self.reducer.remove()
+        if self.scheduler is not None:
+            self.scheduler.remove()
+        if self.param_gather is not None:
+            self.param_gather.remove()
+        for handle in self._root_hooks:
+            handle.remove()
+
+    def _register_parameters(
+        self, chunk_manager: ChunkManager, sharded_fraction: float, *, values_agree: bool
+    ) -> None:
         """Pack the module's parameters into chunks, in `named_parameters()` order. A parameter
         built in a ZeroInitContext is made whole only just before it is packed, and each chunk
         is sharded as soon as it is full, so the whole model never exists on one rank (see
@@ -192,27 +214,29 @@ class ZeroModel(nn.Module):
             sharded_fraction=sharded_fraction,
             numel_of=whole_numel,
             make_whole=make_whole,
+            values_agree=values_agree,
         )
 
-    def rebuild(
+    def configure_reduction(
         self, *, chunk_size_numel: int, overlap_communication: bool, overlap_param_gather: bool
     ) -> None:
-        """Re-pack the parameters with a new chunk (bucket) size; stages 1 and 2 only, before
-        the first step, when the optimizer wrapper learns its bucket size."""
+        """Stages 1 and 2, before the first step, when the optimizer wrapper learns its bucket
+        size and overlap settings: the hooks are rebuilt, and the parameters re-packed only
+        for a new chunk (bucket) size, without broadcasting (every rank already holds rank
+        0's values)."""
         if self.stage == 3:
             raise ValueError("stage 3 chunks are fixed at wrap time (gemini_config)")
-        self.reducer.remove()
-        if self.param_gather is not None:
-            self.param_gather.remove()
-        for handle in self._root_hooks:
-            handle.remove()
+        self._remove_hooks()
+        repack = chunk_size_numel != self.config.chunk_size_numel
         self.config = replace(
             self.config,
             chunk_size_numel=chunk_size_numel,
             overlap_communication=overlap_communication,
             overlap_param_gather=overlap_param_gather,
         )
-        self._pack(self._new_chunk_manager(self.comm_stats))
+        if repack:
+            self._pack_chunks(self._new_chunk_manager(self.comm_stats), values_agree=True)
+        self._install_hooks()
 
     @property
     def stage(self) -> int:

@@ -136,14 +136,16 @@ class ShardedModelV2(ZeroModel):
             else None
         )
 
-    def _register_parameters(self, chunk_manager: ChunkManager, sharded_fraction: float) -> None:
+    def _register_parameters(
+        self, chunk_manager: ChunkManager, sharded_fraction: float, *, values_agree: bool
+    ) -> None:
         """One strategy group at a time: made whole (if built sliced), packed, sharded."""
         for group in self.shard_strategy.groups(self.module):
             for _, param in group:
                 if sliced(param):
                     unslice(param, self.comm_stats, self.config.process_group)
             chunk_manager.chunk_size_numel = max(1, sum(p.numel() for _, p in group))
-            chunk_manager.register(group)
+            chunk_manager.register(group, values_agree=values_agree)
 
     @property
     def cpu_offload(self) -> bool:

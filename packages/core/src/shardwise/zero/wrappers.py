@@ -76,7 +76,8 @@ def zero_model_wrapper(
 
 class _LowLevelZeroModel(ZeroModel):
     """Stages 1 and 2, whose gradient bucket size is only known once the optimizer is wrapped:
-    `zero_optim_wrapper` re-packs the chunks with its `reduce_bucket_size`."""
+    `zero_optim_wrapper` re-packs the chunks when its `reduce_bucket_size` differs from the
+    size they were packed with (see `ZeroModel.configure_reduction`)."""
 
 
 def zero_optim_wrapper(
@@ -163,7 +164,7 @@ def zero_optim_wrapper(
         param_gather = options.get("overlap_param_gather", False)
         if not isinstance(param_gather, bool):
             raise TypeError(f"overlap_param_gather must be a bool, got {param_gather!r}")
-        model.rebuild(
+        model.configure_reduction(
             chunk_size_numel=bucket,
             overlap_communication=overlap,
             overlap_param_gather=param_gather,
