@@ -152,14 +152,16 @@ def test_a_sink_waits_out_a_locked_database_once(tmp_path: Path) -> None:
     holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
     try:
         holder.execute("BEGIN EXCLUSIVE")
-        release = threading.Timer(1.5, holder.execute, args=("ROLLBACK",))
+        # Released while the second attempt waits on it: between 2 s (one busy timeout and
+        # one Retry-After) and 3 s (two busy timeouts and one Retry-After) after the first.
+        release = threading.Timer(2.5, holder.execute, args=("ROLLBACK",))
         release.start()
         sink = HttpSink(server.url, share_node=False, timeout_s=5.0)
         began = time.perf_counter()
         sink.write([step_event("locked", 0, 0)])  # 503 after 1 s; again 1 s later: stored
         waited = time.perf_counter() - began
         release.join()
-        assert sink.posts == 2 and 1.5 < waited < 4.5, (sink.posts, waited)
+        assert sink.posts == 2 and 2.0 < waited < 6.0, (sink.posts, waited)
         store = RunStore(db)
         assert store.count_events("locked") == 1
         store.close()

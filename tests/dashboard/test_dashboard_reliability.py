@@ -152,18 +152,20 @@ def test_a_locked_database_answers_503_with_retry_after(tmp_path: Path) -> None:
 
 
 def test_a_run_whose_ranks_went_silent_turns_stale(client: TestClient) -> None:
+    now = [1e9]
+    client.app.state.store.clock = lambda: now[0]  # type: ignore[attr-defined]  # the server's
     post(client, [started_event("quiet", r) for r in (0, 1)] + [step_event("quiet", 0, 0)])
     post(client, [*(started_event("done", r) for r in (0, 1)), finished_event("done", 0)])
     post(client, [finished_event("done", 1)])
     statuses = {run["run_id"]: run["status"] for run in client.get("/api/v1/runs").json()}
     assert statuses == {"quiet": "running", "done": "finished"}
-    time.sleep(0.6)
+    now[0] += 0.6
     post(client, [step_event("quiet", 1, 0)])  # rank 1 speaks; rank 0 goes on saying nothing
-    time.sleep(0.6)  # rank 0: 1.2 s of silence, over the 1 s; rank 1: 0.6 s
+    now[0] += 0.6  # rank 0: 1.2 s of silence, over the fixture's 1 s; rank 1: 0.6 s
     detail = client.get("/api/v1/runs/quiet").json()
     assert detail["status"] == "running"
     assert [rank["status"] for rank in detail["ranks"]] == ["stale", "running"]
-    time.sleep(0.5)
+    now[0] += 0.5
     statuses = {run["run_id"]: run["status"] for run in client.get("/api/v1/runs").json()}
     assert statuses == {"quiet": "stale", "done": "finished"}  # a finished run never goes stale
     outliers = client.get("/api/v1/overview/quiet").json()["outliers"]
