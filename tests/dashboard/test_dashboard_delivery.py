@@ -10,6 +10,7 @@ import sqlite3
 import struct
 import threading
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 from dashboard_support import Server, free_port, step_event
 from fastapi.testclient import TestClient
 
-from shardwise.telemetry import HttpSink, TelemetryEmitter
+from shardwise.telemetry import HttpSink, TelemetryEmitter, sinks
 from shardwise_dashboard.app import create_app
 from shardwise_dashboard.settings import Settings
 from shardwise_dashboard.storage import RunStore
@@ -199,3 +200,33 @@ def test_the_node_s_sender_takes_batches_from_its_own_user_only(
     finally:
         relay.close()
         peer.close()
+
+
+def test_a_dashboard_without_gzip_gets_plain_bodies_from_then_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[str | None] = []
+
+    class _Answer:
+        def __enter__(self) -> _Answer:
+            return self
+
+        def __exit__(self, *args: object) -> None:
+            pass
+
+        def read(self) -> bytes:
+            return b"{}"
+
+    def urlopen(request: Any, timeout: float) -> _Answer:
+        encoding = request.get_header("Content-encoding")
+        sent.append(encoding)
+        if encoding == "gzip":  # as a dashboard from before gzip answers: not JSON
+            raise urllib.error.HTTPError(request.full_url, 422, "Unprocessable", {}, None)  # type: ignore[arg-type]
+        return _Answer()
+
+    monkeypatch.setattr(sinks.urllib.request, "urlopen", urlopen)
+    sink = HttpSink("http://127.0.0.1:1", share_node=False, compress_min_bytes=1024)
+    big = [step_event(step=s) for s in range(20)]  # ~9 KB
+    sink.write(big)
+    sink.write(big)
+    assert sent == ["gzip", None, None]
