@@ -34,7 +34,7 @@ class GeminiManager:
 
     Args:
         placement_policy: "cuda" / "device", "cpu", "static" (see [Note: placement policies])
-            or "auto" (see [Note: auto placement]).
+            or "auto" (see [Note: auto placement]), or a `PlacementPolicy` object.
         chunk_manager: the (still empty) chunks to place.
         device_budget_bytes: the most bytes of model state the compute device may hold at any
             point of a step; checked after every gather and gradient copy. None: unlimited
@@ -48,7 +48,7 @@ class GeminiManager:
 
     def __init__(
         self,
-        placement_policy: str,
+        placement_policy: str | PlacementPolicy,
         chunk_manager: ChunkManager,
         *,
         device_budget_bytes: int | None = None,
@@ -58,13 +58,26 @@ class GeminiManager:
         offload_param_frac: float = 0.0,
         gpu_margin_mem_ratio: float = 0.0,
     ) -> None:
-        self.policy = placement_policy_object(
-            placement_policy,
-            shard_param_frac=shard_param_frac,
-            offload_optim_frac=offload_optim_frac,
-            offload_param_frac=offload_param_frac,
-            gpu_margin_mem_ratio=gpu_margin_mem_ratio,
-        )
+        if isinstance(placement_policy, PlacementPolicy):
+            if (shard_param_frac, offload_optim_frac, offload_param_frac, gpu_margin_mem_ratio) != (
+                1.0,
+                0.0,
+                0.0,
+                0.0,
+            ):
+                raise ValueError(
+                    "a PlacementPolicy object carries its own fractions; leave shard_param_frac, "
+                    "offload_optim_frac, offload_param_frac and gpu_margin_mem_ratio unset"
+                )
+            self.policy = placement_policy
+        else:
+            self.policy = placement_policy_object(
+                placement_policy,
+                shard_param_frac=shard_param_frac,
+                offload_optim_frac=offload_optim_frac,
+                offload_param_frac=offload_param_frac,
+                gpu_margin_mem_ratio=gpu_margin_mem_ratio,
+            )
         if not isinstance(chunk_manager, ChunkManager):
             raise TypeError(
                 f"chunk_manager must be a ChunkManager, got {type(chunk_manager).__name__}"

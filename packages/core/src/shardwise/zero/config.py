@@ -166,6 +166,15 @@ class ZeroConfig:
             )
         if self.chunk_size_numel < 1:
             raise ValueError(f"chunk size must be at least 1 element, got {self.chunk_size_numel}")
+        if (
+            isinstance(self.reduce_scatter_bucket_bytes, bool)
+            or not isinstance(self.reduce_scatter_bucket_bytes, int)
+            or self.reduce_scatter_bucket_bytes < 0
+        ):
+            raise ValueError(
+                f"reduce_scatter_bucket_bytes must be an int >= 0 (0: one reduction per chunk), "
+                f"got {self.reduce_scatter_bucket_bytes!r}"
+            )
         if self.gradient_reduction not in GRADIENT_REDUCTIONS:
             raise ValueError(
                 f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, "

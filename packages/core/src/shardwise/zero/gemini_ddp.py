@@ -9,18 +9,13 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.chunk import ChunkManager
 from shardwise.chunk.search import search_chunk_size
-from shardwise.gemini import GeminiManager
-from shardwise.zero.config import (
-    MixedPrecision,
-    ZeroConfig,
-    compute_device,
-    gradient_reduction_method,
-)
+from shardwise.comm import CommStats
+from shardwise.gemini import GeminiManager, placement_policy
+from shardwise.zero.config import MixedPrecision, ZeroConfig, compute_device
 from shardwise.zero.ignore import is_ignored, mark_ignored
 from shardwise.zero.init_context import whole_numel
-from shardwise.zero.model import ZeroModel
+from shardwise.zero.model import ZeroModel, chunk_manager_for
 
 # The seeds' defaults, in bytes: search 64 MiB above a 32 MiB minimum, in 4096 steps.
 DEFAULT_SEARCH_RANGE_BYTES = 64 * 1024**2
@@ -99,33 +94,13 @@ class GeminiDDP(ZeroModel):
             raise TypeError(
                 f"gemini_manager must be a GeminiManager, got {type(gemini_manager).__name__}"
             )
-        for name, value in (
-            ("pin_memory", pin_memory),
-            ("force_outputs_fp32", force_outputs_fp32),
-            ("strict_ddp_mode", strict_ddp_mode),
-            ("prefetch", prefetch),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}")
-        if (
-            isinstance(reduce_scatter_bucket_bytes, bool)
-            or not isinstance(reduce_scatter_bucket_bytes, int)
-            or reduce_scatter_bucket_bytes < 0
-        ):
-            raise ValueError(
-                f"reduce_scatter_bucket_bytes must be an int >= 0 (0: one reduction per chunk), "
-                f"got {reduce_scatter_bucket_bytes!r}"
-            )
-        if strict_ddp_mode:
-            raise ValueError(
-                "strict_ddp_mode=True replicates every tensor, which is plain data parallelism: "
-                "use ColoDDP(module) or zero_model_wrapper(model, zero_stage=1) instead"
-            )
+        _check_flags(pin_memory, force_outputs_fp32, strict_ddp_mode, prefetch)
         chunk_manager = gemini_manager.chunk_manager
         if chunk_manager.keep_gathered:
             raise ValueError(
                 "GeminiDDP shards parameters: build its ChunkManager with keep_gathered=False"
             )
+        # The seeds' entry point hands over built managers: the config is read off them.
         dtypes = chunk_manager.dtypes
         config = ZeroConfig(
             stage=3,
@@ -142,9 +117,28 @@ class GeminiDDP(ZeroModel):
             reduce_scatter_bucket_bytes=reduce_scatter_bucket_bytes,
             param_init_fn=param_init_fn,
         )
+        self._build(module, config, gemini_manager, pin_memory)
+
+    @classmethod
+    def from_config(
+        cls, module: nn.Module, config: ZeroConfig, gemini_manager: GeminiManager, pin_memory: bool
+    ) -> GeminiDDP:
+        """Stage 3 from a config parsed once (`zero_model_wrapper`'s path) and the placement
+        over an empty chunk manager built from it."""
+        model = cls.__new__(cls)
+        model._build(module, config, gemini_manager, pin_memory)
+        return model
+
+    def _build(
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        gemini_manager: GeminiManager,
+        pin_memory: bool,
+    ) -> None:
         self.pin_memory = pin_memory
         gemini_manager.pin_memory = pin_memory
-        super().__init__(module, config, chunk_manager, gemini_manager)
+        ZeroModel.__init__(self, module, config, gemini_manager.chunk_manager, gemini_manager)
 
     @staticmethod
     def set_params_to_ignore(params_to_ignore: Iterable[torch.Tensor]) -> None:
@@ -204,39 +198,59 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1
     ):
         raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
-    chunk_size = config.get("chunk_size_numel")
-    if chunk_size is None:
-        chunk_size = _searched_chunk_size(model, config, mixed_precision, hidden_dim)
-    elif hidden_dim is not None:
-        chunk_size = -(-chunk_size // hidden_dim) * hidden_dim
-    chunk_manager = ChunkManager(
-        chunk_size_numel=chunk_size,
-        device=device,
-        dtypes=mixed_precision.chunk_dtypes(),
-        group=config.get("process_group"),
-        reduce_method=gradient_reduction_method(
-            config.get("gradient_reduction", "auto"), config.get("process_group")
-        ),
-    )
-    manager = GeminiManager(
+    pin_memory = config.get("pin_memory", False)
+    prefetch = config.get("prefetch", True)
+    force_outputs_fp32 = config.get("force_outputs_fp32", False)
+    _check_flags(pin_memory, force_outputs_fp32, config.get("strict_ddp_mode", False), prefetch)
+    policy = placement_policy(
         config.get("placement_policy", "cuda"),
-        chunk_manager,
-        device_budget_bytes=config.get("device_budget_bytes"),
         shard_param_frac=config.get("shard_param_frac", 1.0),
         offload_optim_frac=config.get("offload_optim_frac", 0.0),
         offload_param_frac=config.get("offload_param_frac", 0.0),
         gpu_margin_mem_ratio=config.get("gpu_margin_mem_ratio", 0.0),
     )
-    return GeminiDDP(
-        model,
-        manager,
-        pin_memory=config.get("pin_memory", False),
-        force_outputs_fp32=config.get("force_outputs_fp32", False),
-        strict_ddp_mode=config.get("strict_ddp_mode", False),
-        prefetch=config.get("prefetch", True),
+    chunk_size = config.get("chunk_size_numel")
+    if chunk_size is None:
+        chunk_size = _searched_chunk_size(model, config, mixed_precision, hidden_dim)
+    elif hidden_dim is not None:
+        chunk_size = -(-chunk_size // hidden_dim) * hidden_dim
+    zero_config = ZeroConfig(
+        stage=3,
+        device=device,
+        mixed_precision=mixed_precision,
+        chunk_size_numel=chunk_size,
+        process_group=config.get("process_group"),
+        gradient_reduction=config.get("gradient_reduction", "auto"),
+        prefetch=prefetch,
+        overlap_communication=policy.allows_overlapped_reduction,
+        force_outputs_fp32=force_outputs_fp32,
         reduce_scatter_bucket_bytes=config.get("reduce_scatter_bucket_bytes", 0),
         param_init_fn=config.get("param_init_fn"),
     )
+    manager = GeminiManager(
+        policy,
+        chunk_manager_for(zero_config, CommStats()),
+        device_budget_bytes=config.get("device_budget_bytes"),
+    )
+    return GeminiDDP.from_config(model, zero_config, manager, pin_memory)
+
+
+def _check_flags(
+    pin_memory: object, force_outputs_fp32: object, strict_ddp_mode: object, prefetch: object
+) -> None:
+    for name, value in (
+        ("pin_memory", pin_memory),
+        ("force_outputs_fp32", force_outputs_fp32),
+        ("strict_ddp_mode", strict_ddp_mode),
+        ("prefetch", prefetch),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if strict_ddp_mode:
+        raise ValueError(
+            "strict_ddp_mode=True replicates every tensor, which is plain data parallelism: "
+            "use ColoDDP(module) or zero_model_wrapper(model, zero_stage=1) instead"
+        )
 
 
 def _searched_chunk_size(

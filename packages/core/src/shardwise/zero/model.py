@@ -92,7 +92,7 @@ class ZeroModel(nn.Module):
         self.config = config
         self._dtypes = config.mixed_precision.chunk_dtypes()
         if chunk_manager is None:
-            chunk_manager = self._new_chunk_manager(CommStats())
+            chunk_manager = chunk_manager_for(config, CommStats())
         elif chunk_manager.chunks:
             raise ValueError("chunk_manager already holds chunks; pass a fresh ChunkManager")
         self.comm_stats = chunk_manager.stats
@@ -111,19 +111,6 @@ class ZeroModel(nn.Module):
             self.module.to(config.device)
             self._sync_buffers()
             self._meta = None  # every tensor has storage now; a later re-pack needs none
-
-    def _new_chunk_manager(self, stats: CommStats) -> ChunkManager:
-        return ChunkManager(
-            chunk_size_numel=self.config.chunk_size_numel,
-            device=self.config.device,
-            dtypes=self._dtypes,
-            group=self.config.process_group,
-            stats=stats,
-            keep_gathered=self.config.stage < 3,
-            reduce_method=gradient_reduction_method(
-                self.config.gradient_reduction, self.config.process_group
-            ),
-        )
 
     def _pack(self, chunk_manager: ChunkManager) -> None:
         """Move the parameters into chunks and hook the module (stage 3) and gradients."""
@@ -235,7 +222,7 @@ class ZeroModel(nn.Module):
             overlap_param_gather=overlap_param_gather,
         )
         if repack:
-            self._pack_chunks(self._new_chunk_manager(self.comm_stats), values_agree=True)
+            self._pack_chunks(chunk_manager_for(self.config, self.comm_stats), values_agree=True)
         self._install_hooks()
 
     @property
@@ -376,6 +363,20 @@ class ZeroModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}, chunks={len(self.chunk_manager.chunks)}"
+
+
+def chunk_manager_for(config: ZeroConfig, stats: CommStats) -> ChunkManager:
+    """An empty chunk manager as `config` says: chunk size, device, dtypes, group, reduction
+    method, and whether chunks keep their payload gathered (stages 1 and 2)."""
+    return ChunkManager(
+        chunk_size_numel=config.chunk_size_numel,
+        device=config.device,
+        dtypes=config.mixed_precision.chunk_dtypes(),
+        group=config.process_group,
+        stats=stats,
+        keep_gathered=config.stage < 3,
+        reduce_method=gradient_reduction_method(config.gradient_reduction, config.process_group),
+    )
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
