@@ -14,7 +14,14 @@ import torch
 import torch.distributed as dist
 from helpers import CHUNK_NUMEL, batch_slice, make_model
 
-from shardwise import MixedPrecision, checkpoint, telemetry, zero_model_wrapper, zero_optim_wrapper
+from shardwise import (
+    CommOp,
+    MixedPrecision,
+    checkpoint,
+    telemetry,
+    zero_model_wrapper,
+    zero_optim_wrapper,
+)
 from shardwise.testing import run_ranks
 from shardwise.zero.optimizer import SkippedStepsWarning
 from shardwise.zero.rank_sync import RanksOutOfStep
@@ -323,3 +330,19 @@ def test_a_forward_without_gradients_on_rank_0_only_is_harmless_at_stages_1_and_
 ) -> None:
     # No collective runs in such a forward at stages 1-2, so nothing is out of step.
     assert run_ranks(_rank0_evaluates_alone, 2, stage, timeout_s=60) == [("none", "")] * 2
+
+
+def _control_traffic_of_a_save(path: str) -> tuple[int, int]:
+    wrapped, optimizer = _build(2)
+    before = wrapped.comm_stats.calls(CommOp.CONTROL)
+    checkpoint.save(path, wrapped, optimizer)
+    after_save = wrapped.comm_stats.calls(CommOp.CONTROL)
+    checkpoint.load(path, wrapped, optimizer)
+    return after_save - before, wrapped.comm_stats.calls(CommOp.CONTROL) - after_save
+
+
+def test_checkpoint_agreements_go_through_the_models_counted_collectives(tmp_path: Path) -> None:
+    for saved, loaded in run_ranks(_control_traffic_of_a_save, 2, str(tmp_path / "ckpt")):
+        # save: the target check, the version token, barriers, the key union, the file list;
+        # load: the checksum verdict.
+        assert saved >= 5 and loaded >= 1, (saved, loaded)

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from shardwise.checkpoint.commit import (
     CheckpointError,
+    Ranks,
     check_save_target,
     new_version_dir,
     read_manifest,
@@ -59,9 +59,10 @@ def save(
         extra: anything picklable (epoch, step, RNG states, data position); rank 0's is kept.
     """
     _check_pair(model, optimizer)
+    ranks = _ranks_of(model)
     target = Path(path)
-    check_save_target(target)
-    remove_unfinished_versions(target)
+    check_save_target(target, ranks)
+    remove_unfinished_versions(target, ranks)
     slices = param_slices(model)
     state: dict[str, Any] = {}
     for item in slices:
@@ -76,7 +77,7 @@ def save(
         ]
         objects["grad_scaler"] = optimizer.grad_scaler.state_dict()
     state["objects"] = _pickled(objects)
-    version = new_version_dir(target)
+    version = new_version_dir(target, ranks)
     dcp_save(
         state,
         storage_writer=FileSystemWriter(version),
@@ -91,7 +92,7 @@ def save(
         "optimizer_type": _type_name(optimizer.optim) if optimizer is not None else None,
         "state_dict_keys": _state_dict_keys(model, slices),
     }
-    write_manifest_and_commit(target, version, description)
+    write_manifest_and_commit(target, version, description, ranks)
 
 
 def load(
@@ -109,11 +110,12 @@ def load(
     shapes, naming the first problem.
     """
     _check_pair(model, optimizer)
+    ranks = _ranks_of(model)
     source = Path(path)
-    remove_unfinished_versions(source)
+    remove_unfinished_versions(source, ranks)
     manifest = read_manifest(source)
     if verify_checksums:
-        verify_files(source, manifest)
+        verify_files(source, manifest, ranks)
     slices = param_slices(model)
     _check_same_model(manifest, slices, model)
     if optimizer is not None:
@@ -153,6 +155,10 @@ def load(
     if optimizer is not None:
         _restore_optimizer(optimizer, slices, state, objects)
     return objects["extra"]
+
+
+def _ranks_of(model: ZeroModel) -> Ranks:
+    return Ranks(model.comm_stats, model.config.process_group)
 
 
 def _check_pair(model: ZeroModel, optimizer: ZeroOptimizer | None) -> None:
@@ -260,7 +266,7 @@ def _optimizer_state(optimizer: ZeroOptimizer, slices: list[ParamSlice]) -> dict
         for key, value in optimizer.optim.state.get(view, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == view.shape and value.dim() == 1:
                 local_keys.setdefault(item.name, {})[key] = str(value.dtype)
-    agreed = _union(local_keys)
+    agreed = _union(local_keys, _ranks_of(optimizer.model))
     state: dict[str, Any] = {}
     for item in slices:
         view = optimizer.shard_views.get(item.name)
@@ -282,11 +288,8 @@ def _optimizer_state(optimizer: ZeroOptimizer, slices: list[ParamSlice]) -> dict
     return state
 
 
-def _union(local: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
-    if not dist.is_initialized():
-        return local
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+def _union(local: dict[str, dict[str, str]], ranks: Ranks) -> dict[str, dict[str, str]]:
+    gathered = ranks.all_gather(local)
     merged: dict[str, dict[str, str]] = {}
     for part in gathered:
         for name, keys in part.items():

@@ -15,10 +15,15 @@ import json
 import os
 import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from shardwise import comm
+from shardwise.comm import CommStats
 
 MANIFEST = "manifest.json"
 FORMAT = "shardwise-checkpoint"
@@ -29,7 +34,45 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted or belongs to another model."""
 
 
-def check_save_target(path: Path) -> None:
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """The ranks taking part in a save or load (the model's group), and the counters their
+    agreements are recorded in; `Ranks.alone()` is one process reading by itself."""
+
+    stats: CommStats
+    group: ProcessGroup | None = None
+    collective: bool = True
+
+    @classmethod
+    def alone(cls) -> Ranks:
+        return cls(CommStats(), None, collective=False)
+
+    @property
+    def rank(self) -> int:
+        return comm.rank(self.group) if self.collective else 0
+
+    @property
+    def world(self) -> int:
+        return comm.world_size(self.group) if self.collective else 1
+
+    def barrier(self) -> None:
+        if self.collective:
+            comm.barrier(self.stats, self.group)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        if not self.collective:
+            return [value]
+        return comm.all_gather_object(value, self.stats, self.group)
+
+    def from_first(self, value: Any) -> Any:
+        """The value of the group's first rank, on every rank."""
+        if not self.collective or not dist.is_initialized():
+            return value
+        first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        return comm.broadcast_object(value, first, self.stats, self.group)
+
+
+def check_save_target(path: Path, ranks: Ranks) -> None:
     """Refuse, on every rank alike and before anything is written, a `path` that exists and
     is not a checkpoint link (an ordinary directory or file would never be replaced)."""
     problem = None
@@ -39,13 +82,13 @@ def check_save_target(path: Path) -> None:
             f"{path} exists and is an ordinary {kind}, not a shardwise checkpoint link: save to "
             f"another path, or remove it first"
         )
-    _raise_on_every_rank(problem)
+    _raise_on_every_rank(problem, ranks)
 
 
-def remove_unfinished_versions(path: Path) -> None:
+def remove_unfinished_versions(path: Path, ranks: Ranks) -> None:
     """Rank 0 drops the directories of saves to `path` that were killed before publishing
     (see [Note: atomic checkpoints]); the published one, if any, is kept."""
-    if _rank() == 0:
+    if ranks.rank == 0:
         current = path.resolve() if path.is_symlink() else None
         for stale in path.parent.glob(f"{path.name}.*"):
             unfinished = stale.is_dir() and not stale.is_symlink() and _is_version_of(path, stale)
@@ -53,15 +96,13 @@ def remove_unfinished_versions(path: Path) -> None:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def new_version_dir(path: Path) -> Path:
+def new_version_dir(path: Path, ranks: Ranks) -> Path:
     """A fresh directory beside `path` for this save, the same on every rank."""
-    token = [secrets.token_hex(6) if _rank() == 0 else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(token, src=0)
-    version = path.parent / f"{path.name}.{token[0]}"
-    if _rank() == 0:
+    token = ranks.from_first(secrets.token_hex(6) if ranks.rank == 0 else None)
+    version = path.parent / f"{path.name}.{token}"
+    if ranks.rank == 0:
         version.mkdir(parents=True)
-    _barrier()
+    ranks.barrier()
     return version
 
 
@@ -73,17 +114,18 @@ def sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest_and_commit(path: Path, version: Path, description: dict[str, Any]) -> None:
+def write_manifest_and_commit(
+    path: Path, version: Path, description: dict[str, Any], ranks: Ranks
+) -> None:
     """Hash the files (each rank its share), then on rank 0 write the manifest and publish."""
-    _barrier()
+    ranks.barrier()
     files = sorted(p.name for p in version.iterdir() if p.is_file())
-    mine = {
-        name: _file_entry(version / name) for i, name in enumerate(files) if i % _world() == _rank()
-    }
+    rank, world = ranks.rank, ranks.world
+    mine = {name: _file_entry(version / name) for i, name in enumerate(files) if i % world == rank}
     entries: dict[str, Any] = {}
-    for part in _all_gather(mine):
+    for part in ranks.all_gather(mine):
         entries.update(part)
-    if _rank() == 0:
+    if rank == 0:
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "files": entries, **description}
         temporary = version / f".{MANIFEST}.tmp"
         with temporary.open("w") as handle:
@@ -91,15 +133,15 @@ def write_manifest_and_commit(path: Path, version: Path, description: dict[str, 
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, version / MANIFEST)
-        _publish(path, version)
-    _barrier()
+        _publish(path, version, ranks)
+    ranks.barrier()
 
 
 def _file_entry(file: Path) -> dict[str, Any]:
     return {"bytes": file.stat().st_size, "sha256": sha256(file)}
 
 
-def _publish(path: Path, version: Path) -> None:
+def _publish(path: Path, version: Path, ranks: Ranks) -> None:
     if path.exists() and not path.is_symlink():
         raise CheckpointError(
             f"{path} exists and is not a shardwise checkpoint link; choose another path or "
@@ -112,7 +154,7 @@ def _publish(path: Path, version: Path) -> None:
     _fsync_dir(path.parent)
     if previous is not None and previous != version.resolve() and previous.is_dir():
         shutil.rmtree(previous, ignore_errors=True)
-    remove_unfinished_versions(path)
+    remove_unfinished_versions(path, ranks)
 
 
 def _is_version_of(path: Path, candidate: Path) -> bool:
@@ -154,13 +196,13 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_files(path: Path, manifest: dict[str, Any], *, collective: bool = True) -> None:
+def verify_files(path: Path, manifest: dict[str, Any], ranks: Ranks) -> None:
     """Check every file's size and checksum, each rank a share, and raise the same error on
     every rank (naming the first bad file) so no rank is left waiting in a collective. With
-    `collective=False` this process checks every file alone (one rank reading a checkpoint)."""
+    `Ranks.alone()` this process checks every file itself (one rank reading a checkpoint)."""
     names = sorted(manifest["files"])
     problem: tuple[int, str] | None = None
-    rank, world = (_rank(), _world()) if collective else (0, 1)
+    rank, world = ranks.rank, ranks.world
     for i, name in enumerate(names):
         if i % world != rank:
             continue
@@ -175,34 +217,13 @@ def verify_files(path: Path, manifest: dict[str, Any], *, collective: bool = Tru
             problem = (i, f"{file} is corrupted: its SHA-256 differs from the manifest's")
         if problem:
             break
-    problems = sorted(p for p in (_all_gather(problem) if collective else [problem]) if p)
+    problems = sorted(p for p in ranks.all_gather(problem) if p)
     if problems:
         raise CheckpointError(problems[0][1])
 
 
-def _raise_on_every_rank(problem: str | None) -> None:
+def _raise_on_every_rank(problem: str | None, ranks: Ranks) -> None:
     """Raise the lowest rank's problem on every rank, or return on every rank."""
-    found = [p for p in _all_gather(problem) if p]
+    found = [p for p in ranks.all_gather(problem) if p]
     if found:
         raise CheckpointError(found[0])
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _all_gather(value: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from shardwise.checkpoint.commit import CheckpointError, read_manifest, verify_files
+from shardwise.checkpoint.commit import CheckpointError, Ranks, read_manifest, verify_files
 
 # The key of a saver's `extra` (a dict) holding, per optimizer parameter group, the names of
 # its parameters in group order (see [Note: consolidated checkpoints]).
@@ -68,7 +68,7 @@ def read_whole(
     source = Path(path)
     manifest = read_manifest(source)
     if verify_checksums:
-        verify_files(source, manifest, collective=False)
+        verify_files(source, manifest, Ranks.alone())
     metadata = FileSystemReader(source).read_metadata().state_dict_metadata
     wanted = ("model.", "buffer.", "optim.") if optimizer else ("model.", "buffer.")
     state: dict[str, Any] = {

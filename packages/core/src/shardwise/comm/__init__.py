@@ -12,6 +12,7 @@ from shardwise.comm.collectives import (
     world_size,
 )
 from shardwise.comm.lifecycle import check_launched_group, destroy_default_group_at_exit
+from shardwise.comm.objects import all_gather_object, barrier, broadcast_object
 from shardwise.comm.stats import CommOp, CommStats, OpCount
 
 __all__ = [
@@ -21,8 +22,11 @@ __all__ = [
     "ReduceScatterMethod",
     "Waitable",
     "all_gather",
+    "all_gather_object",
     "all_reduce",
+    "barrier",
     "broadcast",
+    "broadcast_object",
     "check_launched_group",
     "destroy_default_group_at_exit",
     "rank",

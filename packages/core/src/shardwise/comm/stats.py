@@ -17,6 +17,9 @@ class CommOp(str, Enum):
     """Every rank contributes and receives a whole buffer (norms, overflow flags, DDP grads)."""
     BROADCAST = "broadcast"
     """One rank's buffer is copied to all (initial parameter sync)."""
+    CONTROL = "control"
+    """Agreements between ranks outside the step: barriers and small pickled Python objects
+    (checkpoint tokens and file lists, run ids, error reports); bytes are the pickles'."""
 
 
 @dataclass(slots=True)

@@ -190,7 +190,9 @@ def _report_uncaught_exceptions(recorder: TelemetryRecorder) -> None:
 
 
 def _shared_run_id(model: ZeroModel) -> str:
-    chosen = [time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)]
+    chosen = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+    group = model.config.process_group
     if dist.is_initialized():
-        dist.broadcast_object_list(chosen, src=0, group=model.config.process_group)
-    return str(chosen[0])
+        first = 0 if group is None else dist.get_global_rank(group, 0)
+        chosen = comm.broadcast_object(chosen, first, model.comm_stats, group)
+    return str(chosen)

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from shardwise import comm
@@ -107,8 +106,7 @@ class RankSync:
 
     def _raise(self, phase: str) -> None:
         doing = self._position.describe(phase)
-        everyone: list[str | None] = [None] * comm.world_size(self._group)
-        dist.all_gather_object(everyone, doing, group=self._group)
+        everyone = comm.all_gather_object(doing, self._stats, self._group)
         lines = "\n".join(f"  rank {rank}: {what}" for rank, what in enumerate(everyone))
         raise RanksOutOfStep(
             f"ranks are out of step:\n{lines}\n"
