@@ -34,6 +34,7 @@ from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler, Los
 from shardwise.chunk import Chunk
 from shardwise.optim import HybridAdam
 from shardwise.zero.grad_norm import global_grad_norm
+from shardwise.zero.ignore import is_ignored
 from shardwise.zero.model import ZeroModel
 
 
@@ -141,12 +142,21 @@ class ZeroOptimizer:
     def _swap_params_for_shards(self) -> None:
         """See [Note: the optimizer sees shard views]."""
         manager = self.model.chunk_manager
-        foreign = [
-            str(tuple(param.shape))
+        unmanaged = [
+            param
             for group in self.optim.param_groups
             for param in group["params"]
             if not manager.manages(param)
         ]
+        ignored = [tuple(param.shape) for param in unmanaged if is_ignored(param)]
+        if ignored:
+            raise ValueError(
+                f"optimizer holds {len(ignored)} parameter(s) marked by set_params_to_ignore "
+                f"(shapes {', '.join(map(str, ignored[:5]))}): the engine leaves those to you, "
+                f"so build this optimizer over the other parameters and step the ignored ones "
+                f"with an optimizer of your own"
+            )
+        foreign = [str(tuple(param.shape)) for param in unmanaged]
         if foreign:
             raise ValueError(
                 f"optimizer holds {len(foreign)} parameter(s) the model does not own (shapes "
