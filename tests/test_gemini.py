@@ -173,6 +173,7 @@ def _auto_stats(budget: int) -> dict[str, Any]:
         "evictions": gemini.auto.evictions,
         "peak": gemini.peak_device_bytes,
         "non_model": max(gemini.auto.non_model),
+        "planned": gemini.auto.warmup_peak + gemini.auto.reserved_bytes,
     }
 
 
@@ -182,16 +183,16 @@ def test_auto_policy_matches_cuda_and_keeps_to_its_budget() -> None:
     assert roomy["losses"] == cuda["losses"]
     for key, value in cuda["state"].items():
         assert torch.equal(roomy["state"][key], value), key
-    # With room to spare every shard a step uses comes to the device and stays (the unused
-    # branch's chunk is never gathered, so it stays in host memory), and the margin takes the
-    # optimizer sides there too.
-    for chunk in roomy["report"]:
-        unused = all(name.startswith("branch.") for name in chunk["tensors"])
-        assert chunk["payload"] == ("host" if unused else "device"), chunk
+    # With room to spare every shard comes to the device and stays, and the margin takes the
+    # optimizer sides there too (the unused branch's chunk last, whole: its gradients are
+    # reduced every step all the same).
+    assert all(c["payload"] == "device" for c in roomy["report"]), roomy["report"]
     assert all(c["optim"] == "device" for c in roomy["report"] if c["optim"] is not None)
-    # Room for the traced activations and a third of the model state: shards must move.
-    non_model = run_ranks(_auto_stats, 2, 10 * cuda["peak"])[0]["non_model"]
-    tight_budget = non_model + cuda["pools"]["device"] // 3
+    assert all(m == {"to_device": 0, "to_host": 0} for m in roomy["moved"][1:])
+    # Room for the working set, the traced activations, a prefetch and a third of the model
+    # state: shards must move.
+    planned = run_ranks(_auto_stats, 2, 10 * cuda["peak"])[0]["planned"]
+    tight_budget = planned + cuda["pools"]["device"] // 3
     tight = run_ranks(_auto, 2, tight_budget, 0.0)[0]
     assert tight["losses"] == cuda["losses"]
     stats = run_ranks(_auto_stats, 2, tight_budget)[0]

@@ -48,3 +48,11 @@ def gathered_bytes(chunk: Chunk) -> int:
     if chunk.dtypes.compute != chunk.dtypes.payload:
         nbytes += chunk.padded_numel * torch.empty((), dtype=chunk.dtypes.compute).element_size()
     return nbytes
+
+
+def transient_bytes(chunk: Chunk) -> int:
+    """Device bytes `chunk` holds now that a step allocates and frees: its gathered payload
+    (and compute copy) and its gradient buffer. Every placement needs them at once where the
+    step does; the rest of the model state can wait in host memory."""
+    nbytes = storage_bytes
+    return nbytes(chunk.full) + nbytes(chunk.full_compute) + nbytes(chunk.grad_full)

@@ -5,13 +5,33 @@ Every chunk starts with its shard and its optimizer side in host memory. The fir
 backward are the warm-up: a MemoryTracer samples the non-model bytes at each module boundary
 and the order in which boundaries use chunks is recorded. Before each boundary gathers its
 chunks, the device must have room for them (and, in backward, their gradient buffers) within
-the budget less the non-model bytes traced there; if it has not, shards resident on the device
-are sent to host memory, the one used again farthest in the future first (during warm-up, when
-the future is unknown, the least recently used first). After a gather, a shard that came from
-host memory stays on the device when it fits. At the end of warm-up, `gpu_margin_mem_ratio` of
-the room the warm-up left unused goes to optimizer sides on the device (master, gradient shard
-and optimizer state, chunk by chunk in chunk order), so those chunks step on the device. Ties
-go to the higher chunk id: nothing depends on set or dict iteration order.
+the budget less the non-model bytes traced there; if it has not, reductions still in flight are
+finished and shards resident on the device are sent to host memory, the one used again
+farthest in the future first (during warm-up, when the future is unknown, the least recently
+used first). After a gather, a shard that came from host memory stays on the device when it
+fits.
+
+The plan is a forecast, so the budget check after every allocation (a gather, a gradient
+buffer, a prefetch) does the same: over the budget, it finishes the reductions in flight,
+evicts shards, and as a last resort sends optimizer sides back to host memory, then carries on.
+It raises only when the model state still passes the budget with nothing left to move: then the
+chunks gathered and the gradient buffers alone pass it, and "cpu" placement, which keeps only
+that on the device, cannot train either. Non-model memory is planned for but cannot be moved:
+where the working set and the activations together pass the budget, "auto" keeps only the
+working set on the device, as "cpu" does, and trains.
+
+At the end of warm-up the plan is fixed. A prefetch of the next chunk is planned if one more
+gathered chunk fits beside the largest working set on every rank (agreed over ranks: a
+prefetch is a collective, so every rank must issue it or none). Then, against the warm-up's
+peak (the largest working set plus the traced activations) and room for two more gathered
+chunks (a prefetched one, one kept from forward into backward), shards stay on the device
+where they fit, the most used first, and then optimizer sides (fp32 master,
+gradient shard, optimizer state) move to the device, chunk by chunk in chunk order, into the
+room left, or into `margin_ratio` of it when one is given, so those chunks step there. A shard
+on the device saves its gathers' host-to-device copies, an optimizer side the gradient's trip
+to host memory and the updated parameters' trip back: shards come first, as they save more
+bytes for each byte of device memory. Ties go to the higher chunk id: nothing depends on set or
+dict iteration order.
 """
 
 from __future__ import annotations
@@ -21,7 +41,6 @@ from collections.abc import Callable
 
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, Pool
 from shardwise.chunk.accounting import gathered_bytes
-from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.tracer import MemoryTracer
 
 
@@ -31,7 +50,8 @@ class AutoPlacer:
     Args:
         chunk_manager: the chunks.
         budget: device bytes allowed, model state and non-model memory together.
-        margin_ratio: share of the room left after warm-up given to optimizer sides.
+        margin_ratio: share of the room left after warm-up given to optimizer sides (None:
+            all of it).
         device_bytes: the model-state bytes on the device now.
         tracer: the non-model memory sampler.
     """
@@ -41,7 +61,7 @@ class AutoPlacer:
         chunk_manager: ChunkManager,
         *,
         budget: int,
-        margin_ratio: float,
+        margin_ratio: float | None,
         device_bytes: Callable[[], int],
         tracer: MemoryTracer,
     ) -> None:
@@ -55,6 +75,16 @@ class AutoPlacer:
         self.non_model: list[int] = []
         self.warmup_peak = 0
         self.evictions = 0
+        self.overruns = 0
+        self.prefetch = False
+        # The most bytes the step's working set (gathered chunks, gradient buffers) took.
+        self.working_peak = 0
+        # Room the plan keeps free for a prefetch and a chunk kept into backward.
+        self.reserved_bytes = 0
+        # Finishes the gradient reductions in flight (set by the model when it overlaps them).
+        self.drain: Callable[[], None] = lambda: None
+        # Sends a chunk's optimizer side back to host memory (set by the manager).
+        self.evict_optim: Callable[[Chunk], None] = lambda chunk: None
         self._position = 0
         self._last_use: dict[int, int] = {}
         self._uses: dict[int, list[int]] = {}
@@ -78,6 +108,14 @@ class AutoPlacer:
             self.non_model.append(self.tracer.sample())
         for chunk_id in ids:
             self._last_use[chunk_id] = position
+        self.make_room(chunks, backward, position)
+
+    def make_room(self, chunks: list[Chunk], backward: bool, position: int | None = None) -> None:
+        """Finish reductions in flight and evict shards until `chunks` fit beside the device's
+        model state and the non-model bytes planned here; leave the rest to the budget check
+        after the allocation."""
+        if position is None:
+            position = max(self._position - 1, 0)
         need = sum(gathered_bytes(c) for c in chunks if c.state is ChunkState.SHARDED)
         if backward:
             # Their gradient buffers arrive during this backward step.
@@ -87,28 +125,38 @@ class AutoPlacer:
                 if c.requires_grad and c.grad_full is None
             )
         room = self.budget - self.non_model_now()
+        if self._device_bytes() + need <= room:
+            return
+        self.drain()
+        needed = {c.chunk_id for c in chunks}
         while self._device_bytes() + need > room:
-            victim = self._victim(set(ids), position)
+            victim = self._victim(needed, position)
             if victim is None:
-                short = self._device_bytes() + need - room
-                raise DeviceBudgetExceeded(
-                    f"placement 'auto' cannot fit: at boundary {position} the device needs "
-                    f"{need} bytes for chunks {list(ids)} beside {self._device_bytes()} bytes of "
-                    f"model state and {self.non_model_now()} of non-model memory, {short} bytes "
-                    f"more than the budget of {self.budget}; a device_budget_bytes of at least "
-                    f"{self.budget + short}, or a smaller chunk_size_numel, would fit"
-                )
+                return
             victim.move_payload(Pool.HOST)
             self.evictions += 1
 
-    def after_gather(self, chunks: list[Chunk]) -> None:
-        """Keep a shard that came from host memory on the device when it fits."""
-        room = self.budget - self.non_model_now()
-        for chunk in chunks:
-            if chunk.payload_pool is Pool.HOST and not chunk.keep_gathered:
-                shard_bytes = chunk.shard.numel() * chunk.shard.element_size()
-                if self._device_bytes() + shard_bytes <= room:
-                    chunk.move_payload(Pool.DEVICE)
+    def relieve(self, over: Callable[[], bool]) -> None:
+        """The device passed the budget after an allocation: finish reductions in flight, evict
+        shards, then optimizer sides, until `over()` is false or nothing is left to move."""
+        self.overruns += 1
+        self.drain()
+        position = max(self._position - 1, 0)
+        while over():
+            victim = self._victim(set(), position)
+            if victim is None:
+                break
+            victim.move_payload(Pool.HOST)
+            self.evictions += 1
+        for chunk in reversed(self.chunk_manager.chunks):
+            if not over():
+                break
+            if chunk.requires_grad and chunk.optim_pool is Pool.DEVICE:
+                self.evict_optim(chunk)
+                self.evictions += 1
+
+    def observe(self, working_bytes: int) -> None:
+        self.working_peak = max(self.working_peak, working_bytes)
 
     def _victim(self, needed: set[int], position: int) -> Chunk | None:
         candidates = [
@@ -117,6 +165,7 @@ class AutoPlacer:
             if c.payload_pool is Pool.DEVICE
             and not c.keep_gathered
             and c.state is ChunkState.SHARDED
+            and not c.gather_pending
             and c.chunk_id not in needed
         ]
         if not candidates:
@@ -136,28 +185,81 @@ class AutoPlacer:
 
     def end_warmup(
         self,
-        peak_device_bytes: int,
         move_optim: Callable[[Chunk], None],
         optim_bytes: Callable[[Chunk], int],
+        agree_max: Callable[[int], int] = lambda value: value,
     ) -> None:
-        """Fix the timeline and give the margin to optimizer sides on the device."""
+        """Fix the timeline, then plan what stays on the device (see [Note: auto placement])."""
         self.warm = True
         self.tracer.stop()
         for position, ids in enumerate(self.timeline):
             for chunk_id in ids:
                 self._uses.setdefault(chunk_id, []).append(position)
-        self.warmup_peak = peak_device_bytes
-        margin = int(self.margin_ratio * max(0, self.budget - peak_device_bytes))
-        for chunk in self.chunk_manager.chunks:
+        chunks = self.chunk_manager.chunks
+        # The least the step needs on the device: its working set beside its activations,
+        # the largest of every rank's (the prefetch decision must agree).
+        working = agree_max(self.working_peak)
+        floor = agree_max(self.working_peak + max(self.non_model, default=0))
+        self.warmup_peak = floor
+        largest = max((gathered_bytes(c) for c in chunks if not c.keep_gathered), default=0)
+        # A prefetch is planned against the working set alone, as "cpu" placement's is:
+        # activations cannot move, so leaving room for them would only turn it off there.
+        self.prefetch = working + largest <= self.budget
+        # Room for a prefetched chunk and one kept gathered from forward into backward,
+        # reserved at every budget so that what stays on the device only grows with it.
+        self.reserved_bytes = 2 * largest
+        room = self.budget - floor - self.reserved_bytes
+        # Shards first: each saves its gathers' copies for as many bytes of device memory as
+        # it takes. The most used first; a chunk no step gathers saves nothing.
+        used = sorted(
+            (c for c in chunks if c.chunk_id in self._uses and not c.keep_gathered),
+            key=lambda c: (-len(self._uses[c.chunk_id]), c.chunk_id),
+        )
+        for chunk in used:
+            shard_bytes = chunk.shard.numel() * chunk.shard.element_size()
+            if chunk.payload_pool is Pool.HOST and shard_bytes <= room:
+                chunk.move_payload(Pool.DEVICE)
+                room -= shard_bytes
+        ratio = 1.0 if self.margin_ratio is None else self.margin_ratio
+        margin = int(ratio * max(0, room))
+        for chunk in used:
+            # A side beside a shard in host memory would only turn the updated parameters'
+            # trip to the device into one to the host: no saving.
             if not chunk.requires_grad or chunk.optim_pool is Pool.DEVICE:
                 continue
-            # fp32 master and gradient shard, and the optimizer's state (Adam's two moments
-            # when it has none yet).
-            side = chunk.master.numel() * 4 * 2 + (optim_bytes(chunk) or chunk.master.numel() * 8)
-            if side > margin:
-                break
-            margin -= side
-            move_optim(chunk)
+            if chunk.payload_pool is Pool.HOST:
+                continue
+            side = _side_bytes(chunk, optim_bytes)
+            if side <= margin:
+                margin -= side
+                move_optim(chunk)
+        # Chunks no step gathered (an unused branch) still have their gradients reduced, and
+        # moved to the host unless their whole state is on the device: last, if room is left.
+        for chunk in chunks:
+            if chunk.chunk_id in self._uses or chunk.keep_gathered or not chunk.requires_grad:
+                continue
+            if chunk.optim_pool is Pool.DEVICE:
+                continue
+            shard_bytes = chunk.shard.numel() * chunk.shard.element_size()
+            side = _side_bytes(chunk, optim_bytes)
+            if shard_bytes + side <= margin:
+                margin -= shard_bytes + side
+                chunk.move_payload(Pool.DEVICE)
+                move_optim(chunk)
+
+
+def _side_bytes(chunk: Chunk, optim_bytes: Callable[[Chunk], int]) -> int:
+    """Device bytes `chunk`'s optimizer side takes there: the fp32 master and gradient shard,
+    and the optimizer's state (Adam's two moments when it has none yet)."""
+    grad = chunk.grad_shard.numel() * chunk.grad_shard.element_size()
+    begin, end = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
+    # The optimizer keeps state for this rank's slices of the tensors, not for the padding.
+    owned = sum(
+        max(0, min(end, t.offset + t.numel) - max(begin, t.offset))
+        for t in chunk.tensors
+        if t.param.requires_grad
+    )
+    return chunk.master.numel() * 4 + grad + (optim_bytes(chunk) or owned * 8)
 
 
 def _reduce_size(chunk: Chunk) -> int:

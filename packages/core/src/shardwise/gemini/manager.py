@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
-from shardwise.chunk.accounting import resident_bytes_by_pool
+from shardwise.chunk.accounting import resident_bytes_by_pool, transient_bytes
 from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.policies import AutoPlacement, PlacementPolicy
@@ -42,8 +43,9 @@ class GeminiManager:
         pin_memory: pin host buffers when computing on CUDA.
         shard_param_frac, offload_optim_frac, offload_param_frac: the "static" policy's
             fractions, each in [0, 1].
-        gpu_margin_mem_ratio: the "auto" policy's share, in [0, 1], of the device room left
-            after warm-up that optimizer state may use.
+        gpu_margin_mem_ratio: the "auto" policy's share, in (0, 1], of the device room left
+            after warm-up that optimizer sides may use; 0.0 (the default): all of it, as
+            the plan decides (see [Note: auto placement]).
     """
 
     def __init__(
@@ -98,10 +100,11 @@ class GeminiManager:
             self.auto = AutoPlacer(
                 chunk_manager,
                 budget=self.device_budget_bytes,
-                margin_ratio=float(self.policy.margin_ratio),
+                margin_ratio=self.policy.margin_ratio,
                 device_bytes=self._device_model_bytes,
                 tracer=tracer,
             )
+            self.auto.evict_optim = self._move_optim_to_host
 
     @property
     def sharded_fraction(self) -> float:
@@ -126,6 +129,22 @@ class GeminiManager:
         self._optimizer_bytes = state_bytes_of
         self._rebind = rebind
 
+    def attach_reducer(self, drain: Callable[[], None]) -> None:
+        """Tell the manager how to finish the gradient reductions in flight (each holds a
+        gathered chunk and its gradient buffer), so that "auto" can free them for room."""
+        if self.auto is not None:
+            self.auto.drain = drain
+
+    @property
+    def prefetch_planned(self) -> bool:
+        """Whether the schedule may gather the next chunk ahead: always, but under "auto"
+        only once its plan has room for it (see [Note: auto placement])."""
+        return self.auto is None or (self.auto.warm and self.auto.prefetch)
+
+    def before_prefetch(self, chunks: list[Chunk], backward: bool) -> None:
+        if self.auto is not None:
+            self.auto.make_room(chunks, backward)
+
     # ---- calls from the gather schedule (stage 3) --------------------------------------------
 
     def begin_forward(self) -> None:
@@ -143,8 +162,6 @@ class GeminiManager:
             self.auto.before_gather(chunks, backward)
 
     def after_gather(self, chunks: list[Chunk], where: str) -> None:
-        if self.auto is not None:
-            self.auto.after_gather(chunks)
         self.check_budget(where)
 
     def end_of_warmup(self) -> None:
@@ -152,11 +169,21 @@ class GeminiManager:
         optimizer sides to the device."""
         if self.auto is not None and not self.auto.warm:
             self.auto.end_warmup(
-                self.peak_device_bytes, self._move_optim_to_device, self._optimizer_bytes
+                self._move_optim_to_device,
+                self._optimizer_bytes,
+                self._agree_max,
             )
+
+    def _agree_max(self, value: int) -> int:
+        values = comm.all_gather_object(value, self.chunk_manager.stats, self.chunk_manager.group)
+        return max(int(v) for v in values)
 
     def _move_optim_to_device(self, chunk: Chunk) -> None:
         chunk.move_optim(Pool.DEVICE)
+        self._rebind(chunk)
+
+    def _move_optim_to_host(self, chunk: Chunk) -> None:
+        chunk.move_optim(Pool.HOST)
         self._rebind(chunk)
 
     def _device_model_bytes(self) -> int:
@@ -173,18 +200,39 @@ class GeminiManager:
 
     def check_budget(self, where: str) -> None:
         """Record the device's bytes (model state, and under "auto" the traced non-model
-        memory too); raise if they pass the budget."""
-        device = self.memory_by_pool()[Pool.DEVICE.value]
+        memory too); raise if the model state passes the budget. "auto" first makes room
+        (see [Note: auto placement]) and raises only where nothing is left to move."""
+        device = self._device_model_bytes()
         if self.auto is not None:
-            device += self.auto.non_model_now()
-        self.peak_device_bytes = max(self.peak_device_bytes, device)
+            self.auto.observe(sum(transient_bytes(c) for c in self.chunk_manager.chunks))
+            budget = self.auto.budget
+            if device + self.auto.non_model_now() > budget:
+                self.auto.relieve(
+                    lambda: self._device_model_bytes() + self.auto_non_model() > budget
+                )
+                device = self._device_model_bytes()
+            self.peak_device_bytes = max(self.peak_device_bytes, device + self.auto_non_model())
+        else:
+            self.peak_device_bytes = max(self.peak_device_bytes, device)
         if self.device_budget_bytes is not None and device > self.device_budget_bytes:
             short = device - self.device_budget_bytes
+            if self.auto is not None:
+                raise DeviceBudgetExceeded(
+                    f"placement 'auto' cannot fit {where}: the chunks gathered and the gradient "
+                    f"buffers alone take {device} bytes of the device, {short} over its budget "
+                    f"of {self.device_budget_bytes}, with every shard and optimizer side that "
+                    f"can move in host memory (placement 'cpu' needs the same); a "
+                    f"device_budget_bytes of at least {device} passes this point, or use a "
+                    f"smaller chunk_size_numel"
+                )
             raise DeviceBudgetExceeded(
                 f"{where}: the device would hold {device} bytes of model state, over its budget "
                 f"of {self.device_budget_bytes} by {short}; use placement_policy='cpu', raise "
                 f"the static offload fractions, use smaller chunks, or raise device_budget_bytes"
             )
+
+    def auto_non_model(self) -> int:
+        return 0 if self.auto is None else self.auto.non_model_now()
 
     def bytes_moved(self) -> dict[str, int]:
         """Bytes copied host->device and device->host since the chunks were placed."""

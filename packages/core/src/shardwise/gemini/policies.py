@@ -98,20 +98,23 @@ class AutoPlacement(PlacementPolicy):
     optimizer sides to the device where the warm-up showed room (see [Note: auto placement]).
 
     Args:
-        margin_ratio: the share, in [0, 1], of the device room left after warm-up that
-            optimizer state may use (the seeds' `gpu_margin_mem_ratio`).
+        margin_ratio: the share, in (0, 1], of the device room left after warm-up that
+            optimizer sides may use (the seeds' `gpu_margin_mem_ratio`); None (or the seeds'
+            default 0.0): all of it, since a side on the device only saves traffic.
     """
 
     name: ClassVar[str] = "auto"
-    # Each gather is planned against the budget from a timeline in which a chunk is released
-    # as soon as it is reduced: nothing may run ahead of the plan.
-    allows_prefetch: ClassVar[bool] = False
-    allows_overlapped_reduction: ClassVar[bool] = False
+    # A prefetch and a reduction in flight are planned inside the budget (see [Note: auto
+    # placement]): the prefetch when the warm-up left room for it, the reduction finished
+    # early whenever room is short.
+    allows_prefetch: ClassVar[bool] = True
+    allows_overlapped_reduction: ClassVar[bool] = True
     needs_budget: ClassVar[bool] = True
-    margin_ratio: float = 0.0
+    margin_ratio: float | None = None
 
     def __post_init__(self) -> None:
-        _check_fraction("gpu_margin_mem_ratio", self.margin_ratio)
+        if self.margin_ratio is not None:
+            _check_fraction("gpu_margin_mem_ratio", self.margin_ratio)
 
     def host_chunks(self, chunks: list[Chunk]) -> tuple[set[int], set[int]]:
         return _sharded_and_trainable(chunks)
@@ -150,7 +153,8 @@ def placement_policy(
         changed = sorted(k for k in fractions if fractions[k] != defaults[k])
         raise ValueError(f"{changed} apply only to placement_policy='static', got {name!r}")
     if name == "auto":
-        return AutoPlacement(margin_ratio=gpu_margin_mem_ratio)
+        # 0.0, the seeds' default, leaves the room to the plan (see [Note: auto placement]).
+        return AutoPlacement(margin_ratio=gpu_margin_mem_ratio or None)
     AutoPlacement(margin_ratio=gpu_margin_mem_ratio)  # validates the value likewise
     if gpu_margin_mem_ratio:
         raise ValueError(

@@ -98,8 +98,8 @@ class GatherScheduler:
     ) -> None:
         self.chunk_manager = chunk_manager
         self._on_backward = on_backward
-        # Prefetching allocates ahead of the memory manager's decisions, which a policy that
-        # plans each gather against its budget does not allow.
+        # A policy may forbid prefetching; "auto" allows it once its plan has room for it
+        # (GeminiManager.prefetch_planned).
         self.prefetch = prefetch and (gemini is None or gemini.policy.allows_prefetch)
         self._gemini = gemini
         self._warmed_up = False
@@ -150,9 +150,9 @@ class GatherScheduler:
     def _needed_first_by_backward(self) -> frozenset[int]:
         # Backward starts with the modules forward ended with: releasing their chunks only to
         # gather them again at once would cost an all-gather nothing can hide. Kept only when
-        # a backward can follow (gradients are on) and the pass follows the record; "auto"
-        # placement plans each gather against its budget, so it releases as before.
-        if not self.prefetch or not self._backward.recorded or not torch.is_grad_enabled():
+        # a backward can follow (gradients are on) and the pass follows the record; under
+        # "auto" only once its plan has room for the prefetch too.
+        if not self._prefetching() or not self._backward.recorded or not torch.is_grad_enabled():
             return frozenset()
         return frozenset(self._backward.steps[0])
 
@@ -246,13 +246,21 @@ class GatherScheduler:
 
     # ---- shared ------------------------------------------------------------------------------
 
+    def _prefetching(self) -> bool:
+        # Every rank decides alike: a prefetch is a collective.
+        return self.prefetch and (self._gemini is None or self._gemini.prefetch_planned)
+
     def _prefetch(self, trace: _Trace) -> None:
-        if not self.prefetch:
+        if not self._prefetching():
             return
         for chunk_id in trace.upcoming():
             chunk = self.chunk_manager.chunks[chunk_id]
-            if chunk.state is ChunkState.SHARDED:
+            if chunk.state is ChunkState.SHARDED and not chunk.gather_pending:
+                if self._gemini is not None:
+                    self._gemini.before_prefetch([chunk], backward=self._in_backward)
                 chunk.start_gather()
+                if self._gemini is not None:
+                    self._gemini.check_budget(f"after prefetching chunk {chunk_id}")
 
     def on_chunk_reduced(self, chunk: Chunk) -> None:
         """A chunk's gradients are reduced: backward needs its parameters no more."""

@@ -175,6 +175,13 @@ class GradReducer:
         if self._on_reduced is not None:
             self._on_reduced(chunk)
 
+    def finish_in_flight(self) -> None:
+        """Wait for every reduction in flight now: the memory manager needs the room their
+        gathered chunks and gradient buffers hold. Only waits: no rank issues a collective
+        another does not."""
+        while self._in_flight:
+            self._finish(self._in_flight.pop(0))
+
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         if self.reduce_in_backward and self.require_sync:

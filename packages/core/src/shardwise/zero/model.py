@@ -158,6 +158,8 @@ class ZeroModel(nn.Module):
             on_reduced=self.scheduler.on_chunk_reduced if self.scheduler else None,
             after_grad=gemini.check_budget if gemini is not None else None,
         )
+        if gemini is not None:
+            gemini.attach_reducer(self.reducer.finish_in_flight)
         # See [Note: the inner module works on its own]. The pre-hook goes first and the post
         # hook last, around the scheduler's own hooks on a root that owns parameters.
         self._root_hooks = [

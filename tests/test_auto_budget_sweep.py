@@ -1,0 +1,108 @@
+"""The "auto" policy over a sweep of device budgets, from the working set (the least at which
+"cpu" placement trains) to the whole model state: every budget trains, to the same bits as
+"cuda", and the bytes moved between host and device per step never rise as the budget grows."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import CHUNK_NUMEL, batch_slice, make_model
+
+from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
+from shardwise.gemini import DeviceBudgetExceeded
+from shardwise.testing import run_ranks
+
+FP16 = MixedPrecision(param_dtype=torch.float16, compute_dtype=torch.float32)
+STEPS = 3  # the warm-up, then two planned steps
+NUM_BUDGETS = 8
+
+
+def _train(policy: dict[str, Any], world: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    config = {
+        "device": torch.device("cpu"),
+        "chunk_size_numel": CHUNK_NUMEL,
+        "mixed_precision": FP16,
+        **policy,
+    }
+    model = make_model()
+    wrapped = zero_model_wrapper(model, 3, config)
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    gemini = wrapped.gemini_manager
+    assert gemini is not None
+    losses, moved = [], 0
+    for step in range(STEPS):
+        before = gemini.bytes_moved()
+        optimizer.zero_grad()
+        loss = wrapped(*batch_slice(step, 0, rank, world))
+        optimizer.backward(loss)
+        optimizer.step()
+        losses.append(float(loss))
+        after = gemini.bytes_moved()
+        moved = sum(after.values()) - sum(before.values())  # the last step's
+    auto = gemini.auto
+    return {
+        "losses": losses,
+        "state": wrapped.state_dict(),
+        "moved": moved,
+        "peak": gemini.peak_device_bytes,
+        "device": gemini.memory_by_pool()["device"],
+        "non_model": max(auto.non_model) if auto is not None else 0,
+        "prefetch": auto.prefetch if auto is not None else None,
+        # The plan's floor (working set and activations) and the room it keeps free.
+        "planned": auto.warmup_peak + auto.reserved_bytes if auto is not None else 0,
+    }
+
+
+def _sweep(world: int) -> dict[str, Any]:
+    cuda = _train({"placement_policy": "cuda"}, world)
+    cpu = _train({"placement_policy": "cpu"}, world)
+    # The working set: the most "cpu" placement ever holds on the device; the top: every
+    # byte of model state, with the working set and the activations beside it.
+    low = cpu["peak"]
+    probe = _train({"placement_policy": "auto", "device_budget_bytes": 1 << 40}, world)
+    # The plan estimates optimizer state before the first step creates it (two fp32 moments
+    # per element of the shard): a tenth more covers what the estimate overshoots.
+    high = (probe["planned"] + probe["device"]) * 11 // 10
+    budgets = [low + (high - low) * i // (NUM_BUDGETS - 1) for i in range(NUM_BUDGETS)]
+    runs = [
+        _train({"placement_policy": "auto", "device_budget_bytes": budget}, world)
+        for budget in budgets
+    ]
+    below = ""
+    try:
+        _train({"placement_policy": "auto", "device_budget_bytes": low // 2}, world)
+    except DeviceBudgetExceeded as error:
+        below = str(error)
+    return {"cuda": cuda, "cpu": cpu, "budgets": budgets, "runs": runs, "below": below}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_auto_trains_at_every_budget_bit_identical_to_cuda(world: int) -> None:
+    results = run_ranks(_sweep, world, world)
+    for rank, result in enumerate(results):
+        cuda, cpu = result["cuda"], result["cpu"]
+        moved = [run["moved"] for run in result["runs"]]
+        for budget, run in zip(result["budgets"], result["runs"], strict=True):
+            assert run["losses"] == cuda["losses"], (rank, budget)
+            for key, value in cuda["state"].items():
+                assert torch.equal(run["state"][key], value), (rank, budget, key)
+            # The model state never passes the budget (activations are planned for, and
+            # counted in the peak, but cannot move).
+            assert run["peak"] - run["non_model"] <= budget, (rank, budget)
+        # Traffic only falls as the budget grows: from about what "cpu" moves at the
+        # working set to nothing once the whole model state fits.
+        assert all(a >= b for a, b in itertools.pairwise(moved)), (rank, moved)
+        # At the working set itself "auto" has no room to plan a prefetch (so a chunk that
+        # forward ends with is gathered again for backward); one step up it moves no more
+        # than "cpu" does.
+        assert moved[1] <= cpu["moved"], (rank, moved[1], cpu["moved"])
+        assert moved[-1] == 0, (rank, moved)
+        assert moved[0] > 0, (rank, moved)
+        assert result["runs"][-1]["prefetch"] is True
+        # Below the working set no placement fits, and the error names the least budget.
+        assert "cannot fit" in result["below"] and "at least" in result["below"]
