@@ -1,10 +1,15 @@
-"""Train a small GPT with ZeRO stage 3 on every rank torchrun starts.
+"""Train a small character-level GPT on Shakespeare with ZeRO stage 3 and Gemini placement.
 
     torchrun --standalone --nproc-per-node=2 examples/train_gpt.py [--steps 300]
 
-Parameters are stored and communicated in fp16 (computed in fp32, which is what a CPU does
-fast), the optimizer steps sharded fp32 master weights, and a dynamic loss scale guards the
-fp16 gradients. Rank 0 shows a progress bar and one line per step.
+The text is examples/data/shakespeare.txt (three public-domain plays; see the README there),
+read byte by byte; its last 10 % is held out and the evaluation loss on it is printed every
+--eval-every steps and at the end. Parameters are stored and communicated in fp16 (computed in
+fp32, which is what a CPU does fast), the optimizer steps sharded fp32 master weights, and a
+dynamic loss scale guards the fp16 gradients. The "auto" placement policy decides where each
+chunk lives against a device budget smaller than the model state, so chunks move between the
+device and host pools as training goes (watch the dashboard's chunk map and placement
+timeline). Rank 0 shows a progress bar and one line per step.
 """
 
 from __future__ import annotations
@@ -12,29 +17,93 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from shardwise import MixedPrecision, telemetry, zero_model_wrapper, zero_optim_wrapper
-from shardwise.testing import GPT, GPTConfig, gpt_batch
+from shardwise.testing import GPT, GPTConfig
+
+TEXT = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+VOCAB = 256  # one token per byte
+HELD_OUT = 0.1  # the text's last tenth is for evaluation only
+# The device may hold this share of a rank's model state (fp16 payloads, fp32 masters,
+# gradients, Adam moments; activations count against the budget too): below 1, so "auto" must
+# keep some chunks in host memory and move them in and out as each step needs them. 0.8 is a
+# share at which "auto" trains this model reliably today; lower it once "auto" plans tighter
+# budgets (the activations, about as large as the model state here, set the floor).
+DEVICE_BUDGET_SHARE = 0.8
+# fp16 payload + fp32 master + fp32 gradient + two fp32 Adam moments, per parameter.
+STATE_BYTES_PER_PARAM = 2 + 4 + 4 + 8
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=16, help="global batch, split over ranks")
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--batch", type=int, default=8, help="global batch, split over ranks")
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--chunk-size", type=int, default=64 * 1024, help="elements per chunk")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--chunk-size", type=int, default=128 * 1024, help="elements per chunk")
+    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument(
+        "--placement", default="auto", help='"auto" (default), "cuda"/"device", "cpu", "static"'
+    )
+    parser.add_argument(
+        "--budget-share",
+        type=float,
+        default=DEVICE_BUDGET_SHARE,
+        help="device budget as a share of the model state per rank (placement auto)",
+    )
     args = parser.parse_args()
-    if args.steps < 1 or args.batch < 1:
-        parser.error(f"--steps and --batch must be >= 1, got {args.steps} and {args.batch}")
+    if args.steps < 1 or args.batch < 1 or args.eval_every < 1 or args.eval_batches < 1:
+        parser.error(
+            "--steps, --batch, --eval-every and --eval-batches must be >= 1, got "
+            f"{args.steps}, {args.batch}, {args.eval_every} and {args.eval_batches}"
+        )
+    if not 0 < args.budget_share:
+        parser.error(f"--budget-share must be > 0, got {args.budget_share}")
     return args
+
+
+def load_text(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text as byte ids, split into (train, held-out)."""
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
+    split = int(len(data) * (1 - HELD_OUT))
+    return data[:split], data[split:]
+
+
+def text_batch(
+    data: torch.Tensor, batch: int, seq: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch` windows at random offsets: (idx, targets), each (batch, seq), targets shifted by
+    one byte. Every rank draws the same global batch from the same generator state."""
+    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=generator)
+    windows = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])  # (B, T+1)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def evaluate(
+    model: torch.nn.Module, held_out: torch.Tensor, args: argparse.Namespace, rank: int, world: int
+) -> float:
+    """Mean loss over the same held-out batches on every run. At stage 3 every rank must run
+    the same forward passes (their gathers pair up), so each evaluates its share of each batch
+    and an all-reduce averages the losses."""
+    generator = torch.Generator().manual_seed(1234)
+    total = torch.zeros(())
+    model.eval()
+    with torch.no_grad():
+        for _ in range(args.eval_batches):
+            idx, targets = text_batch(held_out, args.batch, args.seq, generator)
+            _, loss = model(idx.chunk(world)[rank], targets.chunk(world)[rank])
+            total += loss.float()
+    model.train()
+    dist.all_reduce(total)
+    return float(total) / (args.eval_batches * world)
 
 
 def main() -> None:
@@ -44,25 +113,24 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must divide evenly over {world} ranks")
+    train_data, held_out = load_text(TEXT)
 
     torch.manual_seed(0)
     config = GPTConfig(
-        vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_embd=args.n_embd
+        vocab_size=VOCAB, block_size=args.seq, n_layer=args.n_layer, n_embd=args.n_embd
     )
     model = GPT(config)
     num_params = model.num_parameters()
-    model = zero_model_wrapper(
-        model,
-        zero_stage=3,
-        gemini_config={
-            "device": torch.device("cpu"),
-            "placement_policy": "cuda",  # keep every chunk on the compute device (here: CPU)
-            "chunk_size_numel": args.chunk_size,
-            "mixed_precision": MixedPrecision(
-                param_dtype=torch.float16, compute_dtype=torch.float32
-            ),
-        },
-    )
+    state_bytes = num_params * STATE_BYTES_PER_PARAM // world
+    gemini_config = {
+        "device": torch.device("cpu"),
+        "placement_policy": args.placement,
+        "chunk_size_numel": args.chunk_size,
+        "mixed_precision": MixedPrecision(param_dtype=torch.float16, compute_dtype=torch.float32),
+    }
+    if args.placement == "auto":
+        gemini_config["device_budget_bytes"] = int(state_bytes * args.budget_share)
+    model = zero_model_wrapper(model, zero_stage=3, gemini_config=gemini_config)
     optimizer = zero_optim_wrapper(
         model,
         torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True),
@@ -71,33 +139,53 @@ def main() -> None:
         max_norm=1.0,
     )
     # Streams to a dashboard when SHARDWISE_DASHBOARD_URL is set (or to files with
-    # SHARDWISE_TELEMETRY_FILE); otherwise does nothing.
-    recorder = telemetry.enable(model, optimizer)
+    # SHARDWISE_TELEMETRY_FILE); otherwise does nothing. A chunk snapshot every step, so the
+    # dashboard's placement timeline shows every move.
+    recorder = telemetry.enable(model, optimizer, chunk_every=1)
     if rank == 0:
         chunks = len(model.chunk_manager.chunks)
-        print(f"GPT, {num_params:,} parameters in {chunks} chunks, ZeRO stage 3 on {world} ranks")
+        print(
+            f"GPT, {num_params:,} parameters in {chunks} chunks, ZeRO stage 3 on {world} ranks; "
+            f"text {TEXT.name}: {len(train_data):,} bytes to train on, {len(held_out):,} held out"
+        )
+        budget = gemini_config.get("device_budget_bytes")
+        if budget is not None:
+            print(
+                f'placement "{args.placement}": device budget {budget / 2**20:.2f} MiB per rank, '
+                f"{args.budget_share:.0%} of the {state_bytes / 2**20:.2f} MiB model state"
+            )
         if recorder is not None:
             where = os.environ.get("SHARDWISE_DASHBOARD_URL") or "JSON-lines files"
             print(f"telemetry of run {recorder.emitter.run_id} streams to {where}")
 
+    generator = torch.Generator().manual_seed(0)
+    gemini = model.gemini_manager
     progress = tqdm(range(args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
     for step in progress:
         start = time.perf_counter()
         sent_before = model.comm_stats.sent_bytes()
-        idx, targets = gpt_batch(config, args.batch, args.seq, step)
+        moved_before = sum(gemini.bytes_moved().values()) if gemini is not None else 0
+        idx, targets = text_batch(train_data, args.batch, args.seq, generator)
         optimizer.zero_grad()
         _, loss = model(idx.chunk(world)[rank], targets.chunk(world)[rank])
         optimizer.backward(loss)
         stepped = optimizer.step()
         step_ms = (time.perf_counter() - start) * 1000
         sent = model.comm_stats.sent_bytes() - sent_before
-        state_bytes = sum(model.memory_report().values()) + optimizer.state_bytes()
+        moved = (sum(gemini.bytes_moved().values()) if gemini is not None else 0) - moved_before
+        last = step == args.steps - 1
+        eval_loss = (
+            evaluate(model, held_out, args, rank, world)
+            if ((step + 1) % args.eval_every == 0 or last)
+            else None
+        )
         if rank == 0:
             progress.write(
                 f"step {step:4d} | loss {loss.item():.4f} | scale {optimizer.loss_scale:>9.0f}"
                 f"{'' if stepped else ' (overflow: skipped)'} | grad norm "
                 f"{optimizer.last_grad_norm:.3f} | {step_ms:6.1f} ms | sent {sent / 2**20:.2f} MiB"
-                f" | model state {state_bytes / 2**20:.2f} MiB/rank"
+                f" | moved {moved / 2**20:.2f} MiB"
+                + (f" | eval loss {eval_loss:.4f}" if eval_loss is not None else "")
             )
     if recorder is not None:
         recorder.finish()
