@@ -65,7 +65,7 @@ def parse_args() -> argparse.Namespace:
             "--steps, --batch, --eval-every and --eval-batches must be >= 1, got "
             f"{args.steps}, {args.batch}, {args.eval_every} and {args.eval_batches}"
         )
-    if not 0 < args.budget_share:
+    if not args.budget_share > 0:  # also refuses nan
         parser.error(f"--budget-share must be > 0, got {args.budget_share}")
     return args
 

@@ -301,6 +301,7 @@ def test_openapi_describes_every_endpoint(client: TestClient) -> None:
         "/api/v1/runs",
         "/api/v1/runs/{run_id}",
         "/api/v1/overview/{run_id}",
+        "/api/v1/placement/{run_id}",
         "/api/v1/stream",
         "/api/v1/health",
     }
@@ -311,9 +312,15 @@ def test_openapi_describes_every_endpoint(client: TestClient) -> None:
     assert (
         "text/event-stream" in spec["paths"]["/api/v1/stream"]["get"]["responses"]["200"]["content"]
     )
-    assert {"RunStarted", "Step", "Chunks", "RunFinished", "Dropped", "RunDetail"} <= set(
-        spec["components"]["schemas"]
-    )
+    assert {
+        "RunStarted",
+        "Step",
+        "Chunks",
+        "RunFinished",
+        "Dropped",
+        "RunDetail",
+        "PlacementTimeline",
+    } <= set(spec["components"]["schemas"])
 
 
 def test_the_page_and_its_assets_are_served_from_the_package(client: TestClient) -> None:
@@ -325,7 +332,7 @@ def test_the_page_and_its_assets_are_served_from_the_package(client: TestClient)
     assert all(link.startswith(("/static/", "data:")) for link in links), links  # no CDN
     script = client.get("/static/app.js").text
     modules = re.findall(r'from "\./([a-z]+\.js)"', script)
-    assert sorted(modules) == ["charts.js", "chunkmap.js", "overview.js"]
+    assert sorted(modules) == ["charts.js", "chunkmap.js", "overview.js", "timeline.js"]
     for module in [*modules, "style.css"]:
         response = client.get(f"/static/{module}")
         assert response.status_code == 200 and len(response.text) > 100, module

@@ -14,7 +14,7 @@ from shardwise_dashboard import __version__
 from shardwise_dashboard.compression import GzipRequestBody
 from shardwise_dashboard.live import LiveHub
 from shardwise_dashboard.retention import Retention
-from shardwise_dashboard.routers import health, ingest, overview, page, runs, stream
+from shardwise_dashboard.routers import health, ingest, overview, page, placement, runs, stream
 from shardwise_dashboard.schema import EventBatch
 from shardwise_dashboard.settings import Settings
 from shardwise_dashboard.storage import RunStore, StoreBusy
@@ -72,7 +72,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.writer = writer
     app.state.retention = retention
     app.state.hub = LiveHub(settings.stream_queue_size)
-    routers = (ingest.router, runs.router, overview.router, stream.router, health.router)
+    routers = (
+        ingest.router,
+        runs.router,
+        overview.router,
+        placement.router,
+        stream.router,
+        health.router,
+    )
     for router in (*routers, page.router):
         app.include_router(router)
     app.mount("/static", page.static_files(), name="static")

@@ -70,3 +70,16 @@ class RankDetail(BaseModel):
 class RunDetail(RunSummary):
     config: dict[str, Any] | None
     ranks: list[RankDetail]
+
+
+class PlacementTimeline(BaseModel):
+    run_id: str
+    rank: int
+    steps: list[int]
+    """Steps of the rank's chunk snapshots, ascending (thinned to max_snapshots)."""
+    placement: list[str]
+    """Per snapshot, one letter per chunk: D/d payload on the device (gathered / sharded),
+    H/h on the host."""
+    optim: list[str]
+    """Per snapshot, one letter per chunk for its master and optimizer state: D device,
+    H host, - none (frozen)."""

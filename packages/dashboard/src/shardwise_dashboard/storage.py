@@ -144,6 +144,13 @@ def _placement(chunks: list[dict[str, Any]]) -> str:
     return "".join(_PLACEMENT[chunk["payload"], chunk["state"]] for chunk in chunks)
 
 
+_OPTIM = {"device": "D", "host": "H", None: "-"}
+
+
+def _optim_letters(chunks: list[dict[str, Any]]) -> str:
+    return "".join(_OPTIM[chunk["optim"]] for chunk in chunks)
+
+
 def _is_busy(error: sqlite3.Error) -> bool:
     return isinstance(error, sqlite3.OperationalError) and (
         "locked" in str(error) or "busy" in str(error)
@@ -348,6 +355,51 @@ class RunStore:
             per_rank[rank_id]["chunks"] = decode_body(body)
         detail["ranks"] = list(per_rank.values())
         return detail
+
+    def placement_timeline(
+        self, run_id: str, rank: int, max_snapshots: int
+    ) -> dict[str, Any] | None:
+        """Where one rank's chunks sat, snapshot by snapshot: `steps` (ascending) and, aligned
+        with them, `placement` (one letter per chunk, as `ranks.placement`) and `optim` (one
+        letter per chunk: D device, H host, - none); None when the run is unknown.
+
+        Args:
+            run_id: the run.
+            rank: the rank.
+            max_snapshots: when the rank sent more chunk snapshots, every k-th is kept (and
+                the latest), so the timeline stays this wide at most.
+        """
+        with self._lock:
+            known = self._db.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if known is None:
+                return None
+            index = self._db.execute(
+                "SELECT id, step FROM events WHERE run_id = ? AND type = 'chunks' AND rank = ? "
+                "ORDER BY step, id",
+                (run_id, rank),
+            ).fetchall()
+            # One snapshot per step (a resent one replaces the earlier), then thinned.
+            by_step = {step: event_id for event_id, step in index}
+            steps = sorted(by_step)
+            every = -(-len(steps) // max_snapshots) if steps else 1
+            kept = [s for i, s in enumerate(steps) if i % every == 0 or i == len(steps) - 1]
+            rows = []
+            for start in range(0, len(kept), 500):  # SQLite's bound-parameter limit
+                ids = [by_step[s] for s in kept[start : start + 500]]
+                marks = ",".join("?" * len(ids))
+                rows += self._db.execute(
+                    f"SELECT step, body FROM events WHERE id IN ({marks})", ids
+                ).fetchall()
+        snapshots = sorted(
+            ((step, decode_body(body)["chunks"]) for step, body in rows), key=lambda r: r[0]
+        )
+        return {
+            "run_id": run_id,
+            "rank": rank,
+            "steps": [step for step, _ in snapshots],
+            "placement": [_placement(chunks) for _, chunks in snapshots],
+            "optim": [_optim_letters(chunks) for _, chunks in snapshots],
+        }
 
     def overview_rows(
         self, run_id: str, num_steps: int

@@ -8,6 +8,7 @@
 import { LineChart, formatBytes, formatNumber } from "./charts.js";
 import { renderChunkMap } from "./chunkmap.js";
 import { OverviewView } from "./overview.js";
+import { PlacementTimeline } from "./timeline.js";
 
 const API = "/api/v1";
 const HISTORY_POINTS = 4000;
@@ -77,7 +78,8 @@ const CHARTS = [
   { key: "loss", title: "loss", series: [["loss", "#2f6fd6"]], format: formatNumber, marks: true },
   { key: "loss-scale", title: "loss scale (log2)", series: [["scale", "#7a3fd6"]], format: formatNumber, log2: true, marks: true },
   { key: "memory", title: "memory: device / host", series: [["device", "#2f6fd6"], ["host", "#e08a1e"]], format: formatBytes },
-  { key: "comm", title: "bytes sent / to device / to host", series: [["sent", "#2e9d4f"], ["to_device", "#2f6fd6"], ["to_host", "#e08a1e"]], format: formatBytes },
+  { key: "comm", title: "bytes sent per step", series: [["sent", "#2e9d4f"]], format: formatBytes },
+  { key: "moved", title: "bytes moved per step: to device / to host", series: [["to_device", "#2f6fd6"], ["to_host", "#e08a1e"]], format: formatBytes },
   { key: "step-time", title: "step time", series: [["ms", "#444448"]], format: (v) => `${formatNumber(v)} ms` },
   { key: "grad-norm", title: "grad norm", series: [["norm", "#8a520d"]], format: formatNumber },
 ];
@@ -146,7 +148,8 @@ class RankView {
       });
       return { spec, chart, latest };
     });
-    card.append(title, this.warningLine, this.map, this.errorLine, charts);
+    this.timeline = new PlacementTimeline(this.rank);
+    card.append(title, this.warningLine, this.map, this.timeline.element, this.errorLine, charts);
     this.element = card;
   }
 
@@ -181,6 +184,7 @@ class RankView {
   }
 
   setChunks(e) {
+    this.timeline.addEvent(e);
     if (this.chunks && this.chunks.step > e.step) return;
     this.chunks = e;
     this.chunksDirty = true;
@@ -252,13 +256,14 @@ class RankView {
       this.chunksDirty = false;
       renderChunkMap(this.map, this.chunks);
     }
+    this.timeline.render();
     if (!this.chartsDirty) return { drewCharts: false, chartsPending: false };
     if (!chartsDue) return { drewCharts: false, chartsPending: true };
     this.chartsDirty = false;
     const s = this.series;
     const data = {
       loss: [s.loss], "loss-scale": [s.scale], memory: [s.device, s.host],
-      comm: [s.sent, s.to_device, s.to_host], "step-time": [s.ms], "grad-norm": [s.norm],
+      comm: [s.sent], moved: [s.to_device, s.to_host], "step-time": [s.ms], "grad-norm": [s.norm],
     };
     for (const { spec, chart, latest } of this.charts) {
       const ys = data[spec.key];
@@ -345,9 +350,24 @@ class RunView {
   merge(detail) {
     this.summary = detail;
     this.config = detail.config;
-    for (const r of detail.ranks) if (this.shows(r.rank)) this.rankView(r.rank).merge(r);
+    for (const r of detail.ranks) {
+      if (!this.shows(r.rank)) continue;
+      this.rankView(r.rank).merge(r);
+      this.loadTimeline(r.rank);
+    }
     this.headerDirty = true;
     $("run").dataset.loaded = "true";
+  }
+
+  /** A rank's placement history (live "chunks" events then extend it). */
+  async loadTimeline(rank) {
+    const query = `rank=${rank}`;
+    const response = await fetch(`${API}/placement/${encodeURIComponent(this.runId)}?${query}`);
+    if (!response.ok || this !== state.view) return;
+    const view = this.ranks.get(rank);
+    if (!view) return;
+    view.timeline.merge(await response.json());
+    scheduleRender();
   }
 
   render(chartsDue) {
@@ -577,7 +597,12 @@ setInterval(() => {
   scheduleRender();
 }, 5000);
 window.addEventListener("resize", () => {
-  if (state.view) for (const r of state.view.ranks.values()) r.chartsDirty = true;
+  if (state.view) {
+    for (const r of state.view.ranks.values()) {
+      r.chartsDirty = true;
+      r.timeline.dirty = true;
+    }
+  }
   scheduleRender();
 });
 fromHash();
