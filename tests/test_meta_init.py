@@ -103,7 +103,7 @@ def _whole_model_never_materialised() -> list[int]:
         if callable(reset):
             reset()
         params = holder["root"].parameters()
-        whole_at_init.append(sum(p.numel() for p in params if not p.is_meta))
+        whole_at_init.append(sum(p.data.numel() for p in params if not p.is_meta))
 
     torch.manual_seed(0)
     with torch.device("meta"):

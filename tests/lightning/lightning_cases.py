@@ -83,6 +83,19 @@ class Net(pl.LightningModule):
             optimizer: torch.optim.Optimizer = torch.optim.SGD(
                 self.parameters(), lr=0.05, momentum=0.9
             )
+        elif self.optimizer_name == "adamw_by_shape":
+            # nanoGPT's configure_optimizers: matrices decay, vectors do not. Lightning calls
+            # this after the strategy sharded the module, so it reads wrapped shapes.
+            matrices = [p for p in self.parameters() if p.dim() >= 2]
+            vectors = [p for p in self.parameters() if p.dim() < 2]
+            assert matrices and vectors
+            optimizer = torch.optim.AdamW(
+                [
+                    {"params": matrices, "weight_decay": 0.1},
+                    {"params": vectors, "weight_decay": 0.0},
+                ],
+                lr=1e-2,
+            )
         else:
             optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)

@@ -67,6 +67,8 @@ def _fp32_cases() -> dict[str, tuple[FitResult, FitResult]]:
     )
     sgd = partial(Net, optimizer="sgd")
     results["sgd_momentum"] = (fit("ddp", sgd), fit("shardwise_fsdp", sgd))
+    by_shape = partial(Net, optimizer="adamw_by_shape")
+    results["groups_by_shape"] = (fit("ddp", by_shape), fit("shardwise_gemini", by_shape))
     results["clip"] = (
         fit("ddp", gradient_clip_val=0.05),
         fit(GeminiStrategy(placement_policy="cuda", chunk_size=500), gradient_clip_val=0.05),
@@ -104,7 +106,8 @@ def _sharded_layout() -> dict[str, Any]:
     assert optimizer is not None
     return {
         "stage": engine.stage,
-        "visible_numel": sum(p.numel() for p in module.parameters()),
+        "visible_numel": sum(p.data.numel() for p in module.parameters()),
+        "logical_numel": sum(p.numel() for p in module.parameters()),
         "model_numel": sum(v.numel() for v in strategy.lightning_module_state_dict().values()),
         "master_numel": sum(v.numel() for v in optimizer.shard_views.values()),
         "optimizer": type(optimizer.optim).__name__,
@@ -120,6 +123,7 @@ def test_model_is_sharded_and_scheduler_drives_inner_optimizer() -> None:
     for layout in layouts:
         assert layout["stage"] == 3
         assert layout["visible_numel"] == 0  # every parameter is released between uses
+        assert layout["logical_numel"] == total  # and reports the shape it was built with
         assert layout["optimizer"] == "AdamW"
         assert layout["scheduler_steps"] == 1  # one epoch, interval "epoch"
         assert layout["lr"] == pytest.approx(1e-2)  # StepLR(step_size=3) not yet decayed

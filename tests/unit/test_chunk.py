@@ -68,7 +68,12 @@ def test_sharded_chunk_releases_and_gathers_and_counts_bytes() -> None:
     assert chunk.state is ChunkState.SHARDED
     assert all(t.state is TensorState.FREE for t in chunk.tensors)
     assert chunk.full.untyped_storage().size() == 0
-    assert model.weight.numel() == 0  # released parameters read as empty, never freed memory
+    # Released parameters keep their shape but hold no element, never freed memory, and any
+    # use of their values raises.
+    assert model.weight.shape == (3, 3) and model.weight.dim() == 2
+    assert model.weight.data.numel() == 0
+    with pytest.raises(RuntimeError, match="released"):
+        model.weight.sum()
     chunk.gather()
     assert chunk.state is ChunkState.GATHERED
     assert torch.equal(model.weight, expected)

@@ -37,6 +37,7 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.chunk.grad_buffer import zero_unwritten
+from shardwise.chunk.parameters import adopt, mark_gathered, mark_released
 from shardwise.chunk.pools import PoolMoves
 from shardwise.chunk.states import ChunkDtypes, ChunkState, Pool, TensorInfo, TensorState
 from shardwise.comm import CommStats
@@ -169,6 +170,8 @@ class Chunk(PoolMoves):
             comm.broadcast(self.full, src_rank, self.stats, self.group)
         if self.dtypes.compute != self.dtypes.payload:
             self.full_compute = self.full.to(self.dtypes.compute)
+        for info in self.tensors:
+            adopt(info.param, info.shape)
         self._bind_params()
         own = self.full[self.shard_begin : self.shard_begin + self.shard_numel]
         self.shard = own if self.keep_gathered else own.clone()
@@ -185,12 +188,15 @@ class Chunk(PoolMoves):
     def _bind_params(self) -> None:
         compute = self._compute_buffer()
         for info in self.tensors:
+            mark_gathered(info.param)
             info.param.data = compute[info.offset : info.offset + info.numel].view(info.shape)
 
     def _unbind_params(self) -> None:
+        # See [Note: parameters keep their shape] in chunk/parameters.py.
         empty = torch.empty(0, dtype=self.dtypes.compute, device=self.device)
         for info in self.tensors:
             info.param.data = empty
+            mark_released(info.param, info.name)
 
     # ---- gather / release ------------------------------------------------------------------
 
