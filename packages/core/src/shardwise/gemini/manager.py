@@ -91,6 +91,9 @@ class GeminiManager:
             self.policy, device_budget_bytes, chunk_manager.device
         )
         self.peak_device_bytes = 0
+        # Model state alone, which the budget bounds ("auto" may pass it only by activations
+        # it could not make room for: those cannot move to the host).
+        self.peak_model_device_bytes = 0
         self._optimizer_bytes: Callable[[Chunk], int] = lambda chunk: 0
         self._rebind: Callable[[Chunk], None] = lambda chunk: None
         self.auto: AutoPlacer | None = None
@@ -203,6 +206,7 @@ class GeminiManager:
         memory too); raise if the model state passes the budget. "auto" first makes room
         (see [Note: auto placement]) and raises only where nothing is left to move."""
         device = self._device_model_bytes()
+        self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
         if self.auto is not None:
             self.auto.observe(sum(transient_bytes(c) for c in self.chunk_manager.chunks))
             budget = self.auto.budget
@@ -211,6 +215,7 @@ class GeminiManager:
                     lambda: self._device_model_bytes() + self.auto_non_model() > budget
                 )
                 device = self._device_model_bytes()
+            self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
             self.peak_device_bytes = max(self.peak_device_bytes, device + self.auto_non_model())
         else:
             self.peak_device_bytes = max(self.peak_device_bytes, device)
