@@ -43,9 +43,9 @@ class GeminiManager:
         pin_memory: pin host buffers when computing on CUDA.
         shard_param_frac, offload_optim_frac, offload_param_frac: the "static" policy's
             fractions, each in [0, 1].
-        gpu_margin_mem_ratio: the "auto" policy's share, in (0, 1], of the device room left
-            after warm-up that optimizer sides may use; 0.0 (the default): all of it, as
-            the plan decides (see [Note: auto placement]).
+        gpu_margin_mem_ratio: the "auto" policy's share, in [0, 1], of the device room left
+            after warm-up that optimizer sides may use (0.0: none, as the seeds define it);
+            None (the default): all of it, as the plan decides (see [Note: auto placement]).
     """
 
     def __init__(
@@ -58,14 +58,11 @@ class GeminiManager:
         shard_param_frac: float = 1.0,
         offload_optim_frac: float = 0.0,
         offload_param_frac: float = 0.0,
-        gpu_margin_mem_ratio: float = 0.0,
+        gpu_margin_mem_ratio: float | None = None,
     ) -> None:
         if isinstance(placement_policy, PlacementPolicy):
-            if (shard_param_frac, offload_optim_frac, offload_param_frac, gpu_margin_mem_ratio) != (
-                1.0,
-                0.0,
-                0.0,
-                0.0,
+            if (shard_param_frac, offload_optim_frac, offload_param_frac) != (1.0, 0.0, 0.0) or (
+                gpu_margin_mem_ratio is not None
             ):
                 raise ValueError(
                     "a PlacementPolicy object carries its own fractions; leave shard_param_frac, "

@@ -98,9 +98,10 @@ class AutoPlacement(PlacementPolicy):
     optimizer sides to the device where the warm-up showed room (see [Note: auto placement]).
 
     Args:
-        margin_ratio: the share, in (0, 1], of the device room left after warm-up that
-            optimizer sides may use (the seeds' `gpu_margin_mem_ratio`); None (or the seeds'
-            default 0.0): all of it, since a side on the device only saves traffic.
+        margin_ratio: the share, in [0, 1], of the device room left after warm-up that
+            optimizer sides may use (the seeds' `gpu_margin_mem_ratio`: 0.0 keeps every
+            optimizer side in host memory, as the seeds say); None, when it is not given: all
+            of it, since a side on the device only saves traffic.
     """
 
     name: ClassVar[str] = "auto"
@@ -129,7 +130,7 @@ def placement_policy(
     shard_param_frac: float = 1.0,
     offload_optim_frac: float = 0.0,
     offload_param_frac: float = 0.0,
-    gpu_margin_mem_ratio: float = 0.0,
+    gpu_margin_mem_ratio: float | None = None,
 ) -> PlacementPolicy:
     """The policy object for the seeds' `placement_policy` name and its arguments, refusing
     arguments the named policy has no use for."""
@@ -153,8 +154,9 @@ def placement_policy(
         changed = sorted(k for k in fractions if fractions[k] != defaults[k])
         raise ValueError(f"{changed} apply only to placement_policy='static', got {name!r}")
     if name == "auto":
-        # 0.0, the seeds' default, leaves the room to the plan (see [Note: auto placement]).
-        return AutoPlacement(margin_ratio=gpu_margin_mem_ratio or None)
+        # Not given: the plan uses all the room (see [Note: auto placement]); a number is
+        # honoured as the seeds define it, 0.0 keeping optimizer sides in host memory.
+        return AutoPlacement(margin_ratio=gpu_margin_mem_ratio)
     AutoPlacement(margin_ratio=gpu_margin_mem_ratio)  # validates the value likewise
     if gpu_margin_mem_ratio:
         raise ValueError(

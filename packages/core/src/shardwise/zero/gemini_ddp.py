@@ -207,7 +207,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         shard_param_frac=config.get("shard_param_frac", 1.0),
         offload_optim_frac=config.get("offload_optim_frac", 0.0),
         offload_param_frac=config.get("offload_param_frac", 0.0),
-        gpu_margin_mem_ratio=config.get("gpu_margin_mem_ratio", 0.0),
+        gpu_margin_mem_ratio=config.get("gpu_margin_mem_ratio"),
     )
     chunk_size = config.get("chunk_size_numel")
     if chunk_size is None:
