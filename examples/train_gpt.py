@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from shardwise import MixedPrecision, telemetry, zero_model_wrapper, zero_optim_wrapper
+from shardwise.telemetry import events
 from shardwise.testing import GPT, GPTConfig
 
 TEXT = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
@@ -106,6 +107,30 @@ def evaluate(
     return float(total) / (args.eval_batches * world)
 
 
+def sample_placement_during_backward(
+    model: torch.nn.Module, recorder: telemetry.TelemetryRecorder, step_now: list[int]
+) -> None:
+    """Send a chunk snapshot once per step from inside backward, at block `step % n_layer`.
+
+    At a step's end the "auto" policy has sent every shard it brought in back to its pool, so
+    end-of-step snapshots all look alike. Taken while backward runs, at a block that rotates
+    with the step, they catch the chunks that block needs gathered and show, step after step,
+    the gathers sweeping through the model: the dashboard's chunk map and placement timeline
+    then move as the chunks do."""
+    blocks = model.module.blocks  # the GPT inside GeminiDDP
+
+    def snapshot(index: int) -> None:
+        step = step_now[0]
+        if step == 0 or step % len(blocks) != index:
+            return  # step 0: the recorder's own snapshot, after the warm-up step
+        report = model.chunk_manager.report()
+        emitter = recorder.emitter
+        emitter.emit(events.chunks(emitter.run_id, emitter.rank, step_index=step, report=report))
+
+    for index, block in enumerate(blocks):
+        block.register_full_backward_pre_hook(lambda *_, index=index: snapshot(index))
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -139,9 +164,12 @@ def main() -> None:
         max_norm=1.0,
     )
     # Streams to a dashboard when SHARDWISE_DASHBOARD_URL is set (or to files with
-    # SHARDWISE_TELEMETRY_FILE); otherwise does nothing. A chunk snapshot every step, so the
-    # dashboard's placement timeline shows every move.
-    recorder = telemetry.enable(model, optimizer, chunk_every=1)
+    # SHARDWISE_TELEMETRY_FILE); otherwise does nothing. The recorder's own chunk snapshot
+    # comes at the end of step 0 only: the others are taken during backward (see below).
+    recorder = telemetry.enable(model, optimizer, chunk_every=args.steps + 1)
+    step_now = [0]
+    if recorder is not None:
+        sample_placement_during_backward(model, recorder, step_now)
     if rank == 0:
         chunks = len(model.chunk_manager.chunks)
         print(
@@ -162,6 +190,7 @@ def main() -> None:
     gemini = model.gemini_manager
     progress = tqdm(range(args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
     for step in progress:
+        step_now[0] = step
         start = time.perf_counter()
         sent_before = model.comm_stats.sent_bytes()
         moved_before = sum(gemini.bytes_moved().values()) if gemini is not None else 0
