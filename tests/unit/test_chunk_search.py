@@ -64,3 +64,84 @@ def test_bad_arguments() -> None:
         search_chunk_size(
             [[]], world_size=1, search_range_numel=1, n_grids=1, min_chunk_size_numel=1
         )
+
+
+def test_a_small_model_is_not_packed_into_one_chunk_when_the_gathered_peak_is_bounded() -> None:
+    # 40 tensors of 1,000 elements under the seeds' 16M-element minimum: least waste alone
+    # packs them into one chunk (the whole model gathered at once).
+    numels = [[1_000] * 40]
+    kwargs = {"world_size": 2, "search_range_numel": 32 * 1024**2, "n_grids": 4096}
+    seeds_minimum = 16 * 1024**2
+    unbounded = search_chunk_size(numels, min_chunk_size_numel=seeds_minimum, **kwargs)  # type: ignore[arg-type]
+    assert unbounded.num_chunks == 1 and unbounded.max_chunk_numel is None
+    bounded = search_chunk_size(
+        numels,
+        min_chunk_size_numel=seeds_minimum,
+        max_gathered_numel=10_000,  # a quarter of the model
+        min_num_chunks=8,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    # Three gathered chunks within 10,000 elements: at most 3,333 each. 1,000 and 2,000 pack
+    # with no waste; 2,000 needs fewer chunks (3,000 would leave 2,000 unused in the last).
+    assert (bounded.chunk_size_numel, bounded.num_chunks, bounded.wasted_numel) == (2_000, 20, 0)
+    assert bounded.max_chunk_numel == 3_333
+    assert bounded.gathered_peak_numel == 6_000 <= 10_000
+    assert "up to the bound of 3,333" in bounded.reason and "(20 chunks" in bounded.reason
+
+
+def test_the_largest_parameter_wins_over_the_bounds() -> None:
+    result = search_chunk_size(
+        [[5_000, 100, 100]],
+        world_size=1,
+        search_range_numel=1_000,
+        n_grids=10,
+        min_chunk_size_numel=1,
+        max_gathered_numel=300,
+        min_num_chunks=8,
+    )
+    assert result.chunk_size_numel == 5_000 and result.max_chunk_numel == 5_000
+    with pytest.raises(ValueError, match="min_num_chunks must be a positive int, got 0"):
+        search_chunk_size(
+            [[1]], world_size=1, search_range_numel=1, n_grids=1, min_chunk_size_numel=1,
+            min_num_chunks=0,
+        )  # fmt: skip
+
+
+def test_a_default_stage_3_model_keeps_its_gathered_peak_under_the_bound() -> None:
+    """No chunk_size_numel: the searched size keeps every gathered chunk of a forward and
+    backward, measured at every module boundary, within DEFAULT_GATHERED_SHARE of the model."""
+    from shardwise import MixedPrecision, zero_model_wrapper
+    from shardwise.testing import GPT, GPTConfig
+    from shardwise.zero.gemini_ddp import DEFAULT_GATHERED_SHARE, DEFAULT_MIN_NUM_CHUNKS
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_embd=128))
+    total = gpt.num_parameters()
+    model = zero_model_wrapper(
+        gpt,
+        zero_stage=3,
+        gemini_config={
+            "device": torch.device("cpu"),
+            "mixed_precision": MixedPrecision(
+                param_dtype=torch.float16, compute_dtype=torch.float32
+            ),
+        },
+    )
+    chunks = model.chunk_manager.chunks
+    assert len(chunks) >= DEFAULT_MIN_NUM_CHUNKS
+    peak = 0
+
+    def sample(*_: object) -> None:
+        nonlocal peak
+        gathered = sum(c.padded_numel for c in chunks if c.state.value == "gathered")
+        peak = max(peak, gathered)
+
+    for module in model.module.modules():
+        module.register_forward_pre_hook(sample)
+        module.register_forward_hook(sample)
+    for chunk_hook in (model.module.blocks[-1], model.module.lm_head, model.module.blocks[0]):
+        chunk_hook.register_full_backward_hook(sample)
+    idx = torch.randint(0, 512, (2, 64))
+    _, loss = model(idx, idx)
+    model.backward(loss)
+    assert 0 < peak <= DEFAULT_GATHERED_SHARE * total, (peak, total)

@@ -1,5 +1,5 @@
-"""Choice of a chunk size: the one that wastes least memory, and among near ties, needs the
-fewest collectives.
+"""Choice of a chunk size: within a bound on the gathered peak, the one that wastes least
+memory, and among near ties, needs the fewest collectives.
 
 A chunk is sized for `chunk_size` elements (rounded up to a multiple of the world size, so its
 shards are equal): whatever the parameters packed into it in order leave unused is waste, as is
@@ -7,6 +7,17 @@ the space a gathered chunk reserves. Candidates run from the largest parameter (
 size, if larger) over `search_range` in `n_grids` steps; each is scored by packing the
 parameters exactly as ChunkManager does. All candidates are packed together, one vectorised
 step per chunk, so a model of ten thousand tensors is searched in well under a second.
+
+[Note: the gathered peak bounds the chunk size]
+Stage 3 holds a chunk whole from its gather to its release; with prefetch the next one too, and
+at the turn from forward to backward the chunk kept gathered for backward beside them: three
+gathered chunks are its peak beyond the shards (`GATHERED_AT_ONCE`). Least waste alone favours
+one chunk for any model smaller than the minimum size (nothing is left over when everything
+fits), which gathers the whole model at once (no memory saved at the peak) and leaves nothing to
+overlap. So a caller may bound the sizes searched: `max_gathered_numel` caps three chunks
+together, `min_num_chunks` keeps the model in at least that many chunks. A chunk always holds
+the largest parameter (a tensor is never split), so that bound wins over both; a minimum size
+above the bound yields to it (the search then runs from the largest parameter up to the bound).
 """
 
 from __future__ import annotations
@@ -16,6 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Chunks stage 3 may hold gathered at once: the one computing, the one prefetched, and the
+# one kept gathered from the end of forward for backward.
+GATHERED_AT_ONCE = 3
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkSearchResult:
@@ -24,6 +39,15 @@ class ChunkSearchResult:
     chunk_size_numel: int
     num_chunks: int
     wasted_numel: int
+    max_chunk_numel: int | None = None
+    """The largest size searched (None: unbounded), see [Note: the gathered peak ...]."""
+    reason: str = ""
+    """One line: what was chosen and why, for logs and summaries."""
+
+    @property
+    def gathered_peak_numel(self) -> int:
+        """Elements the chunks gathered at once hold at most (see GATHERED_AT_ONCE)."""
+        return min(self.num_chunks, GATHERED_AT_ONCE) * self.chunk_size_numel
 
 
 def search_chunk_size(
@@ -35,6 +59,8 @@ def search_chunk_size(
     min_chunk_size_numel: int,
     hidden_dim: int | None = None,
     tie_tolerance: float = 0.01,
+    max_gathered_numel: int | None = None,
+    min_num_chunks: int = 1,
 ) -> ChunkSearchResult:
     """Pick a chunk size for parameters packed in order, each group into chunks of its own.
 
@@ -46,6 +72,11 @@ def search_chunk_size(
         min_chunk_size_numel: the smallest candidate, in elements.
         hidden_dim: round candidates up to a multiple of this (the model's width).
         tie_tolerance: candidates within this fraction of the least waste count as ties.
+        max_gathered_numel: when set, sizes above a third of it are not searched, so the
+            chunks gathered at once (GATHERED_AT_ONCE) hold at most this many elements (see
+            [Note: the gathered peak bounds the chunk size]).
+        min_num_chunks: sizes above the total parameter count divided by this are not
+            searched (1: no such bound).
     """
     for name, value in (
         ("world_size", world_size),
@@ -63,14 +94,37 @@ def search_chunk_size(
     sizes = [list(group) for group in groups if len(group)]
     if not sizes:
         raise ValueError("no parameters to pack")
+    for name, bound in (
+        ("max_gathered_numel", max_gathered_numel),
+        ("min_num_chunks", min_num_chunks),
+    ):
+        if bound is not None and (
+            isinstance(bound, bool) or not isinstance(bound, int) or bound < 1
+        ):
+            raise ValueError(f"{name} must be a positive int, got {bound!r}")
     largest = max(max(group) for group in sizes)
+    total = sum(sum(group) for group in sizes)
+    cap: int | None = None
+    if max_gathered_numel is not None:
+        cap = max_gathered_numel // GATHERED_AT_ONCE
+    if min_num_chunks > 1:
+        cap = min(cap if cap is not None else total, -(-total // min_num_chunks))
+    if cap is not None:
+        cap = max(cap, largest)  # a parameter is never split
     start = max(largest, min_chunk_size_numel)
-    step = max(1, search_range_numel // n_grids)
-    candidates = torch.arange(start, start + search_range_numel + 1, step, dtype=torch.int64)
+    end = start + search_range_numel
+    if cap is not None and end > cap:
+        start = min(start, max(largest, cap - search_range_numel))
+        end = cap
+    step = max(1, (end - start) // n_grids)
+    candidates = torch.arange(start, end + 1, step, dtype=torch.int64)
     if hidden_dim is not None:
         candidates = (candidates + hidden_dim - 1) // hidden_dim * hidden_dim
     candidates = (candidates + world_size - 1) // world_size * world_size
     candidates = torch.unique(candidates)  # sorted ascending
+    if cap is not None:
+        # Rounding up may pass the bound: keep what rounding allows, and at least the smallest.
+        candidates = candidates[(candidates <= cap) | (candidates == candidates[0])]
     waste = torch.zeros_like(candidates)
     counts = torch.zeros_like(candidates)
     for group in sizes:
@@ -81,7 +135,21 @@ def search_chunk_size(
     near = waste <= least + max(1, int(least * tie_tolerance))
     fewest = int(counts[near].min())
     choice = int(torch.nonzero(near & (counts == fewest))[0])
-    return ChunkSearchResult(int(candidates[choice]), int(counts[choice]), int(waste[choice]))
+    size, count, wasted = int(candidates[choice]), int(counts[choice]), int(waste[choice])
+    reason = (
+        f"chunk_size_numel {size:,} ({count} chunks, {wasted:,} elements wasted): least waste, "
+        f"then fewest chunks, among {len(candidates)} sizes from {int(candidates[0]):,}"
+    )
+    if cap is None:
+        reason += f" to {int(candidates[-1]):,}"
+    else:
+        reason += (
+            f" up to the bound of {cap:,}: {GATHERED_AT_ONCE} gathered chunks within "
+            f"{max_gathered_numel if max_gathered_numel is not None else 3 * cap:,} of the "
+            f"{total:,} elements and at least {min_num_chunks} chunks, as far as the largest "
+            f"parameter ({largest:,}, never split) allows"
+        )
+    return ChunkSearchResult(size, count, wasted, cap, reason)
 
 
 def _pack(numels: torch.Tensor, capacities: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -21,6 +22,16 @@ from shardwise.zero.model import ZeroModel, chunk_manager_for
 DEFAULT_SEARCH_RANGE_BYTES = 64 * 1024**2
 DEFAULT_MIN_CHUNK_BYTES = 32 * 1024**2
 DEFAULT_SEARCH_N_GRIDS = 4096
+# Bounds on the searched size (see [Note: the gathered peak bounds the chunk size] in
+# chunk/search.py): the chunks gathered at once hold at most this share of the parameters, and of
+# a device budget when one is given; and the model spans at least this many chunks, so gathers can
+# run ahead of compute. Billion-parameter models keep the seeds' sizes (the bounds are far above
+# them); a model smaller than the seeds' minimum chunk no longer lands in one chunk.
+DEFAULT_GATHERED_SHARE = 0.25
+DEFAULT_BUDGET_GATHERED_SHARE = 0.25
+DEFAULT_MIN_NUM_CHUNKS = 8
+
+_log = logging.getLogger(__name__)
 
 _GEMINI_CONFIG_KEYS = (
     "device",
@@ -259,23 +270,39 @@ def _searched_chunk_size(
     mixed_precision: MixedPrecision,
     hidden_dim: int | None,
 ) -> int:
-    """Search a chunk size with the seeds' knobs, given in bytes of the parameter dtype."""
+    """Search a chunk size with the seeds' knobs, given in bytes of the parameter dtype, bounded
+    so that the chunks gathered at once hold at most DEFAULT_GATHERED_SHARE of the parameters
+    (and DEFAULT_BUDGET_GATHERED_SHARE of `device_budget_bytes`, when given) and the model spans
+    at least DEFAULT_MIN_NUM_CHUNKS chunks; the choice and its reason are logged."""
     element_size = torch.empty((), dtype=mixed_precision.param_dtype).element_size()
+    # A gather allocates the payload and, when the compute dtype differs, its compute copy.
+    gathered_element_size = element_size
+    if mixed_precision.compute_dtype != mixed_precision.param_dtype:
+        gathered_element_size += torch.empty((), dtype=mixed_precision.compute_dtype).element_size()
     search_range = config.get("chunk_search_range", DEFAULT_SEARCH_RANGE_BYTES)
     min_chunk = config.get("min_chunk_size", DEFAULT_MIN_CHUNK_BYTES)
     for name, value in (("chunk_search_range", search_range), ("min_chunk_size", min_chunk)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a number of bytes (int >= 0), got {value!r}")
     unique = [p for p in dict.fromkeys(model.parameters()) if not is_ignored(p)]
+    groups = [
+        [whole_numel(p) for p in unique if p.requires_grad],
+        [whole_numel(p) for p in unique if not p.requires_grad],
+    ]
+    max_gathered = max(1, int(sum(map(sum, groups)) * DEFAULT_GATHERED_SHARE))
+    budget = config.get("device_budget_bytes")
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+        by_budget = int(budget * DEFAULT_BUDGET_GATHERED_SHARE) // gathered_element_size
+        max_gathered = max(1, min(max_gathered, by_budget))
     result = search_chunk_size(
-        [
-            [whole_numel(p) for p in unique if p.requires_grad],
-            [whole_numel(p) for p in unique if not p.requires_grad],
-        ],
+        groups,
         world_size=comm.world_size(config.get("process_group")),
         search_range_numel=search_range // element_size,
         n_grids=config.get("chunk_search_n_grids", DEFAULT_SEARCH_N_GRIDS),
         min_chunk_size_numel=max(1, min_chunk // element_size),
         hidden_dim=hidden_dim,
+        max_gathered_numel=max_gathered,
+        min_num_chunks=DEFAULT_MIN_NUM_CHUNKS,
     )
+    _log.info("stage 3 chunk size searched: %s", result.reason)
     return result.chunk_size_numel
