@@ -2,7 +2,8 @@
 
 An engine is named as the results name it: `ddp`, `fsdp1`, `fsdp2`, `zero1`, `zero2`,
 `zero3-cuda`, `zero3-cpu`, with suffixes `+pg` (stages 1-2: overlap the all-gather of updated
-parameters with the next forward), `+telemetry` (stream telemetry to a file) and `-rs`, `-a2a`,
+parameters with the next forward), `+defaults` (stage 3: no chunk_size_numel, the searched
+size a user gets), `+telemetry` (stream telemetry to a file) and `-rs`, `-a2a`,
 `-ar` (shardwise's gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce).
 """
 
@@ -51,12 +52,14 @@ class EngineSpec:
     param_gather: bool = False
     reduction: str = "auto"
     telemetry: bool = False
+    defaults: bool = False
 
     @property
     def name(self) -> str:
         return (
             self.engine
             + ("-" + self.placement if self.engine == "zero3" else "")
+            + ("+defaults" if self.defaults else "")
             + ("+telemetry" if self.telemetry else "")
             + ("+pg" if self.param_gather else "")
             + REDUCTION_SUFFIX[self.reduction]
@@ -73,10 +76,12 @@ class EngineSpec:
         name = name.removesuffix("+pg")
         telemetry = name.endswith("+telemetry")
         name = name.removesuffix("+telemetry")
+        defaults = name.endswith("+defaults")
+        name = name.removesuffix("+defaults")
         engine, _, placement = name.partition("-")
         if engine not in TORCH_ENGINES + ZERO_ENGINES:
             raise ValueError(f"unknown engine {engine!r}; one of {TORCH_ENGINES + ZERO_ENGINES}")
-        spec = cls(engine, placement or "cuda", param_gather, reduction, telemetry)
+        spec = cls(engine, placement or "cuda", param_gather, reduction, telemetry, defaults)
         if spec.name != original:
             raise ValueError(f"cannot parse engine name {original!r} (read as {spec.name!r})")
         return spec
@@ -131,7 +136,9 @@ def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Co
         "gradient_reduction": spec.reduction,
     }
     if stage == 3:
-        config.update(chunk_size_numel=chunk_numel, placement_policy=spec.placement)
+        config.update(placement_policy=spec.placement)
+        if not spec.defaults:
+            config.update(chunk_size_numel=chunk_numel)
     wrapped = zero_model_wrapper(model, stage, config)
     zero_optimizer = zero_optim_wrapper(
         wrapped,

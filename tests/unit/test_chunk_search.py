@@ -81,25 +81,29 @@ def test_a_small_model_is_not_packed_into_one_chunk_when_the_gathered_peak_is_bo
         min_num_chunks=8,
         **kwargs,  # type: ignore[arg-type]
     )
-    # Three gathered chunks within 10,000 elements: at most 3,333 each. 1,000 and 2,000 pack
-    # with no waste; 2,000 needs fewer chunks (3,000 would leave 2,000 unused in the last).
+    # Four gathered chunks within 10,000 elements: at most 2,500 each. 1,250 to 2,500: 2,000
+    # packs with no waste (2,500 would leave 500 unused in each chunk).
     assert (bounded.chunk_size_numel, bounded.num_chunks, bounded.wasted_numel) == (2_000, 20, 0)
-    assert bounded.max_chunk_numel == 3_333
-    assert bounded.gathered_peak_numel == 6_000 <= 10_000
-    assert "up to the bound of 3,333" in bounded.reason and "(20 chunks" in bounded.reason
+    assert bounded.max_chunk_numel == 2_500
+    assert bounded.gathered_peak_numel == 8_000 <= 10_000
+    assert "up to the bound of 2,500" in bounded.reason and "(20 chunks" in bounded.reason
 
 
-def test_the_largest_parameter_wins_over_the_bounds() -> None:
+def test_a_parameter_above_the_bound_gets_a_chunk_of_its_own() -> None:
+    # Four chunks within 400 elements: at most 100 each. The 5,000-element tensor is never
+    # split: it gets a chunk of exactly its size, the small ones share the searched size.
     result = search_chunk_size(
-        [[5_000, 100, 100]],
+        [[5_000, 60, 40, 100]],
         world_size=1,
         search_range_numel=1_000,
-        n_grids=10,
+        n_grids=100,
         min_chunk_size_numel=1,
-        max_gathered_numel=300,
-        min_num_chunks=8,
+        max_gathered_numel=400,
+        min_num_chunks=2,
     )
-    assert result.chunk_size_numel == 5_000 and result.max_chunk_numel == 5_000
+    assert (result.chunk_size_numel, result.num_chunks, result.wasted_numel) == (100, 3, 0)
+    assert result.gathered_peak_numel == 5_000 + 2 * 100
+    assert "get a chunk of their own" in result.reason
     with pytest.raises(ValueError, match="min_num_chunks must be a positive int, got 0"):
         search_chunk_size(
             [[1]], world_size=1, search_range_numel=1, n_grids=1, min_chunk_size_numel=1,

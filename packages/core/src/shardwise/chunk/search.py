@@ -10,14 +10,17 @@ step per chunk, so a model of ten thousand tensors is searched in well under a s
 
 [Note: the gathered peak bounds the chunk size]
 Stage 3 holds a chunk whole from its gather to its release; with prefetch the next one too, and
-at the turn from forward to backward the chunk kept gathered for backward beside them: three
-gathered chunks are its peak beyond the shards (`GATHERED_AT_ONCE`). Least waste alone favours
-one chunk for any model smaller than the minimum size (nothing is left over when everything
-fits), which gathers the whole model at once (no memory saved at the peak) and leaves nothing to
-overlap. So a caller may bound the sizes searched: `max_gathered_numel` caps three chunks
-together, `min_num_chunks` keeps the model in at least that many chunks. A chunk always holds
-the largest parameter (a tensor is never split), so that bound wins over both; a minimum size
-above the bound yields to it (the search then runs from the largest parameter up to the bound).
+at the turn from forward to backward the chunk kept gathered for backward beside them (and a
+chunk of tied embeddings, used at both ends): up to four gathered chunks are its peak beyond the
+shards (`GATHERED_AT_ONCE`). Least waste alone favours one chunk for any model smaller than the
+minimum size (nothing is left over when everything fits), which gathers the whole model at once
+(no memory saved at the peak) and leaves nothing to overlap. So a caller may bound the sizes
+searched: `max_gathered_numel` caps those chunks together, `min_num_chunks` keeps the model in
+at least that many chunks. A tensor is never split: one larger than the searched size gets a
+chunk of its own, exactly its size, as ChunkManager packs it. So the bounded search runs from
+half the bound (or from the largest parameter, if that is smaller) up to the bound, a minimum
+size above the bound yields to it, and the peak is the largest parameter's chunk beside the
+others at the searched size.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Chunks stage 3 may hold gathered at once: the one computing, the one prefetched, and the
-# one kept gathered from the end of forward for backward.
-GATHERED_AT_ONCE = 3
+# Chunks stage 3 may hold gathered at once: the one computing, the one prefetched, the one kept
+# gathered from the end of forward for backward, and with tied embeddings the chunk holding
+# them, used at both ends of the pass (measured at every module boundary of the toy GPT: 3
+# untied, 4 tied).
+GATHERED_AT_ONCE = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +44,8 @@ class ChunkSearchResult:
     chunk_size_numel: int
     num_chunks: int
     wasted_numel: int
+    largest_numel: int = 0
+    """The largest parameter (a chunk of its own when above `chunk_size_numel`)."""
     max_chunk_numel: int | None = None
     """The largest size searched (None: unbounded), see [Note: the gathered peak ...]."""
     reason: str = ""
@@ -46,8 +53,10 @@ class ChunkSearchResult:
 
     @property
     def gathered_peak_numel(self) -> int:
-        """Elements the chunks gathered at once hold at most (see GATHERED_AT_ONCE)."""
-        return min(self.num_chunks, GATHERED_AT_ONCE) * self.chunk_size_numel
+        """Elements the chunks gathered at once hold at most (see GATHERED_AT_ONCE): the
+        largest parameter's chunk and the others at the searched size."""
+        others = min(self.num_chunks, GATHERED_AT_ONCE) - 1
+        return max(self.chunk_size_numel, self.largest_numel) + others * self.chunk_size_numel
 
 
 def search_chunk_size(
@@ -72,7 +81,7 @@ def search_chunk_size(
         min_chunk_size_numel: the smallest candidate, in elements.
         hidden_dim: round candidates up to a multiple of this (the model's width).
         tie_tolerance: candidates within this fraction of the least waste count as ties.
-        max_gathered_numel: when set, sizes above a third of it are not searched, so the
+        max_gathered_numel: when set, sizes above a quarter of it are not searched, so the
             chunks gathered at once (GATHERED_AT_ONCE) hold at most this many elements (see
             [Note: the gathered peak bounds the chunk size]).
         min_num_chunks: sizes above the total parameter count divided by this are not
@@ -109,12 +118,12 @@ def search_chunk_size(
         cap = max_gathered_numel // GATHERED_AT_ONCE
     if min_num_chunks > 1:
         cap = min(cap if cap is not None else total, -(-total // min_num_chunks))
-    if cap is not None:
-        cap = max(cap, largest)  # a parameter is never split
     start = max(largest, min_chunk_size_numel)
     end = start + search_range_numel
     if cap is not None and end > cap:
-        start = min(start, max(largest, cap - search_range_numel))
+        # From half the bound up (or from the largest parameter, if smaller) to the bound; a
+        # parameter above a size gets a chunk of its own (see the Note).
+        start = min(start, max(cap - search_range_numel, min(largest, cap // 2), 1))
         end = cap
     step = max(1, (end - start) // n_grids)
     candidates = torch.arange(start, end + 1, step, dtype=torch.int64)
@@ -145,11 +154,12 @@ def search_chunk_size(
     else:
         reason += (
             f" up to the bound of {cap:,}: {GATHERED_AT_ONCE} gathered chunks within "
-            f"{max_gathered_numel if max_gathered_numel is not None else 3 * cap:,} of the "
-            f"{total:,} elements and at least {min_num_chunks} chunks, as far as the largest "
-            f"parameter ({largest:,}, never split) allows"
+            f"{max_gathered_numel or GATHERED_AT_ONCE * cap:,} of the "
+            f"{total:,} elements and at least {min_num_chunks} chunks"
         )
-    return ChunkSearchResult(size, count, wasted, cap, reason)
+    if largest > size:
+        reason += f"; parameters above it (the largest: {largest:,}) get a chunk of their own"
+    return ChunkSearchResult(size, count, wasted, largest, cap, reason)
 
 
 def _pack(numels: torch.Tensor, capacities: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,11 +172,15 @@ def _pack(numels: torch.Tensor, capacities: torch.Tensor) -> tuple[torch.Tensor,
     active = position < total
     while bool(active.any()):
         base = prefix[position]
-        # The chunk starting at `position` takes every next parameter that still fits.
+        # The chunk starting at `position` takes every next parameter that still fits; a
+        # parameter larger than the capacity gets a chunk of its own, exactly its size (as
+        # ChunkManager opens one of max(chunk size, numel)).
         end = torch.searchsorted(prefix, base + capacities, right=True) - 1
+        alone = active & (end == position)
+        end = torch.where(alone, position + 1, end)
         end = torch.where(active, end, position)
         used = prefix[end] - base
-        waste += torch.where(active, capacities - used, 0)
+        waste += torch.where(active & ~alone, capacities - used, 0)
         count += active.long()
         position = end
         active = position < total
