@@ -26,10 +26,12 @@ DEFAULT_SEARCH_N_GRIDS = 4096
 # chunk/search.py): the chunks gathered at once hold at most this share of the parameters, and of
 # a device budget when one is given; and the model spans at least this many chunks, so gathers can
 # run ahead of compute. Billion-parameter models keep the seeds' sizes (the bounds are far above
-# them); a model smaller than the seeds' minimum chunk no longer lands in one chunk.
-DEFAULT_GATHERED_SHARE = 0.25
+# them); a model smaller than the seeds' minimum chunk no longer lands in one chunk. Half of
+# the parameters with 4 chunks kept one chunk's step time on the suite's GPT; a quarter with 8
+# cost 10% more there (benchmarks/RESULTS.md, chunk-search block).
+DEFAULT_GATHERED_SHARE = 0.5
 DEFAULT_BUDGET_GATHERED_SHARE = 0.25
-DEFAULT_MIN_NUM_CHUNKS = 8
+DEFAULT_MIN_NUM_CHUNKS = 4
 
 _log = logging.getLogger(__name__)
 
