@@ -72,3 +72,23 @@ def test_command_line_json(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--params", "1e9", "--world-size", "2", "--device-memory", "lots",
               "--host-memory", "1TB"])  # fmt: skip
+
+
+def test_smallest_budget_is_the_gathered_chunks_and_activations() -> None:
+    spec = ModelSpec(num_params=10_000_000, largest_tensor_numel=1_000)
+    result = plan(
+        spec, world_size=4, device_memory_bytes=10**12, host_memory_bytes=10**12,
+        param_dtype=torch.float16, compute_dtype=torch.float32, chunk_size_numel=500_000,
+        activation_bytes=123,
+    )  # fmt: skip
+    # Two chunks gathered at once, each in fp16 (payload), fp32 (compute) and fp16 (reduce).
+    assert result.smallest_budget_bytes == 2 * 500_000 * (2 + 4 + 2) + 123
+    assert "smallest device budget" in result.table()
+
+
+def test_command_line_detects_this_machines_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--params", "1e8", "--world-size", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["smallest_budget_bytes"]["auto"] == result["smallest_budget_bytes"]["cpu"] > 0
+    assert main(["plan", "--params", "1e8", "--world-size", "2"]) == 0
+    assert "planning with this" in capsys.readouterr().out

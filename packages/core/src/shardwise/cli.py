@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -60,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--params", type=count, help="parameter count, e.g. 7.5e9")
     planner.add_argument("--largest-tensor", type=count, help="elements of the largest tensor")
     planner.add_argument("--world-size", type=int, required=True)
-    planner.add_argument("--device-memory", type=size_in_bytes, required=True)
-    planner.add_argument("--host-memory", type=size_in_bytes, required=True)
+    planner.add_argument(
+        "--device-memory", type=size_in_bytes, help="per rank (default: this machine's device)"
+    )
+    planner.add_argument(
+        "--host-memory", type=size_in_bytes, help="per rank (default: this host's memory)"
+    )
     planner.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter dtype")
     planner.add_argument("--compute-dtype", choices=sorted(_DTYPES))
     planner.add_argument("--optimizer", default="adam")
@@ -87,12 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # Without the largest tensor, plan as if no tensor outgrew the default chunk size.
         spec = ModelSpec(num_params=args.params, largest_tensor_numel=args.largest_tensor or 1)
+    device_memory, host_memory = args.device_memory, args.host_memory
+    if device_memory is None or host_memory is None:
+        detected_device, detected_host, where = _detected_memory()
+        device_memory = device_memory or detected_device
+        host_memory = host_memory or detected_host
+        if not args.json:
+            print(
+                f"planning with {where}: device {device_memory / 1e9:.1f} GB, host "
+                f"{host_memory / 1e9:.1f} GB per rank (pass --device-memory / --host-memory to "
+                f"plan for another machine)"
+            )
     try:
         result = plan(
             spec,
             world_size=args.world_size,
-            device_memory_bytes=args.device_memory,
-            host_memory_bytes=args.host_memory,
+            device_memory_bytes=device_memory,
+            host_memory_bytes=host_memory,
             param_dtype=_DTYPES[args.dtype],
             compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None,
             optimizer=args.optimizer,
@@ -103,6 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     print(result.to_json() if args.json else result.table())
     return 0
+
+
+def _detected_memory() -> tuple[int, int, str]:
+    """This machine's memory: the first CUDA device's capacity (or, without CUDA, host memory,
+    which is then the compute device's), and the host's."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        return int(properties.total_memory), host, f"this machine's {properties.name}"
+    return host, host, "this host's memory (no CUDA device: the CPU computes)"
 
 
 def _consolidate(args: argparse.Namespace) -> int:

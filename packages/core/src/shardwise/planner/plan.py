@@ -88,6 +88,10 @@ class Plan:
     options: list[PlanOption] = field(default_factory=list)
     recommended: PlanOption | None = None
     device_memory_bytes: int = 0
+    smallest_budget_bytes: int = 0
+    """The least device memory stage 3 trains in with "auto" or "cpu" placement: the chunks
+    gathered at once (in the parameter, compute and reduce dtypes) plus the activations. "auto"
+    trains wherever "cpu" does, so one figure serves both."""
 
     @property
     def zero_stage(self) -> int | None:
@@ -137,6 +141,8 @@ class Plan:
                     for option in self.options
                 ],
                 "recommended": None if self.recommended is None else self.recommended.name,
+                "smallest_budget_bytes": {"auto": self.smallest_budget_bytes,
+                                          "cpu": self.smallest_budget_bytes},
                 "zero_stage": self.zero_stage,
                 "gemini_config": self.gemini_config,
                 "optim_config": self.optim_config,
@@ -158,7 +164,12 @@ class Plan:
                 f"{'yes' if option.fits else 'no'} |"
             )
         chosen = "none fits" if self.recommended is None else self.recommended.name
-        return "\n".join([*rows, "", f"recommended: {chosen}", self.wrapper_call()])
+        smallest = (
+            f"smallest device budget for stage 3 with 'auto' or 'cpu' placement: "
+            f"{_gb(self.smallest_budget_bytes)} GB (the chunks gathered at once and the "
+            f"activations; 'auto' trains wherever 'cpu' does)"
+        )
+        return "\n".join([*rows, "", smallest, f"recommended: {chosen}", self.wrapper_call()])
 
 
 def _gb(nbytes: float) -> str:
@@ -247,6 +258,7 @@ def plan(
             )
         )  # fmt: skip
     recommended = next((option for option in options if option.fits), None)
+    gathered = 2 * chunk * (sizes["param"] + sizes["compute"] + sizes["reduce"])
     return Plan(
         spec=spec,
         world_size=world_size,
@@ -255,6 +267,7 @@ def plan(
         options=options,
         recommended=recommended,
         device_memory_bytes=device_memory_bytes,
+        smallest_budget_bytes=int(gathered + activation_bytes),
     )
 
 
