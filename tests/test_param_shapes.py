@@ -91,3 +91,14 @@ def _released_use() -> list[str]:
 def test_a_released_parameter_used_in_compute_raises_naming_it() -> None:
     for messages in run_ranks(_released_use, 2):
         assert all("is released" in m or "whose chunk is released" in m for m in messages), messages
+
+
+def test_a_copied_model_keeps_the_shapes() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    zero_model_wrapper(model, 3, {"device": torch.device("cpu"), "chunk_size_numel": 1500})
+    copied = copy.deepcopy(model)
+    assert [tuple(p.shape) for p in copied.parameters()] == shapes

@@ -77,6 +77,14 @@ class ChunkParameter(nn.Parameter):
     def numel(self) -> int:
         return self._logical_shape.numel()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ChunkParameter:
+        # nn.Parameter's copy keeps the class but not the attributes that give the shape.
+        result = super().__deepcopy__(memo)
+        for name in ("_logical_shape", "_chunk_name"):
+            if name in self.__dict__:
+                setattr(result, name, self.__dict__[name])
+        return result  # type: ignore[no-any-return]
+
     def __len__(self) -> int:
         if not self._logical_shape:
             raise TypeError("len() of a 0-d tensor")
