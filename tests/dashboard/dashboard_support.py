@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -174,3 +175,14 @@ class Server:
                 self.process.wait(timeout=10)
         if self.process.stdout:
             self.process.stdout.close()
+
+
+def post_events(url: str, events: list[dict[str, Any]], timeout_s: float = 30.0) -> None:
+    """POST one batch to a running dashboard at `url`, as a rank's sender does."""
+    request = urllib.request.Request(
+        url + "/api/v1/events",
+        data=json.dumps({"events": events}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        assert response.status == 200

@@ -3,13 +3,18 @@ within 2 s each in headless Chromium; the outlier ranks are named and lead to th
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dashboard_support import Server, chunks_event, launch_chromium, started_event, step_event
+from dashboard_support import (
+    Server,
+    chunks_event,
+    launch_chromium,
+    post_events,
+    started_event,
+    step_event,
+)
 
 from shardwise_dashboard.storage import RunStore
 
@@ -71,16 +76,6 @@ def _preload(db: Path) -> None:
     old.close()
 
 
-def _post(url: str, events: list[dict[str, Any]]) -> None:
-    request = urllib.request.Request(
-        url + "/api/v1/events",
-        data=json.dumps({"events": events}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        assert response.status == 200
-
-
 def _outliers(page: Any) -> dict[str, int]:
     return page.eval_on_selector_all(
         "#outliers li[data-kind]",
@@ -121,7 +116,7 @@ def test_a_thousand_ranks_fit_one_screen_and_update_live(tmp_path: Path) -> None
             live = [step_event("big", r, STEPS) for r in range(RANKS) if r != STALE]
             live.append(_snapshot(42, STEPS, on_host=CHUNKS))
             posted = time.perf_counter()
-            _post(server.url, live)
+            post_events(server.url, live)
             page.wait_for_selector(f'#overview[data-last-step="{STEPS}"]', timeout=10_000)
             live_s = time.perf_counter() - posted
             host_chunks = page.get_attribute("#heatmap", "data-host-chunks")

@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
-from dashboard_support import Server, chunks_event, finished_event, launch_chromium, started_event
+from dashboard_support import (
+    Server,
+    chunks_event,
+    finished_event,
+    launch_chromium,
+    post_events,
+    started_event,
+)
 from dashboard_support import step_event as make_step
 
 RANKS = 8
 STEPS = 30
 RATE = 10.0
 NUM_CHUNKS = 64
-
-
-def _post(url: str, events: list[dict[str, Any]]) -> None:
-    request = urllib.request.Request(
-        url + "/api/v1/events",
-        data=json.dumps({"events": events}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        assert response.status == 200
 
 
 def _rank(url: str, rank: int, failures: list[BaseException]) -> None:
@@ -38,8 +32,8 @@ def _rank(url: str, rank: int, failures: list[BaseException]) -> None:
                 snapshot = chunks_event("load", rank, step)
                 snapshot["chunks"] = [dict(snapshot["chunks"][0], id=i) for i in range(NUM_CHUNKS)]
                 events.append(snapshot)
-            _post(url, events)  # one POST per step, as a rank's emitter sends at this pace
-        _post(url, [finished_event("load", rank)])
+            post_events(url, events)  # one POST per step, as a rank's emitter sends at this pace
+        post_events(url, [finished_event("load", rank)])
     except BaseException as error:  # reported by the test thread
         failures.append(error)
 
@@ -56,7 +50,9 @@ def test_the_page_keeps_up_with_eight_ranks_at_ten_steps_per_second(tmp_path: Pa
             page.on("pageerror", lambda error: errors.append(str(error)))
             page.goto(server.url + "/")
             page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
-            _post(server.url, [started_event("load", r, world_size=RANKS) for r in range(RANKS)])
+            post_events(
+                server.url, [started_event("load", r, world_size=RANKS) for r in range(RANKS)]
+            )
             failures: list[BaseException] = []
             ranks = [
                 threading.Thread(target=_rank, args=(server.url, r, failures)) for r in range(RANKS)

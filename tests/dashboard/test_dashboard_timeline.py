@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_support import Server, chunks_event, launch_chromium, started_event, step_event
+from dashboard_support import (
+    Server,
+    chunks_event,
+    launch_chromium,
+    post_events,
+    started_event,
+    step_event,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACT = ROOT / "runs" / "test-artifacts" / "dashboard-timeline.png"  # runs/ is git-ignored
@@ -48,16 +55,6 @@ def _step(run_id: str, rank: int, step: int) -> dict[str, Any]:
     return step_event(run_id, rank, step, moved_bytes=moved)
 
 
-def _post(url: str, events: list[dict[str, Any]]) -> None:
-    request = urllib.request.Request(
-        url + "/api/v1/events",
-        data=json.dumps({"events": events}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        assert response.status == 200
-
-
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
@@ -70,7 +67,7 @@ def test_the_placement_timeline_of_a_rank_is_served_step_by_step(tmp_path: Path)
         for step in range(10):
             events += [_step("tl", 0, step), _snapshot("tl", 0, step)]
         events.append(_snapshot("tl", 1, 0))
-        _post(server.url, events)
+        post_events(server.url, events)
         timeline = _get(server.url + "/api/v1/placement/tl?rank=0")
         assert timeline["steps"] == list(range(10))
         assert timeline["placement"] == [_letters(s) for s in range(10)]
@@ -97,7 +94,7 @@ def test_the_page_draws_each_ranks_timeline_and_extends_it_live(tmp_path: Path) 
         history: list[dict[str, Any]] = [started_event("tl", 0, world_size=1)]
         for step in range(10):
             history += [_step("tl", 0, step), _snapshot("tl", 0, step)]
-        _post(server.url, history)
+        post_events(server.url, history)
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright)
             page = browser.new_page(viewport={"width": 1300, "height": 1000})
@@ -118,7 +115,7 @@ def test_the_page_draws_each_ranks_timeline_and_extends_it_live(tmp_path: Path) 
             live: list[dict[str, Any]] = []
             for step in range(10, 15):
                 live += [_step("tl", 0, step), _snapshot("tl", 0, step)]
-            _post(server.url, live)
+            post_events(server.url, live)
             page.wait_for_function(
                 f"""() => {{
                     const c = document.querySelector('{timeline}');
