@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
@@ -66,10 +65,9 @@ class Ranks:
 
     def from_first(self, value: Any) -> Any:
         """The value of the group's first rank, on every rank."""
-        if not self.collective or not dist.is_initialized():
+        if not self.collective:
             return value
-        first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        return comm.broadcast_object(value, first, self.stats, self.group)
+        return comm.broadcast_object(value, self.stats, self.group)
 
 
 def check_save_target(path: Path, ranks: Ranks) -> None:

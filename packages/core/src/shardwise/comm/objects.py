@@ -9,7 +9,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from shardwise.comm.collectives import world_size
+from shardwise.comm.collectives import rank, world_size
 from shardwise.comm.stats import CommOp, CommStats
 
 
@@ -25,17 +25,17 @@ def all_gather_object(value: Any, stats: CommStats, group: ProcessGroup | None =
     return gathered
 
 
-def broadcast_object(
-    value: Any, src: int, stats: CommStats, group: ProcessGroup | None = None
-) -> Any:
-    """Rank `src`'s `value` (a global rank, as torch.distributed takes it), on every rank."""
+def broadcast_object(value: Any, stats: CommStats, group: ProcessGroup | None = None) -> Any:
+    """The `value` of the group's first rank, on every rank of the group."""
     n = world_size(group)
     size = len(pickle.dumps(value))
-    stats.record(CommOp.CONTROL, size, size if _is_rank(src, group) else 0)
+    first = rank(group) == 0
+    stats.record(CommOp.CONTROL, size, size if first else 0)
     if n == 1:
         return value
     holder = [value]
-    dist.broadcast_object_list(holder, src=src, group=group)
+    source = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(holder, src=source, group=group)
     return holder[0]
 
 
@@ -44,7 +44,3 @@ def barrier(stats: CommStats, group: ProcessGroup | None = None) -> None:
     stats.record(CommOp.CONTROL, 0, 0)
     if world_size(group) > 1:
         dist.barrier(group=group)
-
-
-def _is_rank(src: int, group: ProcessGroup | None) -> bool:
-    return not dist.is_initialized() or dist.get_rank() == src

@@ -20,8 +20,6 @@ import sys
 import time
 from typing import Any
 
-import torch.distributed as dist
-
 from shardwise import comm
 from shardwise.telemetry import events
 from shardwise.telemetry.emitter import TelemetryEmitter
@@ -191,8 +189,4 @@ def _report_uncaught_exceptions(recorder: TelemetryRecorder) -> None:
 
 def _shared_run_id(model: ZeroModel) -> str:
     chosen = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-    group = model.config.process_group
-    if dist.is_initialized():
-        first = 0 if group is None else dist.get_global_rank(group, 0)
-        chosen = comm.broadcast_object(chosen, first, model.comm_stats, group)
-    return str(chosen)
+    return str(comm.broadcast_object(chosen, model.comm_stats, model.config.process_group))
