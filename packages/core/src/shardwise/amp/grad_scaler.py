@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 _DYNAMIC_KEYS = (
@@ -118,6 +118,9 @@ class LossScaleConfig:
             )
 
 
+_SETTINGS = tuple(f.name for f in fields(LossScaleConfig))
+
+
 class ConstantGradScaler(GradScaler):
     """A scale that never changes (fp32 and bf16 training use 1.0); overflows are counted.
 
@@ -203,6 +206,16 @@ class DynamicGradScaler(GradScaler):
             min_scale=min_scale,
             max_scale=max_scale,
         )
+        self._settle(config)
+        self._scale = self.initial_scale
+        self.growth_step = 0
+        self.hysteresis_step = 0
+
+    @classmethod
+    def from_config(cls, config: LossScaleConfig) -> DynamicGradScaler:
+        return cls(**asdict(config))
+
+    def _settle(self, config: LossScaleConfig) -> None:
         self.initial_scale = float(config.initial_scale)
         self.growth_factor = float(config.growth_factor)
         self.backoff_factor = float(config.backoff_factor)
@@ -210,21 +223,6 @@ class DynamicGradScaler(GradScaler):
         self.hysteresis = config.hysteresis
         self.min_scale = float(config.min_scale)
         self.max_scale = float(config.max_scale)
-        self._scale = self.initial_scale
-        self.growth_step = 0
-        self.hysteresis_step = 0
-
-    @classmethod
-    def from_config(cls, config: LossScaleConfig) -> DynamicGradScaler:
-        return cls(
-            initial_scale=config.initial_scale,
-            growth_factor=config.growth_factor,
-            backoff_factor=config.backoff_factor,
-            growth_interval=config.growth_interval,
-            hysteresis=config.hysteresis,
-            min_scale=config.min_scale,
-            max_scale=config.max_scale,
-        )
 
     @property
     def scale(self) -> float:
@@ -271,13 +269,8 @@ class DynamicGradScaler(GradScaler):
         for key in _DYNAMIC_KEYS:
             if key not in state:
                 raise ValueError(f"DynamicGradScaler state is missing {key!r}")
-        self.initial_scale = float(state["initial_scale"])
-        self.growth_factor = float(state["growth_factor"])
-        self.backoff_factor = float(state["backoff_factor"])
-        self.growth_interval = int(state["growth_interval"])
-        self.hysteresis = int(state["hysteresis"])
-        self.min_scale = float(state["min_scale"])
-        self.max_scale = float(state["max_scale"])
+        # The saved settings, validated as the constructor's are.
+        self._settle(LossScaleConfig(**{k: state[k] for k in _SETTINGS}))
         self._scale = float(state["scale"])
         self.growth_step = int(state["growth_step"])
         self.hysteresis_step = int(state["hysteresis_step"])
