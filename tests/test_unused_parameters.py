@@ -32,11 +32,11 @@ STEPS = 6
 
 class Conditional(nn.Module):
     """Conditional computation users meet: a branch run on alternate steps, a branch run on
-    some ranks only (stages 1-2), a top-1 mixture of experts whose experts go without tokens
-    on some steps (on some ranks, or on all), a frozen layer, a tied weight, and a layer never
-    used."""
+    some ranks only, a top-1 mixture of experts whose experts go without tokens on some steps
+    (on some ranks, or on all), a frozen layer, a tied weight, and a layer never used. Holding
+    experts, the whole model is one gather unit at stage 3 (see [Note: gather units])."""
 
-    def __init__(self, ranks_differ: bool) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Linear(WIDTH, WIDTH)
         self.alternate = nn.Linear(WIDTH, WIDTH)
@@ -47,7 +47,6 @@ class Conditional(nn.Module):
         self.never = nn.Linear(WIDTH, WIDTH)
         self.head = nn.Linear(WIDTH, WIDTH)
         self.head.weight = self.embed.weight  # tied
-        self.ranks_differ = ranks_differ
         self.experts_run: list[list[int]] = []
 
     def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
@@ -55,22 +54,18 @@ class Conditional(nn.Module):
         if step % 2 == 0:
             h = h + self.alternate(h)
         h = self.frozen(h)
-        if self.ranks_differ and float(x[0, 0]) > 0:  # data-dependent: differs between ranks
+        if float(x[0, 0]) > 0:  # data-dependent: differs between ranks
             h = h + self.some_ranks(h)
         return self.head(h + self._experts(h))
 
     def _experts(self, h: torch.Tensor) -> torch.Tensor:
-        """Top-1 routing. An expert no token chose is not run, so it gets no gradient. Where
-        ranks may run different modules (stages 1-2) each rank decides alone; at stage 3, as
-        expert-parallel layers do, the ranks agree on which experts run (an expert chosen on
-        another rank only then runs on an empty batch here)."""
+        """Top-1 routing, each rank alone. An expert no token chose is not run, so it gets no
+        gradient."""
         logits = self.router(h)
         choice, gate = logits.argmax(dim=-1), torch.softmax(logits, dim=-1)
         chosen = torch.zeros(NUM_EXPERTS)
         chosen[choice.unique()] = 1.0
         self.experts_run.append([e for e in range(NUM_EXPERTS) if chosen[e]])
-        if not self.ranks_differ:
-            dist.all_reduce(chosen, op=dist.ReduceOp.MAX)
         mixed = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
             if chosen[e]:
@@ -107,16 +102,10 @@ class Case:
     accum: int = 1
     no_sync: bool = False
 
-    @property
-    def ranks_differ(self) -> bool:
-        # Stage 3 gathers each module's chunks collectively, so there every rank runs the same
-        # modules: the engine does not yet find modules that run on some ranks only by itself.
-        return self.stage < 3
-
 
 def _build(case: Case) -> Conditional:
     torch.manual_seed(0)
-    return Conditional(case.ranks_differ)
+    return Conditional()
 
 
 def _train_plain(case: Case) -> tuple[Conditional, torch.optim.Optimizer, list[float]]:

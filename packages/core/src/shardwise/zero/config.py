@@ -135,6 +135,9 @@ class ZeroConfig:
         param_init_fn: for a model built on the meta device, `fn(module)` initialises one
             module's own parameters and buffers once they have storage (see [Note: meta-device
             models] in zero/meta_init.py); None calls the module's `reset_parameters()`.
+        gather_units: stage 3: module classes or qualified module names to gather as one
+            unit, besides the blocks that hold experts, which are found by themselves (see
+            [Note: gather units] in zero/gather_units.py).
     """
 
     stage: int
@@ -149,6 +152,7 @@ class ZeroConfig:
     gradient_reduction: str = "auto"
     overlap_param_gather: bool = False
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
+    gather_units: tuple[type[torch.nn.Module] | str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int):
@@ -188,6 +192,16 @@ class ZeroConfig:
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(
                 f"param_init_fn must be a callable taking a module, got {self.param_init_fn!r}"
+            )
+        if not isinstance(self.gather_units, tuple):
+            raise TypeError(
+                f"gather_units must be a tuple of module classes or qualified module names, "
+                f"got {self.gather_units!r}"
+            )
+        if self.gather_units and self.stage != 3:
+            raise ValueError(
+                f"gather_units applies to stage 3 (where parameters are gathered), "
+                f"got zero_stage={self.stage}"
             )
         if not isinstance(self.mixed_precision, MixedPrecision):
             raise TypeError(

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from shardwise.chunk import Chunk, ChunkManager, ChunkState
 from shardwise.gemini import GeminiManager
+from shardwise.zero.gather_units import UnitMap
 
 # How many module calls ahead a prefetch looks for the next chunk the pass needs.
 _LOOKAHEAD = 256
@@ -76,7 +77,8 @@ class _Trace:
 
 
 class GatherScheduler:
-    """Hooks on every module that directly owns managed parameters.
+    """Hooks on every module that directly owns managed parameters, and on every gather unit
+    (for all the parameters under it; the modules inside get none).
 
     Args:
         module: the user's model.
@@ -85,6 +87,7 @@ class GatherScheduler:
         gemini: the memory manager to consult around every gather (room for the chunks,
             the budget check), if any.
         on_backward: called when a backward pass starts, before its first gather.
+        units: the blocks gathered as one (see [Note: gather units]); none when not given.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class GatherScheduler:
         prefetch: bool,
         gemini: GeminiManager | None = None,
         on_backward: Callable[[], None] | None = None,
+        units: UnitMap | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
         self._on_backward = on_backward
@@ -110,16 +114,23 @@ class GatherScheduler:
         self._in_backward = False
         self._keep_for_backward: frozenset[int] = frozenset()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.units = units if units is not None else UnitMap(module, chunk_manager, {})
         for submodule in module.modules():
-            places = [
-                chunk_manager.locate(p)
-                for p in submodule.parameters(recurse=False)
-                if chunk_manager.manages(p)
-            ]
+            if self.units.inside_unit(submodule):
+                continue  # its unit gathers for it: see [Note: gather units]
+            unit = self.units.index_of(submodule)
+            params = submodule.parameters(recurse=unit is not None)
+            places = [chunk_manager.locate(p) for p in params if chunk_manager.manages(p)]
             if not places:
                 continue
             self._handles.append(submodule.register_forward_pre_hook(self._pre_forward(places)))
             self._handles.append(submodule.register_forward_hook(self._post_forward(places)))
+            if unit is not None:
+                self._handles.append(
+                    submodule.register_forward_pre_hook(
+                        self.units.watch_backward(unit), with_kwargs=True
+                    )
+                )
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -238,6 +249,7 @@ class GatherScheduler:
 
     def _end_backward(self) -> None:
         self._in_backward = False
+        self.units.end_backward()
         self._backward.finish()
         self.release_all()
         if self._gemini is not None and not self._warmed_up:

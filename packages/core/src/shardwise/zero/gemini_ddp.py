@@ -57,6 +57,7 @@ _GEMINI_CONFIG_KEYS = (
     "gradient_reduction",
     "reduce_scatter_bucket_bytes",
     "param_init_fn",
+    "gather_units",
 )
 
 
@@ -190,7 +191,8 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
     mixed_precision (a `MixedPrecision`, or a torch dtype for parameters); process_group;
     prefetch; gradient_reduction ("auto", "reduce_scatter", "all_to_all" or "all_reduce", see
     ZeroConfig); param_init_fn (initialises each module of a model built on the meta device;
-    see ZeroConfig).
+    see ZeroConfig); gather_units (module classes or qualified names gathered as one block
+    besides the blocks holding experts; see ZeroConfig).
     """
     config = dict(gemini_config)
     unknown = sorted(set(config) - set(_GEMINI_CONFIG_KEYS))
@@ -239,6 +241,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         force_outputs_fp32=force_outputs_fp32,
         reduce_scatter_bucket_bytes=config.get("reduce_scatter_bucket_bytes", 0),
         param_init_fn=config.get("param_init_fn"),
+        gather_units=_gather_units(config.get("gather_units", ())),
     )
     manager = GeminiManager(
         policy,
@@ -246,6 +249,15 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         device_budget_bytes=config.get("device_budget_bytes"),
     )
     return GeminiDDP.from_config(model, zero_config, manager, pin_memory)
+
+
+def _gather_units(value: object) -> tuple[Any, ...]:
+    if isinstance(value, (str, type)) or not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"gather_units must be a list of module classes or qualified module names, "
+            f"got {value!r}"
+        )
+    return tuple(value)
 
 
 def _check_flags(

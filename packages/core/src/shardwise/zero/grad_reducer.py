@@ -25,6 +25,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
+from shardwise.zero.gather_units import UnitMap
 
 
 class GradReducer:
@@ -47,6 +48,9 @@ class GradReducer:
             payload there).
         after_grad: called when a gradient copy allocated a chunk's gradient buffer (the
             memory budget check: the only moment backward's model-state bytes grow).
+        units: stage 3's gather units: a chunk holding tensors of a unit is complete once
+            the unit's backward is done on this rank, whichever of them got gradients here
+            (see [Note: gather units]).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class GradReducer:
         bucket_bytes: int = 0,
         on_reduced: Callable[[Chunk], None] | None = None,
         after_grad: Callable[[str], None] | None = None,
+        units: UnitMap | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
         self.reduce_in_backward = reduce_in_backward
@@ -80,6 +85,23 @@ class GradReducer:
         self._callback_queued = False
         self._unreduced_passes = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._governed = units.governed if units is not None else {}
+        # Per chunk holding unit tensors: its other trainable tensors, and the units it waits on.
+        self._plain: dict[int, frozenset[int]] = {}
+        self._waits_on: dict[int, frozenset[int]] = {}
+        for chunk in self._order:
+            mine = {i: u for (c, i), u in self._governed.items() if c == chunk.chunk_id}
+            if mine:
+                self._waits_on[chunk.chunk_id] = frozenset(mine.values())
+                self._plain[chunk.chunk_id] = frozenset(
+                    i
+                    for i, info in enumerate(chunk.tensors)
+                    if info.param.requires_grad and i not in mine
+                )
+        self._units_done: set[int] = set()
+        self._plain_received: dict[int, set[int]] = {}
+        if units is not None:
+            units.on_done = self.unit_done
         for chunk in self._order:
             for index, info in enumerate(chunk.tensors):
                 if info.param.requires_grad:
@@ -88,11 +110,17 @@ class GradReducer:
                     )
 
     def _grad_hook(self, chunk: Chunk, index: int) -> Callable[[nn.Parameter], None]:
+        unit = self._governed.get((chunk.chunk_id, index))
+
         def hook(param: nn.Parameter) -> None:
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._queue_end_of_backward()
             assert param.grad is not None
+            if unit is not None and unit in self._units_done:
+                raise RuntimeError(
+                    f"the gradient of {chunk.tensors[index].name} arrived after the backward "
+                    f"of its gather unit {unit} had ended and its chunk was reduced: it is "
+                    f"used outside that block too. Tie it to a module outside the block"
+                )
             allocates = chunk.grad_full is None
             complete = chunk.add_grad(index, param.grad)
             # The chunk now holds the gradient; dropping .grad frees the per-parameter copy
@@ -100,17 +128,49 @@ class GradReducer:
             param.grad = chunk.exposed_grad(index)
             if allocates and self._after_grad is not None:
                 self._after_grad(f"after the gradient of {chunk.tensors[index].name}")
+            if chunk.chunk_id in self._waits_on:
+                if unit is None:
+                    self._plain_received.setdefault(chunk.chunk_id, set()).add(index)
+                complete = self._unit_chunk_complete(chunk.chunk_id)
             if complete:
-                self._complete.add(chunk.chunk_id)
-                self._completed.append(chunk.chunk_id)
-                if self.reduce_in_backward and self.require_sync:
-                    self._reduce_ready_in_order()
-                elif self.reduce_in_backward and self._on_reduced is not None:
-                    # Under no_sync the gradients stay whole in the chunk and nothing is
-                    # reduced, but backward needs the chunk's parameters no more all the same.
-                    self._on_reduced(chunk)
+                self._chunk_complete(chunk)
 
         return hook
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _unit_chunk_complete(self, chunk_id: int) -> bool:
+        # Only what every rank sees alike counts: the unit's backward being done, never which
+        # of its tensors got a gradient here (that differs between ranks).
+        received = self._plain_received.get(chunk_id, set())
+        return self._waits_on[chunk_id] <= self._units_done and self._plain[chunk_id] <= received
+
+    def unit_done(self, unit: int) -> None:
+        """Unit `unit`'s backward is done on this rank: its chunks may be complete."""
+        self._queue_end_of_backward()
+        self._units_done.add(unit)
+        for chunk in self._order:
+            waits_on = self._waits_on.get(chunk.chunk_id)
+            if (
+                waits_on is not None
+                and unit in waits_on
+                and chunk.chunk_id not in self._complete
+                and self._unit_chunk_complete(chunk.chunk_id)
+            ):
+                self._chunk_complete(chunk)
+
+    def _chunk_complete(self, chunk: Chunk) -> None:
+        self._complete.add(chunk.chunk_id)
+        self._completed.append(chunk.chunk_id)
+        if self.reduce_in_backward and self.require_sync:
+            self._reduce_ready_in_order()
+        elif self.reduce_in_backward and self._on_reduced is not None:
+            # Under no_sync the gradients stay whole in the chunk and nothing is reduced, but
+            # backward needs the chunk's parameters no more all the same.
+            self._on_reduced(chunk)
 
     def suggest_order(self, chunk_ids: list[int]) -> None:
         """Reduce in this order until the first backward has shown the real one; every rank
@@ -200,6 +260,8 @@ class GradReducer:
         self._next = 0
         self._complete.clear()
         self._completed.clear()
+        self._units_done.clear()
+        self._plain_received.clear()
 
     def reduce_all(self) -> None:
         """Reduce the gradients that backward passes left unreduced (every pass in stage 1,

@@ -19,6 +19,7 @@ from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager
 from shardwise.zero.config import ZeroConfig, gradient_reduction_method
 from shardwise.zero.gather_scheduler import GatherScheduler
+from shardwise.zero.gather_units import UnitMap, find_gather_units
 from shardwise.zero.grad_reducer import GradReducer
 from shardwise.zero.ignore import is_ignored, keep_ignored_local
 from shardwise.zero.init_context import sliced, unslice, whole_numel
@@ -137,13 +138,20 @@ class ZeroModel(nn.Module):
         chunk_manager, gemini = self.chunk_manager, self.gemini_manager
         self.scheduler: GatherScheduler | None = None
         self._forward_was_recorded = False
+        units: UnitMap | None = None
         if self.config.stage == 3:
+            units = UnitMap(
+                self.module,
+                chunk_manager,
+                find_gather_units(self.module, self.config.gather_units),
+            )
             self.scheduler = GatherScheduler(
                 self.module,
                 chunk_manager,
                 prefetch=self.config.prefetch,
                 gemini=gemini,
                 on_backward=lambda: self.rank_sync.backward_started(self.config.device),
+                units=units,
             )
         self.param_gather: DeferredParamGather | None = None
         if self.config.overlap_param_gather:
@@ -157,6 +165,7 @@ class ZeroModel(nn.Module):
             bucket_bytes=self.config.reduce_scatter_bucket_bytes,
             on_reduced=self.scheduler.on_chunk_reduced if self.scheduler else None,
             after_grad=gemini.check_budget if gemini is not None else None,
+            units=units,
         )
         if gemini is not None:
             gemini.attach_reducer(self.reducer.finish_in_flight)
