@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import run_ranks
+from shardwise.zero.rank_sync import RanksOutOfStep
 
 WIDTH = 16
 NUM_EXPERTS = 4
@@ -146,9 +147,7 @@ def _ranks_differed(results: list[dict[str, Any]]) -> bool:
     """Whether on some step one rank called an expert another did not (else nothing is
     proven)."""
     per_rank = [result["calls"] for result in results]
-    return any(
-        len({frozenset(calls[step]) for calls in per_rank}) > 1 for step in range(STEPS)
-    )
+    return any(len({frozenset(calls[step]) for calls in per_rank}) > 1 for step in range(STEPS))
 
 
 # Several chunks: each expert block spans more than one, and chunks mix experts of a layer
@@ -187,3 +186,68 @@ def test_every_placement_with_overlap_and_buckets() -> None:
     for rank_results in results:
         for config, result in zip(configs, rank_results, strict=True):
             assert result["diff"] == 0.0, (config, result["diff"])
+
+
+class Branchy(nn.Module):
+    """A block with a data-dependent branch, laid out as no expert block is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.block = nn.ModuleDict(
+            {"inner": nn.Linear(WIDTH, WIDTH), "extra": nn.Linear(WIDTH, WIDTH)}
+        )
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = self.block["inner"](h)
+        if float(x[0, 0]) > 0:  # differs between ranks
+            h = h + self.block["extra"](h)
+        return self.head(h)
+
+
+def _branchy(gather_units: list[str]) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    plain = Branchy()
+    ddp = DistributedDataParallel(plain, find_unused_parameters=True)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    model = Branchy()
+    # One chunk: the branch's parameters are gathered with the rest, so no gather goes missing
+    # and the divergence is found at the next pass check rather than hanging.
+    config = {"device": torch.device("cpu"), "chunk_size_numel": 1 << 16}
+    wrapped = zero_model_wrapper(model, 3, {**config, "gather_units": gather_units})
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    branch_taken = []
+    try:
+        for step in range(STEPS):
+            x, target = _batch(step, rank, world)
+            branch_taken.append(float(x[0, 0]) > 0)
+            plain_optimizer.zero_grad()
+            (ddp(x) - target).pow(2).mean().backward()
+            plain_optimizer.step()
+            optimizer.zero_grad()
+            optimizer.backward((wrapped(x) - target).pow(2).mean())
+            optimizer.step()
+    except RanksOutOfStep as error:
+        return {"error": str(error), "branch_taken": branch_taken}
+    final = wrapped.state_dict(only_rank_0=False)
+    diff = max((final[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    return {"error": None, "diff": diff, "branch_taken": branch_taken}
+
+
+def test_a_branch_on_some_ranks_outside_units_raises_on_every_rank_naming_it() -> None:
+    results = run_ranks(_branchy, 2, [])
+    assert results[0]["branch_taken"] != results[1]["branch_taken"]
+    for result in results:
+        assert result["error"] is not None
+        assert "block.extra: ran on rank(s)" in result["error"]
+        assert "'gather_units': ['block']" in result["error"]
+
+
+def test_the_named_block_as_gather_unit_matches_ddp() -> None:
+    for result in run_ranks(_branchy, 2, ["block"]):
+        assert result["error"] is None
+        assert result["diff"] == 0.0

@@ -119,8 +119,7 @@ def test_switch_transformers_matches_ddp(world: int) -> None:
     results = run_ranks(_run, world, 4000, timeout_s=600)
     # Some step had one rank call an expert another did not: the case that hung before.
     assert any(
-        len({frozenset(result["calls"][step]) for result in results}) > 1
-        for step in range(STEPS)
+        len({frozenset(result["calls"][step]) for result in results}) > 1 for step in range(STEPS)
     )
     assert results[0]["num_chunks"] >= 4
     for result in results:

@@ -132,7 +132,8 @@ def test_model_is_sharded_and_scheduler_drives_inner_optimizer() -> None:
 
 
 def _loops() -> dict[str, Any]:
-    """Validation during fit, then test and predict, for ddp and shardwise."""
+    """Validation during fit, then test and predict, then a test of another module and of the
+    first again on the same Trainer, for ddp and shardwise."""
     out: dict[str, Any] = {}
     for name, strategy in (("ddp", "ddp"), ("ours", "shardwise_fsdp")):
         torch.manual_seed(0)
@@ -143,7 +144,12 @@ def _loops() -> dict[str, Any]:
         tested = run.test(module, verbose=False)
         predicted = run.predict(module)
         assert predicted is not None
+        torch.manual_seed(1)
+        other = run.test(Net(), verbose=False)
+        again = run.test(module, verbose=False)
         out[name] = {
+            "other": other[0]["test_loss"],
+            "again": again[0]["test_loss"],
             "val": module.val_losses,
             "val_metric": val_metric,
             "test": tested[0]["test_loss"],
@@ -159,6 +165,8 @@ def test_validation_test_and_predict_match_ddp() -> None:
         assert ours["val"] == ddp["val"]
         assert ours["val_metric"] == ddp["val_metric"]
         assert ours["test"] == ddp["test"]
+        assert ours["other"] == ddp["other"] and ours["other"] != ours["test"]
+        assert ours["again"] == ours["test"]
         assert ours["predict"].shape == (32, 4)
         assert torch.equal(ours["predict"], ddp["predict"])
 

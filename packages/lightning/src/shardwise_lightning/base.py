@@ -106,6 +106,9 @@ class ShardwiseStrategyBase(DDPStrategy):
         # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
         self._param_group_names: list[list[str]] = []
         self._zero_model: ZeroModel | None = None
+        # Every module this strategy sharded, by id: one Trainer may fit one module, test
+        # another and come back to the first, whose parameters already live in its engine.
+        self._engines: dict[int, ZeroModel] = {}
         self._loaded_sharded = False
 
     # ---- what a subclass provides -------------------------------------------------------------
@@ -190,15 +193,18 @@ class ShardwiseStrategyBase(DDPStrategy):
         self.setup_precision_plugin()
 
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
-        if self._zero_model is not None and self._zero_model.module is model:
-            # A later fit/validate of the same, already sharded module.
+        engine = self._engines.get(id(model))
+        if engine is not None and engine.module is model:
+            # A later fit/validate/test of a module this strategy already sharded.
+            self._zero_model = engine
             assert self.lightning_module is not None
             fn = self.lightning_module.trainer.state.fn
             self._check_all_managed(f"at the start of {getattr(fn, 'value', fn)}")
-            return self._zero_model
+            return engine
         self._zero_model = zero_model_wrapper(
             model, zero_stage=3, gemini_config=self.gemini_config(self.root_device)
         )
+        self._engines[id(model)] = self._zero_model
         return self._zero_model
 
     def setup_optimizers(self, trainer: Trainer) -> None:

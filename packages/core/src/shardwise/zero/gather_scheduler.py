@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 from shardwise.chunk import Chunk, ChunkManager, ChunkState
 from shardwise.gemini import GeminiManager
 from shardwise.zero.gather_units import UnitMap
+from shardwise.zero.rank_sync import VisitTrail
 
 # How many module calls ahead a prefetch looks for the next chunk the pass needs.
 _LOOKAHEAD = 256
@@ -115,7 +116,9 @@ class GatherScheduler:
         self._keep_for_backward: frozenset[int] = frozenset()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.units = units if units is not None else UnitMap(module, chunk_manager, {})
-        for submodule in module.modules():
+        # The modules whose hooks ran since the last pass check, compared across ranks there.
+        self.trail = VisitTrail()
+        for name, submodule in module.named_modules():
             if self.units.inside_unit(submodule):
                 continue  # its unit gathers for it: see [Note: gather units]
             unit = self.units.index_of(submodule)
@@ -123,8 +126,11 @@ class GatherScheduler:
             places = [chunk_manager.locate(p) for p in params if chunk_manager.manages(p)]
             if not places:
                 continue
-            self._handles.append(submodule.register_forward_pre_hook(self._pre_forward(places)))
-            self._handles.append(submodule.register_forward_hook(self._post_forward(places)))
+            visit = self.trail.register(name or type(submodule).__name__)
+            self._handles.append(
+                submodule.register_forward_pre_hook(self._pre_forward(places, visit))
+            )
+            self._handles.append(submodule.register_forward_hook(self._post_forward(places, visit)))
             if unit is not None:
                 self._handles.append(
                     submodule.register_forward_pre_hook(
@@ -167,13 +173,14 @@ class GatherScheduler:
             return frozenset()
         return frozenset(self._backward.steps[0])
 
-    def _pre_forward(self, places: list[tuple[Chunk, int]]) -> Any:
+    def _pre_forward(self, places: list[tuple[Chunk, int]], visit: int) -> Any:
         chunks = _unique_chunks(places)
         chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
 
         def hook(module: nn.Module, args: Any) -> None:
             trace = self._backward if self._in_backward else self._forward
             trace.visit(chunk_ids)
+            self.trail.add(visit)
             self._gather(chunks, self._in_backward, f"before forward of {type(module).__name__}")
             for chunk, index in places:
                 chunk.set_compute(index)
@@ -194,7 +201,7 @@ class GatherScheduler:
         if self._gemini is not None:
             self._gemini.after_gather(sharded, where)
 
-    def _post_forward(self, places: list[tuple[Chunk, int]]) -> Any:
+    def _post_forward(self, places: list[tuple[Chunk, int]], visit: int) -> Any:
         chunks = _unique_chunks(places)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -213,7 +220,7 @@ class GatherScheduler:
                     ):
                         chunk.release()
             if torch.is_grad_enabled():
-                self._register_pre_backward(output, chunks)
+                self._register_pre_backward(output, chunks, visit)
 
         return hook
 
@@ -228,7 +235,7 @@ class GatherScheduler:
 
     # ---- backward ----------------------------------------------------------------------------
 
-    def _register_pre_backward(self, output: Any, chunks: list[Chunk]) -> None:
+    def _register_pre_backward(self, output: Any, chunks: list[Chunk], visit: int) -> None:
         chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
 
         def hook(grad: torch.Tensor) -> None:
@@ -239,6 +246,7 @@ class GatherScheduler:
                 if self._on_backward is not None:
                     self._on_backward()
             self._backward.visit(chunk_ids)
+            self.trail.add(visit)
             self._gather(chunks, True, "before backward")
             self._prefetch(self._backward)
 

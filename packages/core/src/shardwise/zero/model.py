@@ -153,6 +153,7 @@ class ZeroModel(nn.Module):
                 on_backward=lambda: self.rank_sync.backward_started(self.config.device),
                 units=units,
             )
+            self.rank_sync.trail = self.scheduler.trail
         self.param_gather: DeferredParamGather | None = None
         if self.config.overlap_param_gather:
             self.param_gather = DeferredParamGather(self.module, chunk_manager)

@@ -15,6 +15,12 @@ every rank waits forever. Each rank therefore counts what it ran since the last 
   few numbers before the pass's first gather, since there every pass is a chain of collectives.
 On a mismatch every rank raises `RanksOutOfStep` naming what each rank was doing (one more
 all-gather, on the error path only).
+
+The stage-3 check also carries a fingerprint of the modules whose gather hooks ran since the
+previous check (`VisitTrail`). Ranks that called different modules (a branch taken on some
+ranks only, outside a gather unit: see [Note: gather units]) issue different gathers; where
+that did not already hang (the branch's chunks were gathered anyway), every rank raises here,
+naming the modules and the block to gather as one, before a later step's divergence hangs.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from shardwise.comm import CommStats
 
 # Counters travel in float64 sums of squares (see zero/grad_norm.py): keep them small.
 _WRAP = 1 << 20
+_HASH_MODULUS = 1_048_573  # a prime below 2**20
 
 
 class RanksOutOfStep(RuntimeError):
@@ -50,6 +57,33 @@ class _Position:
         )
 
 
+class VisitTrail:
+    """The hooked modules that ran since the last pass check, as indices into `names`."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._visits: list[int] = []
+        self._hash = 0
+
+    def register(self, name: str) -> int:
+        self.names.append(name)
+        return len(self.names) - 1
+
+    def add(self, index: int) -> None:
+        self._visits.append(index)
+        self._hash = (self._hash * 31 + index + 1) % _HASH_MODULUS
+
+    def fingerprint(self) -> tuple[float, float]:
+        """How many visits and their order-sensitive hash, small enough for float64."""
+        return float(len(self._visits) % _WRAP), float(self._hash)
+
+    def take(self) -> list[str]:
+        """The names visited since the last call, and start afresh."""
+        names = [self.names[i] for i in self._visits]
+        self._visits, self._hash = [], 0
+        return names
+
+
 class RankSync:
     """This rank's pass and step counters, and the checks against the other ranks'.
 
@@ -64,6 +98,7 @@ class RankSync:
         self._group = group
         self._check_passes = check_passes and comm.world_size(group) > 1
         self._position = _Position()
+        self.trail: VisitTrail | None = None  # stage 3's, once its scheduler exists
 
     def forward_started(self, device: torch.device) -> None:
         position = self._position
@@ -94,15 +129,42 @@ class RankSync:
     def _signature(self, phase: int) -> list[float]:
         p = self._position
         values = (p.steps, p.forwards, p.grad_forwards, p.backwards, phase)
-        return [float(v % _WRAP) for v in values]
+        trail = self.trail.fingerprint() if self.trail is not None else (0.0, 0.0)
+        return [float(v % _WRAP) for v in values] + list(trail)
 
     def _check_pass(self, device: torch.device, phase: int) -> None:
-        mine = torch.tensor(self._signature(phase), dtype=torch.float64, device=device)
+        signature = self._signature(phase)
+        mine = torch.tensor(signature, dtype=torch.float64, device=device)
         both = torch.cat([mine, -mine])
         comm.all_reduce(both, self._stats, self._group, op=ReduceOp.MAX)
         n = mine.numel()
-        if not torch.equal(both[:n], -both[n:]):
+        visited = self.trail.take() if self.trail is not None else []
+        if torch.equal(both[:n], -both[n:]):
+            return
+        counters = n - 2  # the trail's fingerprint comes last
+        if not torch.equal(both[:counters], -both[n : n + counters]):
             self._raise(_PHASES[phase])
+        self._raise_modules_differ(visited, _PHASES[phase])
+
+    def _raise_modules_differ(self, visited: list[str], phase: str) -> None:
+        everyone = [set(v) for v in comm.all_gather_object(visited, self._stats, self._group)]
+        some = set().union(*everyone) - set.intersection(*everyone)
+        lines = (
+            "\n".join(
+                f"  {name}: ran on rank(s) {[r for r, v in enumerate(everyone) if name in v]}"
+                for name in sorted(some)
+            )
+            or "  (the same modules, in another order)"
+        )
+        blocks = sorted({name.rpartition(".")[0] or "<the model>" for name in some})
+        raise RanksOutOfStep(
+            f"ranks called different modules before {phase}:\n{lines}\n"
+            f"At stage 3 each module gathers its parameters with a collective, so every rank "
+            f"must call the same modules; this time no gather was missed, a later step's would "
+            f"hang. Gather the enclosing block as one unit: "
+            f"gemini_config={{'gather_units': {blocks}}} (or the block's class). Blocks holding "
+            f"a ModuleList/ModuleDict of experts are found by themselves"
+        )
 
     def _raise(self, phase: str) -> None:
         doing = self._position.describe(phase)
