@@ -20,6 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import run_ranks
+from shardwise.zero.config import ZeroConfig
+from shardwise.zero.gather_units import find_gather_units
+from shardwise.zero.gemini_ddp import gemini_ddp_from_config
 from shardwise.zero.rank_sync import RanksOutOfStep
 
 WIDTH = 16
@@ -251,3 +254,17 @@ def test_the_named_block_as_gather_unit_matches_ddp() -> None:
     for result in run_ranks(_branchy, 2, ["block"]):
         assert result["error"] is None
         assert result["diff"] == 0.0
+
+
+def test_gather_units_are_found_and_bad_ones_refused() -> None:
+    model = MoEModel()
+    assert list(find_gather_units(model)) == ["moes.0", "moes.1"]
+    assert list(find_gather_units(model, ["norms", TopOneMoE])) == ["norms", "moes.0", "moes.1"]
+    with pytest.raises(ValueError, match=r"\['nowhere'\] name no module of MoEModel"):
+        find_gather_units(model, ["nowhere"])
+    with pytest.raises(TypeError, match="a module's qualified name"):
+        find_gather_units(model, [3])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="gather_units applies to stage 3"):
+        ZeroConfig(stage=2, device=torch.device("cpu"), gather_units=("moes.0",))
+    with pytest.raises(TypeError, match="list of module classes"):
+        gemini_ddp_from_config(model, {"device": torch.device("cpu"), "gather_units": "moes.0"})
