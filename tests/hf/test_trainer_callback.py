@@ -3,8 +3,9 @@
 One torchrun launch (tests/hf/trainer_run.py) trains tiny Llama and GPT-2 models from configs
 with a plain Trainer and with the callback (stage 3, and Llama at stages 1 and 2), evaluating
 during and after training, saves, resumes, loads the best checkpoint, trains with activation
-checkpointing (reentrant and not, plain and at stages 1-3) and builds a conflicting set-up and a
-Trainer that does not run distributed; the tests below assert on what it wrote. Loading the
+checkpointing (reentrant and not, plain and at stages 1-3), trains a Switch Transformers model
+whose ranks route tokens to different experts, and builds a conflicting set-up and a Trainer that
+does not run distributed; the tests below assert on what it wrote. Loading the
 saved models happens in a plain process without shardwise (tests/hf/load_plain.py).
 """
 
@@ -270,6 +271,20 @@ def test_gradient_checkpointing_matches_the_plain_trainer(seen: dict[str, Any], 
         # ... while the recomputation is no new pass of the model (the engine's pass
         # counters, checked across ranks at stage 3, count root forwards).
         assert run["root_calls"] == plain["root_calls"] == 12, (stage, run)
+
+
+def test_switch_transformers_trains_at_stage_3_as_the_plain_trainer(seen: dict[str, Any]) -> None:
+    # The ranks route tokens to different experts (an expert called on one rank and not on
+    # the other in some pass), which once hung stage 3. Unclipped fp32 with 2 ranks: each
+    # averaged gradient element is (a + b) / 2 in both runs, so the losses agree bit for bit.
+    runs = seen["switch"]
+    plain, sharded = runs["plain"], runs["stage3"]
+    passes = len(plain["calls"][0])
+    assert passes == 12
+    assert any(set(plain["calls"][0][i]) != set(plain["calls"][1][i]) for i in range(passes))
+    assert sharded["calls"] == plain["calls"]
+    assert len(sharded["loss"]) == 6
+    assert sharded["loss"] == plain["loss"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the Trainer runs distributed")

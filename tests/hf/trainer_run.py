@@ -1,7 +1,7 @@
 """Runs under `torchrun --nproc-per-node=2`: plain Trainer runs against the same runs with
 ShardwiseCallback at stages 1, 2 and 3, evaluating during and after training, a save, a resume,
 loading the best checkpoint, activation checkpointing (reentrant and not) at every stage, a
-conflicting set-up and a Trainer that does not run distributed; writes what it saw as JSON.
+Switch Transformers mixture of experts at stage 3, a conflicting set-up and a Trainer that does not run distributed; writes what it saw as JSON.
 
     torchrun --standalone --nproc-per-node=2 tests/hf/trainer_run.py OUT_DIR
 """
@@ -22,6 +22,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    SwitchTransformersConfig,
+    SwitchTransformersForConditionalGeneration,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -397,6 +399,52 @@ def checkpointing_runs(out: Path) -> dict[str, Any]:
     return seen
 
 
+def switch_runs(out: Path) -> dict[str, Any]:
+    """A Switch Transformers model (top-1 experts behind a router) under the plain Trainer and
+    under ShardwiseCallback(zero_stage=3), recording which experts each rank called."""
+    seen: dict[str, Any] = {}
+    for name, callbacks in (("plain", []), ("stage3", [ShardwiseCallback(zero_stage=3)])):
+        torch.manual_seed(0)
+        model = SwitchTransformersForConditionalGeneration(
+            SwitchTransformersConfig(
+                vocab_size=VOCAB,
+                d_model=16,
+                d_kv=4,
+                d_ff=32,
+                num_heads=2,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_sparse_encoder_layers=1,
+                num_sparse_decoder_layers=1,
+                num_experts=8,
+                expert_capacity=64,
+                router_jitter_noise=0.0,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        )
+        calls: list[list[str]] = []
+        model.register_forward_pre_hook(lambda module, args: calls.append([]))
+        for module_name, module in model.named_modules():
+            if module_name.rsplit(".", 1)[-1].startswith("expert_"):
+
+                def note(module: Any, args: Any, module_name: str = module_name) -> None:
+                    calls[-1].append(module_name)
+
+                module.register_forward_pre_hook(note)
+        rows = [{"input_ids": r["input_ids"], "labels": r["labels"][:6]} for r in dataset()]
+        trainer = Trainer(
+            model=model,
+            args=arguments(out / f"switch_{name}", max_grad_norm=0.0),
+            train_dataset=rows,
+            callbacks=callbacks,
+        )
+        trainer.train()
+        seen[name] = {"loss": history(trainer, "loss"), "calls": every_rank(calls)}
+    return seen
+
+
 def not_distributed(out: Path) -> str:
     """Without use_cpu=True, a CPU Trainer under torchrun does not run distributed although
     the process group has 2 ranks (every rank would train on all the data)."""
@@ -424,6 +472,7 @@ def main() -> None:
         "fp16": fp16_runs(out),
         "conflict_error": conflicts(out),
         "checkpointing": checkpointing_runs(out),
+        "switch": switch_runs(out),
         # Last: TrainingArguments without use_cpu change accelerate's shared state.
         "not_distributed": not_distributed(out),
     }
