@@ -1,7 +1,8 @@
 """Runs under `torchrun --nproc-per-node=2`: plain Trainer runs against the same runs with
 ShardwiseCallback at stages 1, 2 and 3, evaluating during and after training, a save, a resume,
 loading the best checkpoint, activation checkpointing (reentrant and not) at every stage, a
-Switch Transformers mixture of experts at stage 3, a conflicting set-up and a Trainer that does not run distributed; writes what it saw as JSON.
+Switch Transformers mixture of experts at stage 3, a conflicting set-up and a Trainer that does
+not run distributed; writes what it saw as JSON.
 
     torchrun --standalone --nproc-per-node=2 tests/hf/trainer_run.py OUT_DIR
 """
@@ -399,6 +400,20 @@ def checkpointing_runs(out: Path) -> dict[str, Any]:
     return seen
 
 
+def record_expert_calls(model: torch.nn.Module) -> list[list[str]]:
+    """Per forward of `model`, the experts (modules named expert_<i>) this rank called."""
+    calls: list[list[str]] = []
+    model.register_forward_pre_hook(lambda module, args: calls.append([]))
+    for module_name, module in model.named_modules():
+        if module_name.rsplit(".", 1)[-1].startswith("expert_"):
+
+            def note(module: Any, args: Any, module_name: str = module_name) -> None:
+                calls[-1].append(module_name)
+
+            module.register_forward_pre_hook(note)
+    return calls
+
+
 def switch_runs(out: Path) -> dict[str, Any]:
     """A Switch Transformers model (top-1 experts behind a router) under the plain Trainer and
     under ShardwiseCallback(zero_stage=3), recording which experts each rank called."""
@@ -424,15 +439,7 @@ def switch_runs(out: Path) -> dict[str, Any]:
                 pad_token_id=0,
             )
         )
-        calls: list[list[str]] = []
-        model.register_forward_pre_hook(lambda module, args: calls.append([]))
-        for module_name, module in model.named_modules():
-            if module_name.rsplit(".", 1)[-1].startswith("expert_"):
-
-                def note(module: Any, args: Any, module_name: str = module_name) -> None:
-                    calls[-1].append(module_name)
-
-                module.register_forward_pre_hook(note)
+        calls = record_expert_calls(model)
         rows = [{"input_ids": r["input_ids"], "labels": r["labels"][:6]} for r in dataset()]
         trainer = Trainer(
             model=model,
