@@ -20,6 +20,7 @@ def _placer() -> tuple[AutoPlacer, ChunkManager]:
         budget=10**9,
         margin_ratio=0.0,
         device_bytes=lambda: 0,
+        chunk_device_bytes=lambda chunk: 0,
         tracer=MemoryTracer(torch.device("cpu"), lambda: 0),
     )
     return placer, manager

@@ -53,6 +53,8 @@ class AutoPlacer:
         margin_ratio: share of the room left after warm-up given to optimizer sides (None:
             all of it).
         device_bytes: the model-state bytes on the device now.
+        chunk_device_bytes: the same for one chunk (evictions subtract what they freed
+            rather than count every chunk again).
         tracer: the non-model memory sampler.
     """
 
@@ -63,12 +65,14 @@ class AutoPlacer:
         budget: int,
         margin_ratio: float | None,
         device_bytes: Callable[[], int],
+        chunk_device_bytes: Callable[[Chunk], int],
         tracer: MemoryTracer,
     ) -> None:
         self.chunk_manager = chunk_manager
         self.budget = budget
         self.margin_ratio = margin_ratio
         self._device_bytes = device_bytes
+        self._chunk_device_bytes = chunk_device_bytes
         self.tracer = tracer
         self.warm = False
         self.timeline: list[tuple[int, ...]] = []
@@ -129,31 +133,39 @@ class AutoPlacer:
             return
         self.drain()
         needed = {c.chunk_id for c in chunks}
-        while self._device_bytes() + need > room:
+        excess = self._device_bytes() + need - room
+        while excess > 0:
             victim = self._victim(needed, position)
             if victim is None:
                 return
-            victim.move_payload(Pool.HOST)
-            self.evictions += 1
+            excess -= self._move(victim, lambda c: c.move_payload(Pool.HOST))
 
-    def relieve(self, over: Callable[[], bool]) -> None:
-        """The device passed the budget after an allocation: finish reductions in flight, evict
-        shards, then optimizer sides, until `over()` is false or nothing is left to move."""
+    def relieve(self, excess: int) -> None:
+        """The device passed the budget by `excess` bytes after an allocation: finish
+        reductions in flight, evict shards, then optimizer sides, until it is back within or
+        nothing is left to move."""
         self.overruns += 1
+        before = self._device_bytes()
         self.drain()
+        excess -= before - self._device_bytes()
         position = max(self._position - 1, 0)
-        while over():
+        while excess > 0:
             victim = self._victim(set(), position)
             if victim is None:
                 break
-            victim.move_payload(Pool.HOST)
-            self.evictions += 1
+            excess -= self._move(victim, lambda c: c.move_payload(Pool.HOST))
         for chunk in reversed(self.chunk_manager.chunks):
-            if not over():
+            if excess <= 0:
                 break
             if chunk.requires_grad and chunk.optim_pool is Pool.DEVICE:
-                self.evict_optim(chunk)
-                self.evictions += 1
+                excess -= self._move(chunk, self.evict_optim)
+
+    def _move(self, chunk: Chunk, move: Callable[[Chunk], None]) -> int:
+        """Move part of `chunk` to the host; the device bytes that freed."""
+        before = self._chunk_device_bytes(chunk)
+        move(chunk)
+        self.evictions += 1
+        return before - self._chunk_device_bytes(chunk)
 
     def observe(self, working_bytes: int) -> None:
         self.working_peak = max(self.working_peak, working_bytes)

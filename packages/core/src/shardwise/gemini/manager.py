@@ -92,6 +92,11 @@ class GeminiManager:
         # it could not make room for: those cannot move to the host).
         self.peak_model_device_bytes = 0
         self._optimizer_bytes: Callable[[Chunk], int] = lambda chunk: 0
+        # Per chunk id, its optimizer state's bytes: the budget check runs after every gather
+        # and gradient, and counting the state walks every tensor's state dict. The state only
+        # grows in a step and moves by this manager, so the cache is dropped at each forward
+        # and at each move.
+        self._optimizer_bytes_cache: dict[int, int] = {}
         self._rebind: Callable[[Chunk], None] = lambda chunk: None
         self.auto: AutoPlacer | None = None
         if isinstance(self.policy, AutoPlacement):
@@ -102,6 +107,7 @@ class GeminiManager:
                 budget=self.device_budget_bytes,
                 margin_ratio=self.policy.margin_ratio,
                 device_bytes=self._device_model_bytes,
+                chunk_device_bytes=self._chunk_device_bytes,
                 tracer=tracer,
             )
             self.auto.evict_optim = self._move_optim_to_host
@@ -127,6 +133,7 @@ class GeminiManager:
         """Tell the manager how to count the optimizer state of a chunk (in its optim pool),
         and how to re-point the optimizer at a chunk whose optimizer side moved."""
         self._optimizer_bytes = state_bytes_of
+        self._optimizer_bytes_cache.clear()
         self._rebind = rebind
 
     def attach_reducer(self, drain: Callable[[], None]) -> None:
@@ -148,6 +155,7 @@ class GeminiManager:
     # ---- calls from the gather schedule (stage 3) --------------------------------------------
 
     def begin_forward(self) -> None:
+        self._optimizer_bytes_cache.clear()  # a step may have created optimizer state
         if self.auto is not None:
             self.auto.begin_step()
             if not self.auto.warm:
@@ -181,13 +189,25 @@ class GeminiManager:
     def _move_optim_to_device(self, chunk: Chunk) -> None:
         chunk.move_optim(Pool.DEVICE)
         self._rebind(chunk)
+        self._optimizer_bytes_cache.pop(chunk.chunk_id, None)
 
     def _move_optim_to_host(self, chunk: Chunk) -> None:
         chunk.move_optim(Pool.HOST)
         self._rebind(chunk)
+        self._optimizer_bytes_cache.pop(chunk.chunk_id, None)
 
     def _device_model_bytes(self) -> int:
-        return self.memory_by_pool()[Pool.DEVICE.value]
+        return sum(self._chunk_device_bytes(chunk) for chunk in self.chunk_manager.chunks)
+
+    def _chunk_device_bytes(self, chunk: Chunk) -> int:
+        """Device bytes of `chunk`'s model state, its optimizer state included."""
+        held = resident_bytes_by_pool(chunk)[Pool.DEVICE]
+        if chunk.optim_pool is Pool.DEVICE:
+            cached = self._optimizer_bytes_cache.get(chunk.chunk_id)
+            if cached is None:
+                cached = self._optimizer_bytes_cache[chunk.chunk_id] = self._optimizer_bytes(chunk)
+            held += cached
+        return held
 
     def memory_by_pool(self) -> dict[str, int]:
         """Bytes of model state (payloads, masters, gradients, optimizer state) per pool now."""
@@ -207,10 +227,9 @@ class GeminiManager:
         if self.auto is not None:
             self.auto.observe(sum(transient_bytes(c) for c in self.chunk_manager.chunks))
             budget = self.auto.budget
-            if device + self.auto.non_model_now() > budget:
-                self.auto.relieve(
-                    lambda: self._device_model_bytes() + self.auto_non_model() > budget
-                )
+            excess = device + self.auto.non_model_now() - budget
+            if excess > 0:
+                self.auto.relieve(excess)
                 device = self._device_model_bytes()
             self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
             self.peak_device_bytes = max(self.peak_device_bytes, device + self.auto_non_model())
