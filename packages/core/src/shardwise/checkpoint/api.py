@@ -39,6 +39,7 @@ from shardwise.checkpoint.commit import (
 )
 from shardwise.checkpoint.layout import ParamSlice, param_slices
 from shardwise.checkpoint.sharded_tensor import local_part, sharded_1d
+from shardwise.comm.topology import replica_index
 from shardwise.zero.model import ZeroModel
 from shardwise.zero.optimizer import ZeroOptimizer
 
@@ -78,11 +79,10 @@ def save(
         objects["grad_scaler"] = optimizer.grad_scaler.state_dict()
     state["objects"] = _pickled(objects)
     version = new_version_dir(target, ranks)
-    dcp_save(
-        state,
-        storage_writer=FileSystemWriter(version),
-        process_group=model.config.process_group,
-    )
+    topology = model.chunk_manager.topology
+    # Under hybrid sharding the first shard group writes; the others hold the same shards.
+    if replica_index(topology) == 0:
+        dcp_save(state, storage_writer=FileSystemWriter(version), process_group=topology.shard)
     description = {
         "params": {item.name: list(item.shape) for item in slices},
         "buffers": {name: list(b.shape) for name, b in model.module.named_buffers()},
@@ -132,15 +132,20 @@ def load(
     if optimizer is not None:
         state.update(_optimizer_targets(optimizer, slices, metadata))
     state["objects"] = io.BytesIO()
+    topology = model.chunk_manager.topology
+    failure = None
     try:
-        dcp_load(
-            state,
-            storage_reader=FileSystemReader(source),
-            process_group=model.config.process_group,
-        )
+        # Ranges are named by rank in the shard group (see ParamSlice): every shard group
+        # reads for itself.
+        dcp_load(state, storage_reader=FileSystemReader(source), process_group=topology.shard)
     except CheckpointException as error:
-        # Raised on every rank alike; it is a BaseException, which `except Exception` misses.
-        raise CheckpointError(f"{source} could not be read: {_first_failure(error)}") from None
+        # Raised on every rank of the group alike; it is a BaseException, which `except
+        # Exception` misses.
+        failure = f"{source} could not be read: {_first_failure(error)}"
+    if topology.hybrid:  # one group's failure is every group's
+        failure = next((f for f in ranks.all_gather(failure) if f), None)
+    if failure is not None:
+        raise CheckpointError(failure)
     for item in slices:
         values = local_part(state[f"model.{item.name}"])
         if values is not None:
@@ -245,7 +250,7 @@ def _check_same_model(manifest: dict[str, Any], slices: list[ParamSlice], model:
 
 
 def _sharded(item: ParamSlice, local: torch.Tensor) -> Any:
-    return sharded_1d(local, item.numel, item.rank_ranges, item.chunk.rank)
+    return sharded_1d(local, item.numel, item.rank_ranges, item.chunk.rank, item.chunk.group)
 
 
 def _pickled(value: Any) -> io.BytesIO:

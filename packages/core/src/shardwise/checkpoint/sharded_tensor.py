@@ -13,6 +13,8 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (
@@ -27,13 +29,19 @@ warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", categ
 
 
 def sharded_1d(
-    local: torch.Tensor, numel: int, rank_ranges: Sequence[tuple[int, int]], rank: int
+    local: torch.Tensor,
+    numel: int,
+    rank_ranges: Sequence[tuple[int, int]],
+    rank: int,
+    group: ProcessGroup | None = None,
 ) -> ShardedTensor:
-    """A ShardedTensor of global size [numel] whose rank r holds `rank_ranges[r]`; `local` is
-    this rank's part (numel = its range's length) and is used in place, not copied."""
+    """A ShardedTensor of global size [numel] whose rank r of `group` holds `rank_ranges[r]`;
+    `local` is this rank's part (numel = its range's length) and is used in place, not copied."""
     device = local.device
+    # Placements name global ranks: under hybrid sharding `group` is one shard group.
+    ranks = _global_ranks(group, len(rank_ranges))
     metas = [
-        ShardMetadata([begin], [end - begin], f"rank:{r}/{device}")
+        ShardMetadata([begin], [end - begin], f"rank:{ranks[r]}/{device}")
         for r, (begin, end) in enumerate(rank_ranges)
         if end > begin
     ]
@@ -46,11 +54,19 @@ def sharded_1d(
         if local.numel() != end - begin:
             raise AssertionError(f"local part has {local.numel()} elements, range is {end - begin}")
         local_shards.append(
-            Shard(local, ShardMetadata([begin], [end - begin], f"rank:{rank}/{device}"))
+            Shard(local, ShardMetadata([begin], [end - begin], f"rank:{ranks[rank]}/{device}"))
         )
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, metadata, process_group=group
+    )
 
 
 def local_part(tensor: ShardedTensor) -> torch.Tensor | None:
     shards = tensor.local_shards()
     return shards[0].tensor if shards else None
+
+
+def _global_ranks(group: ProcessGroup | None, size: int) -> list[int]:
+    if group is None or not dist.is_initialized():
+        return list(range(size))
+    return dist.get_process_group_ranks(group)

@@ -119,6 +119,10 @@ class Chunk(PoolMoves):
         self.predivide_factor = 1.0
         # See [Note: reducing gradients].
         self.reduce_method = comm.ReduceScatterMethod.NATIVE
+        # Hybrid sharding: the same shard's holders in the other shard groups, and how many
+        # groups (see [Note: hybrid sharding] in comm/topology.py).
+        self.replicate_group: ProcessGroup | None = None
+        self.replicas = 1
         # See reuse_payload_for_grads().
         self.grads_in_payload_mode = False
         self.grads_in_payload = False
@@ -168,6 +172,8 @@ class Chunk(PoolMoves):
         # as in DDP, so every rank starts from the same parameters.
         if src_rank is not None:
             comm.broadcast(self.full, src_rank, self.stats, self.group)
+            if self.replicate_group is not None:  # then every group holds group 0's values
+                comm.broadcast(self.full, 0, self.stats, self.replicate_group)
         if self.dtypes.compute != self.dtypes.payload:
             self.full_compute = self.full.to(self.dtypes.compute)
         for info in self.tensors:
@@ -357,6 +363,12 @@ class Chunk(PoolMoves):
         """Take this rank's reduce-scattered slice: finish the average over ranks, add it to
         `grad_shard`, and free (or zero, with `keep_full`) the gradient buffer."""
         post = self.world_size / self.predivide_factor
+        if self.replicate_group is not None:
+            # Summed over this shard group; now over every group holding this shard.
+            comm.all_reduce(
+                reduced, self.stats, self.replicate_group, kind=comm.CommOp.REPLICATE_ALL_REDUCE
+            )
+            post *= self.replicas
         if post != 1.0:
             reduced.div_(post)
         if self.grads_in_payload_mode:

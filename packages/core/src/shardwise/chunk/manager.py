@@ -27,6 +27,7 @@ from shardwise.chunk.accounting import resident_bytes
 from shardwise.chunk.chunk import Chunk
 from shardwise.chunk.states import ChunkDtypes
 from shardwise.comm import CommStats, ReduceScatterMethod
+from shardwise.comm.topology import Topology
 
 
 class ChunkManager:
@@ -46,6 +47,9 @@ class ChunkManager:
         predivide_factor: divide gradients by this before reducing them, by N / this after.
         reduce_method: how gradients are reduce-scattered (see [Note: reduce-scatter methods]
             in comm/collectives.py).
+        topology: hybrid sharding's groups (see [Note: hybrid sharding] in
+            comm/topology.py); the chunks are then sharded over its shard group and `group`
+            must be left unset.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class ChunkManager:
         keep_gathered: bool = False,
         predivide_factor: float = 1.0,
         reduce_method: ReduceScatterMethod = ReduceScatterMethod.NATIVE,
+        topology: Topology | None = None,
     ) -> None:
         if not isinstance(chunk_size_numel, int) or chunk_size_numel < 1:
             raise ValueError(f"chunk_size_numel must be a positive int, got {chunk_size_numel!r}")
@@ -67,7 +72,12 @@ class ChunkManager:
             raise TypeError(f"device must be a torch.device, got {device!r}")
         self.dtypes = dtypes or ChunkDtypes(torch.float32, torch.float32, torch.float32)
         self.device = device
-        self.group = group
+        if topology is not None and group is not None:
+            raise ValueError("pass the process group or the topology, not both")
+        self.topology = topology or Topology(
+            data_parallel=group, shard=group, replicate=None, replicas=1
+        )
+        self.group = self.topology.shard
         self.stats = stats if stats is not None else CommStats()
         self.keep_gathered = keep_gathered
         if not predivide_factor > 0:
@@ -126,6 +136,8 @@ class ChunkManager:
             )
             chunk.predivide_factor = self.predivide_factor
             chunk.reduce_method = self.reduce_method
+            chunk.replicate_group = self.topology.replicate
+            chunk.replicas = self.topology.replicas
             owner.update(dict.fromkeys(layout.members, chunk))
             last[layout.members[-1]] = chunk
             new_chunks.append(chunk)

@@ -79,11 +79,12 @@ def all_reduce(
     group: ProcessGroup | None = None,
     op: ReduceOp.RedOpType = ReduceOp.SUM,
     async_op: bool = False,
+    kind: CommOp = CommOp.ALL_REDUCE,
 ) -> dist.Work | None:
-    """Reduce `tensor` in place over ranks with `op`."""
+    """Reduce `tensor` in place over ranks with `op`, counted as `kind`."""
     n = world_size(group)
     payload = _nbytes(tensor)
-    stats.record(CommOp.ALL_REDUCE, payload, 2 * payload * (n - 1) // n)
+    stats.record(kind, payload, 2 * payload * (n - 1) // n)
     if n == 1:
         return None
     work: dist.Work | None = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)

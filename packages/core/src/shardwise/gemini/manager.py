@@ -183,7 +183,10 @@ class GeminiManager:
             )
 
     def _agree_max(self, value: int) -> int:
-        values = comm.all_gather_object(value, self.chunk_manager.stats, self.chunk_manager.group)
+        # Over every rank: the decision orders collectives, which must agree across shard
+        # groups too under hybrid sharding.
+        group = self.chunk_manager.topology.data_parallel
+        values = comm.all_gather_object(value, self.chunk_manager.stats, group)
         return max(int(v) for v in values)
 
     def _move_optim_to_device(self, chunk: Chunk) -> None:

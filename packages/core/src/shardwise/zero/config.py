@@ -135,6 +135,9 @@ class ZeroConfig:
         param_init_fn: for a model built on the meta device, `fn(module)` initialises one
             module's own parameters and buffers once they have storage (see [Note: meta-device
             models] in zero/meta_init.py); None calls the module's `reset_parameters()`.
+        shard_size: hybrid sharding: shard over groups of this many consecutive ranks and
+            replicate across the groups (see [Note: hybrid sharding] in comm/topology.py);
+            None shards over the whole process group.
         gather_units: stage 3: module classes or qualified module names to gather as one
             unit, besides the blocks that hold experts, which are found by themselves (see
             [Note: gather units] in zero/gather_units.py).
@@ -153,6 +156,7 @@ class ZeroConfig:
     overlap_param_gather: bool = False
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     gather_units: tuple[type[torch.nn.Module] | str, ...] = ()
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int):
@@ -193,6 +197,14 @@ class ZeroConfig:
             raise TypeError(
                 f"param_init_fn must be a callable taking a module, got {self.param_init_fn!r}"
             )
+        if self.shard_size is not None and (
+            isinstance(self.shard_size, bool)
+            or not isinstance(self.shard_size, int)
+            or self.shard_size < 1
+        ):
+            raise ValueError(f"shard_size must be a positive int of ranks, got {self.shard_size!r}")
+        if self.shard_size is not None and self.stage == 0:
+            raise ValueError("shard_size applies to stages 1-3; stage 0 shards nothing")
         if not isinstance(self.gather_units, tuple):
             raise TypeError(
                 f"gather_units must be a tuple of module classes or qualified module names, "

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.chunk import ChunkManager
 from shardwise.chunk.search import search_chunk_size
 from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager, placement_policy
@@ -58,6 +59,7 @@ _GEMINI_CONFIG_KEYS = (
     "reduce_scatter_bucket_bytes",
     "param_init_fn",
     "gather_units",
+    "shard_size",
 )
 
 
@@ -123,7 +125,8 @@ class GeminiDDP(ZeroModel):
                 param_dtype=dtypes.payload, compute_dtype=dtypes.compute, reduce_dtype=dtypes.reduce
             ),
             chunk_size_numel=chunk_manager.chunk_size_numel,
-            process_group=chunk_manager.group,
+            process_group=chunk_manager.topology.data_parallel,
+            shard_size=_shard_size(chunk_manager),
             gradient_reduction=chunk_manager.reduce_method.value,
             prefetch=prefetch,
             overlap_communication=gemini_manager.policy.allows_overlapped_reduction,
@@ -192,7 +195,8 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
     prefetch; gradient_reduction ("auto", "reduce_scatter", "all_to_all" or "all_reduce", see
     ZeroConfig); param_init_fn (initialises each module of a model built on the meta device;
     see ZeroConfig); gather_units (module classes or qualified names gathered as one block
-    besides the blocks holding experts; see ZeroConfig).
+    besides the blocks holding experts; see ZeroConfig); shard_size (hybrid sharding over
+    groups of that many ranks; see ZeroConfig).
     """
     config = dict(gemini_config)
     unknown = sorted(set(config) - set(_GEMINI_CONFIG_KEYS))
@@ -242,6 +246,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         reduce_scatter_bucket_bytes=config.get("reduce_scatter_bucket_bytes", 0),
         param_init_fn=config.get("param_init_fn"),
         gather_units=_gather_units(config.get("gather_units", ())),
+        shard_size=config.get("shard_size"),
     )
     manager = GeminiManager(
         policy,
@@ -249,6 +254,11 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         device_budget_bytes=config.get("device_budget_bytes"),
     )
     return GeminiDDP.from_config(model, zero_config, manager, pin_memory)
+
+
+def _shard_size(chunk_manager: ChunkManager) -> int | None:
+    topology = chunk_manager.topology
+    return comm.world_size(topology.shard) if topology.hybrid else None
 
 
 def _gather_units(value: object) -> tuple[Any, ...]:

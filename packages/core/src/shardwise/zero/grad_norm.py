@@ -37,6 +37,7 @@ def global_grad_norm(
     *,
     signature: Sequence[float] = (),
     got_grad: Sequence[bool] = (),
+    replicas: int = 1,
 ) -> StepReduction:
     """The `norm_type` norm of the gradient whose disjoint pieces are this rank's `grad_shards`
     and the other ranks' (padding is zero, so it changes nothing). inf or nan when any rank's
@@ -44,7 +45,10 @@ def global_grad_norm(
 
     Two things ride in the same all-reduce: `signature` (small integers, e.g. pass counters;
     see [Note: ranks in step] in zero/rank_sync.py), and `got_grad`, this rank's flag per
-    tensor (see [Note: tensors without gradients] in zero/optimizer.py)."""
+    tensor (see [Note: tensors without gradients] in zero/optimizer.py).
+
+    Under hybrid sharding `group` is every rank and each shard is held by `replicas` of them:
+    each rank's sum is divided by that count (exact for a power of two)."""
     device = grad_shards[0].device if grad_shards else torch.device("cpu")
     if not grad_shards:
         # Nothing trainable on this model: still join the collective every rank issues.
@@ -69,7 +73,7 @@ def global_grad_norm(
             norm, bool(torch.equal(highest, lowest)), _flags(packed[2 + 2 * count :])
         )
     norms = torch._foreach_norm(grad_shards, norm_type)
-    local_sum = torch.stack([n.double() for n in norms]).pow(norm_type).sum()
+    local_sum = torch.stack([n.double() for n in norms]).pow(norm_type).sum() / replicas
     # Under SUM the signature travels with its squares: n * sum(s^2) == sum(s)^2 holds only
     # when every rank's s is the same (exact in float64 for counters below 2**20).
     packed = torch.cat([local_sum.reshape(1), mine, mine * mine, flags])

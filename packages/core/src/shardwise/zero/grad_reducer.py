@@ -186,7 +186,10 @@ class GradReducer:
         rest = [chunk.chunk_id for chunk in self._order if chunk.chunk_id not in set(seen)]
         # On the chunks' device: NCCL only moves device tensors.
         order = torch.tensor(seen + rest, dtype=torch.int64, device=self.chunk_manager.device)
-        comm.broadcast(order, 0, self.chunk_manager.stats, self.chunk_manager.group)
+        # Over every rank: under hybrid sharding each reduction ends in an all-reduce across
+        # shard groups, so all groups must reduce in one order.
+        data_parallel = self.chunk_manager.topology.data_parallel
+        comm.broadcast(order, 0, self.chunk_manager.stats, data_parallel)
         self._order = [by_id[chunk_id] for chunk_id in order.tolist()]
         self._order_settled = True
 

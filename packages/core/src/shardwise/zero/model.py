@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map
 from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
+from shardwise.comm.topology import topology_for
 from shardwise.gemini import GeminiManager
 from shardwise.zero.config import ZeroConfig, gradient_reduction_method
 from shardwise.zero.gather_scheduler import GatherScheduler
@@ -380,14 +381,15 @@ class ZeroModel(nn.Module):
 def chunk_manager_for(config: ZeroConfig, stats: CommStats) -> ChunkManager:
     """An empty chunk manager as `config` says: chunk size, device, dtypes, group, reduction
     method, and whether chunks keep their payload gathered (stages 1 and 2)."""
+    topology = topology_for(config.process_group, config.shard_size)
     return ChunkManager(
         chunk_size_numel=config.chunk_size_numel,
         device=config.device,
         dtypes=config.mixed_precision.chunk_dtypes(),
-        group=config.process_group,
         stats=stats,
         keep_gathered=config.stage < 3,
-        reduce_method=gradient_reduction_method(config.gradient_reduction, config.process_group),
+        reduce_method=gradient_reduction_method(config.gradient_reduction, topology.shard),
+        topology=topology,
     )
 
 

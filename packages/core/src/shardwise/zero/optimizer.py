@@ -218,6 +218,7 @@ class ZeroOptimizer:
             self.model.config.process_group,
             signature=rank_sync.step_signature(),
             got_grad=self._got_grad_flags(),
+            replicas=self.model.chunk_manager.topology.replicas,
         )
         rank_sync.step_checked(reduced.ranks_agree)
         norm = reduced.norm / scale

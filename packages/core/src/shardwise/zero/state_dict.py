@@ -42,7 +42,9 @@ def gather_full_grads(chunk_manager: ChunkManager, *, keep: bool) -> dict[str, t
         [float(i in c.grads_received) for c in chunks for i in range(len(c.tensors))],
         device=device,
     )
-    comm.all_reduce(reached, chunk_manager.stats, chunk_manager.group, op=ReduceOp.MAX)
+    # Over every rank: under hybrid sharding another shard group's gradient counts too.
+    data_parallel = chunk_manager.topology.data_parallel
+    comm.all_reduce(reached, chunk_manager.stats, data_parallel, op=ReduceOp.MAX)
     flags = iter(reached.tolist())
     grads: dict[str, torch.Tensor | None] = {}
     for chunk in chunks:
@@ -63,7 +65,7 @@ def gather_full_state_dict(
 ) -> dict[str, Any]:
     """The module's state dict, whole, on CPU with original names and shapes (parameters in
     fp32). A collective over the chunks' group."""
-    keep = not only_rank_0 or comm.rank(chunk_manager.group) == 0
+    keep = not only_rank_0 or comm.rank(chunk_manager.topology.data_parallel) == 0
     values = gather_parameters(chunk_manager, keep=keep)
     if not keep:
         return {}

@@ -28,9 +28,9 @@ def zero_model_wrapper(
     """Wrap `model` for ZeRO data parallelism at `zero_stage` (1, 2 or 3).
 
     Stage 3 builds a `GeminiDDP` from `gemini_config` (see `GeminiDDP` for its keys: device,
-    placement_policy, chunk_size, mixed_precision, ...). Stages 1 and 2 take `device`,
-    `mixed_precision` and `process_group` from it; their bucket size comes from
-    `zero_optim_wrapper`'s `optim_config["reduce_bucket_size"]`.
+    placement_policy, chunk_size, mixed_precision, shard_size, ...). Stages 1 and 2 take
+    `device`, `mixed_precision`, `process_group` and `shard_size` from it; their bucket size
+    comes from `zero_optim_wrapper`'s `optim_config["reduce_bucket_size"]`.
 
     Args:
         model: the module to wrap.
@@ -53,6 +53,7 @@ def zero_model_wrapper(
         "force_outputs_fp32",
         "gradient_reduction",
         "param_init_fn",
+        "shard_size",
     )
     unknown = sorted(set(config) - set(allowed))
     if unknown:
@@ -70,6 +71,7 @@ def zero_model_wrapper(
             force_outputs_fp32=config.get("force_outputs_fp32", False),
             gradient_reduction=config.get("gradient_reduction", "auto"),
             param_init_fn=config.get("param_init_fn"),
+            shard_size=config.get("shard_size"),
         ),
     )
 

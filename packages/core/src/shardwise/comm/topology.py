@@ -1,0 +1,95 @@
+"""Which ranks shard a model among themselves and which hold replicas of the same shards.
+
+[Note: hybrid sharding]
+With `shard_size` s over a data-parallel group of N ranks (N a multiple of s), the ranks form
+N / s shard groups of s consecutive ranks (e.g. one node each) and s replicate groups of the
+ranks at the same position in every shard group. Parameters, gradients and optimizer state are
+sharded over a shard group, as plain ZeRO shards them over all N, and each shard group holds a
+full replica. All-gathers and reduce-scatters stay inside a shard group (fast links); each
+rank's reduced gradient shard is then all-reduced with the ranks holding the same shard in the
+other groups and averaged over all N, so every replica steps alike: the slow links carry one
+shard's gradient per rank and step, 2 (R - 1) / R of it with R = N / s replicas (a ring
+all-reduce), instead of every gather and reduction of the pass.
+
+What every rank must agree on (passes, steps, which tensors got gradients, the gradient norm)
+is still decided over the whole data-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from shardwise.comm.collectives import rank, world_size
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """The groups a model's collectives run on.
+
+    Attributes:
+        data_parallel: every rank training the model (None: the default group).
+        shard: the ranks this rank shards the model with (the data-parallel group itself
+            without hybrid sharding).
+        replicate: the ranks holding the same shards as this one in the other shard groups;
+            None without hybrid sharding.
+        replicas: how many shard groups there are (1 without hybrid sharding).
+    """
+
+    data_parallel: ProcessGroup | None
+    shard: ProcessGroup | None
+    replicate: ProcessGroup | None
+    replicas: int
+
+    @property
+    def hybrid(self) -> bool:
+        return self.replicate is not None
+
+
+# Per default group (by identity) and shard size: a process that builds a new default group
+# builds new subgroups.
+_BUILT: dict[tuple[int, int], Topology] = {}
+
+
+def topology_for(group: ProcessGroup | None, shard_size: int | None) -> Topology:
+    """The topology of `group` sharded in groups of `shard_size` ranks (None: over all of it).
+
+    Building the subgroups is a collective over the default group (every rank creates every
+    subgroup); a topology is built once per size and reused by every model that asks again.
+    """
+    if shard_size is None:
+        return Topology(data_parallel=group, shard=group, replicate=None, replicas=1)
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be a positive int of ranks, got {shard_size!r}")
+    world = world_size(group)
+    if world % shard_size:
+        raise ValueError(
+            f"shard_size={shard_size} does not divide the {world} data-parallel ranks; use a "
+            f"divisor (e.g. the ranks per node) or leave it unset to shard over all of them"
+        )
+    if shard_size == world:
+        return Topology(data_parallel=group, shard=group, replicate=None, replicas=1)
+    if group is not None and group is not dist.group.WORLD:
+        raise ValueError(
+            "shard_size splits the default process group; with a process_group of your own, "
+            "build the shard groups yourself and pass the shard group as process_group"
+        )
+    key = (id(dist.group.WORLD), shard_size)
+    built = _BUILT.get(key)
+    if built is not None:
+        return built
+    replicas = world // shard_size
+    shard_ranks = [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(replicas)]
+    replicate_ranks = [list(range(p, world, shard_size)) for p in range(shard_size)]
+    shard, _ = dist.new_subgroups_by_enumeration(shard_ranks)
+    replicate, _ = dist.new_subgroups_by_enumeration(replicate_ranks)
+    built = Topology(data_parallel=group, shard=shard, replicate=replicate, replicas=replicas)
+    _BUILT[key] = built
+    return built
+
+
+def replica_index(topology: Topology) -> int:
+    """Which shard group this rank belongs to (0 without hybrid sharding)."""
+    return rank(topology.replicate) if topology.replicate is not None else 0
