@@ -102,3 +102,10 @@ def test_unsupported_transformers_is_refused() -> None:
     for version in ("4.57.1", "6.0.0"):
         with pytest.raises(RuntimeError, match=f"found {version}"):
             check_transformers_version(version)
+
+
+def test_shard_size_reaches_the_engine_at_every_stage() -> None:
+    for stage in (1, 2, 3):
+        settings = resolve(CallbackOptions(zero_stage=stage, shard_size=2), _args())
+        assert settings.gemini_config["shard_size"] == 2
+    assert "shard_size" not in resolve(CallbackOptions(), _args()).gemini_config

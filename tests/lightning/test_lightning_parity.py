@@ -37,6 +37,10 @@ EXACT_CASES: dict[str, Any] = {
     ),
     "fsdp_small_units_buckets": lambda: FullyShardedStrategy(min_num_params=700, bucket_cap_mb=0),
     "fsdp_offload": lambda: FullyShardedStrategy(cpu_offload=True, min_num_params=700),
+    # Hybrid sharding with shard groups of one rank: each rank holds a whole replica and the
+    # gradients are all-reduced across the two groups, as DDP does.
+    "gemini_hybrid": lambda: GeminiStrategy(placement_policy="cuda", chunk_size=500, shard_size=1),
+    "fsdp_hybrid": lambda: FullyShardedStrategy(min_num_params=700, shard_size=1),
 }
 
 

@@ -55,6 +55,8 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             16-bit parameters are stored and communicated in 16 bits with fp32 master weights;
             on a CPU the compute runs in fp32.
         device_budget_bytes: the device memory the "auto" placement may fill with model state.
+        shard_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g.
+            the devices of one node) and replicate across the groups; None shards over all.
         initial_scale, growth_interval, hysteresis, min_scale, max_scale: the dynamic loss
             scale used with fp16.
     """
@@ -67,6 +69,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         *,
         precision: str = "auto",
         device_budget_bytes: int | None = None,
+        shard_size: int | None = None,
         initial_scale: float = 2**16,
         growth_interval: int = 1000,
         hysteresis: int = 2,
@@ -79,6 +82,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             chunk_size=chunk_size,
             precision=precision,
             device_budget_bytes=device_budget_bytes,
+            shard_size=shard_size,
             loss_scale=LossScaleConfig(
                 initial_scale=initial_scale,
                 growth_interval=growth_interval,

@@ -29,6 +29,7 @@ class CallbackOptions:
     precision: str = "auto"
     device_budget_bytes: int | None = None
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    shard_size: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,6 +164,8 @@ def resolve(options: CallbackOptions, args: Any, trainer: Any = None) -> EngineS
         if precision != "fp32"
         else MixedPrecision(),
     }
+    if options.shard_size is not None:
+        gemini_config["shard_size"] = options.shard_size
     if stage == 3:
         gemini_config["placement_policy"] = policy
         gemini_config["chunk_size_numel"] = chunk

@@ -82,6 +82,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        shard_size: int | None = None,
     ) -> None:
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(
@@ -101,6 +102,12 @@ class ShardwiseStrategyBase(DDPStrategy):
         if not isinstance(loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {loss_scale!r}")
         self._loss_scale = loss_scale
+        if shard_size is not None and (
+            isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1
+        ):
+            raise ValueError(f"shard_size must be a positive int of ranks, got {shard_size!r}")
+        # Hybrid sharding (see [Note: hybrid sharding] in shardwise/comm/topology.py).
+        self._shard_size = shard_size
         self.state_dict_type = cast(StateDictType, state_dict_type)
         # Per optimizer parameter group, its parameters' names in group order: how torch
         # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
@@ -201,9 +208,10 @@ class ShardwiseStrategyBase(DDPStrategy):
             fn = self.lightning_module.trainer.state.fn
             self._check_all_managed(f"at the start of {getattr(fn, 'value', fn)}")
             return engine
-        self._zero_model = zero_model_wrapper(
-            model, zero_stage=3, gemini_config=self.gemini_config(self.root_device)
-        )
+        config = self.gemini_config(self.root_device)
+        if self._shard_size is not None:
+            config["shard_size"] = self._shard_size
+        self._zero_model = zero_model_wrapper(model, zero_stage=3, gemini_config=config)
         self._engines[id(model)] = self._zero_model
         return self._zero_model
 

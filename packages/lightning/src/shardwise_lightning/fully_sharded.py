@@ -49,6 +49,8 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         state_dict_type: what `trainer.save_checkpoint` writes: "sharded" (a directory, every
             rank its shards, loadable at any world size) or "full" (one `.ckpt` file from rank
             0 that `LightningModule.load_from_checkpoint` and other strategies read).
+        shard_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g.
+            the devices of one node) and replicate across the groups; None shards over all.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         max_scale: float = 2**32,
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: str = "sharded",
+        shard_size: int | None = None,
     ) -> None:
         for name, value in (
             ("cpu_offload", cpu_offload),
@@ -135,6 +138,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             process_group_backend=process_group_backend,
             timeout=timeout,
             state_dict_type=state_dict_type,
+            shard_size=shard_size,
         )
         self.cpu_offload = cpu_offload
         self.fp32_reduce_scatter = fp32_reduce_scatter

@@ -54,6 +54,8 @@ class GeminiStrategy(ShardwiseStrategyBase):
         state_dict_type: what `trainer.save_checkpoint` writes: "sharded" (a directory, every
             rank its shards, loadable at any world size) or "full" (one `.ckpt` file from rank
             0 that `LightningModule.load_from_checkpoint` and other strategies read).
+        shard_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g.
+            the devices of one node) and replicate across the groups; None shards over all.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class GeminiStrategy(ShardwiseStrategyBase):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: str = "sharded",
+        shard_size: int | None = None,
     ) -> None:
         for name, value in (
             ("use_chunk", use_chunk),
@@ -141,6 +144,7 @@ class GeminiStrategy(ShardwiseStrategyBase):
             process_group_backend=process_group_backend,
             timeout=timeout,
             state_dict_type=state_dict_type,
+            shard_size=shard_size,
         )
         self._placement = placement
         self._force_outputs_fp32 = force_outputs_fp32
