@@ -92,3 +92,31 @@ def test_command_line_detects_this_machines_memory(capsys: pytest.CaptureFixture
     assert result["smallest_budget_bytes"]["auto"] == result["smallest_budget_bytes"]["cpu"] > 0
     assert main(["plan", "--params", "1e8", "--world-size", "2"]) == 0
     assert "planning with this" in capsys.readouterr().out
+
+
+def test_hybrid_sharding_shards_over_the_group_and_sends_one_shard_across() -> None:
+    spec = ModelSpec(num_params=8_000_000, largest_tensor_numel=1_000)
+    common = {"device_memory_bytes": 10**12, "host_memory_bytes": 10**12}
+    full = plan(spec, world_size=16, chunk_size_numel=1_000_000, **common)
+    hybrid = plan(spec, world_size=16, chunk_size_numel=1_000_000, shard_size=8, **common)
+    by_name = {option.name: option for option in hybrid.options}
+    # Memory as if the 8 ranks of a group were the whole world.
+    within = plan(spec, world_size=8, chunk_size_numel=1_000_000, **common)
+    for option in within.options[1:]:
+        assert by_name[option.name].device == option.device, option.name
+    # Across groups, per rank and step: 2 (R - 1) / R of the fp32 gradient shard, R = 2.
+    stage3 = by_name["stage 3 (cuda)"]
+    assert stage3.cross_group_bytes_per_step == 4 * hybrid.psi_padded / 8
+    assert all(option.cross_group_bytes_per_step == 0 for option in full.options)
+    assert by_name["DDP"].cross_group_bytes_per_step == 0
+    assert "across groups" in hybrid.table()
+    # Where DDP does not fit, the recommended wrapper call carries the group size.
+    tight = plan(
+        spec, world_size=16, shard_size=8, device_memory_bytes=100_000_000,
+        host_memory_bytes=10**12,
+    )  # fmt: skip
+    assert tight.zero_stage in (1, 2, 3)
+    assert tight.gemini_config["shard_size"] == 8
+    assert "'shard_size': 8" in tight.wrapper_call()
+    with pytest.raises(ValueError, match="shard_size must be a positive int dividing"):
+        plan(spec, world_size=16, shard_size=3, **common)

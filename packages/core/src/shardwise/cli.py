@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--optimizer", default="adam")
     planner.add_argument("--chunk-size", type=count, help="elements per chunk (default: search)")
     planner.add_argument("--activation-memory", type=size_in_bytes, default=0)
+    planner.add_argument(
+        "--shard-size", type=int, help="hybrid sharding: ranks per shard group (e.g. per node)"
+    )
     planner.add_argument("--json", action="store_true", help="machine-readable output")
     merger = commands.add_parser(
         "consolidate",
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer=args.optimizer,
             chunk_size_numel=args.chunk_size,
             activation_bytes=args.activation_memory,
+            shard_size=args.shard_size,
         )
     except ValueError as error:
         parser.error(str(error))

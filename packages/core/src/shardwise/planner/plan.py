@@ -71,6 +71,8 @@ class PlanOption:
     comm_bytes_per_step: float
     host_device_bytes_per_step: float
     fits: bool
+    cross_group_bytes_per_step: float = 0.0
+    """Hybrid sharding: of `comm_bytes_per_step`, what crosses shard groups."""
 
     @property
     def name(self) -> str:
@@ -92,6 +94,8 @@ class Plan:
     """The least device memory stage 3 trains in with "auto" or "cpu" placement: the chunks
     gathered at once (in the parameter, compute and reduce dtypes) plus the activations. "auto"
     trains wherever "cpu" does, so one figure serves both."""
+    shard_size: int | None = None
+    """Hybrid sharding's group size (None: sharded over all ranks)."""
 
     @property
     def zero_stage(self) -> int | None:
@@ -100,11 +104,15 @@ class Plan:
     @property
     def gemini_config(self) -> dict[str, Any]:
         """Keyword options for `zero_model_wrapper(model, plan.zero_stage, plan.gemini_config)`."""
-        if self.recommended is None or self.recommended.stage != 3:
+        hybrid = {"shard_size": self.shard_size} if self.shard_size is not None else {}
+        if self.recommended is None or self.recommended.stage == 0:
             return {}
+        if self.recommended.stage != 3:
+            return hybrid
         config: dict[str, Any] = {
             "placement_policy": self.recommended.placement,
             "chunk_size_numel": self.chunk_size_numel,
+            **hybrid,
         }
         if self.recommended.placement == "auto":
             config["device_budget_bytes"] = self.device_memory_bytes
@@ -132,6 +140,7 @@ class Plan:
         return json.dumps(
             {
                 "world_size": self.world_size,
+                "shard_size": self.shard_size,
                 "num_params": self.spec.num_params,
                 "psi_padded": self.psi_padded,
                 "chunk_size_numel": self.chunk_size_numel,
@@ -151,17 +160,22 @@ class Plan:
         )  # fmt: skip
 
     def table(self) -> str:
+        hybrid = self.shard_size is not None
         rows = [
             "| configuration | device GB | host GB | ZeRO paper GB | sent GB/step "
-            "| host<->device GB/step | fits |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | :---: |",
-        ]  # fmt: skip
+            + ("| across groups GB/step " if hybrid else "")
+            + "| host<->device GB/step | fits |",
+            "| --- | ---: | ---: | ---: | ---: | "
+            + ("---: | " if hybrid else "")
+            + "---: | :---: |",
+        ]
         for option in self.options:
+            across = f"{_gb(option.cross_group_bytes_per_step)} | " if hybrid else ""
             rows.append(
                 f"| {option.name} | {_gb(option.device.total + option.working_bytes)} | "
                 f"{_gb(option.host.total)} | {_gb(option.zero_paper_bytes)} | "
-                f"{_gb(option.comm_bytes_per_step)} | {_gb(option.host_device_bytes_per_step)} | "
-                f"{'yes' if option.fits else 'no'} |"
+                f"{_gb(option.comm_bytes_per_step)} | {across}"
+                f"{_gb(option.host_device_bytes_per_step)} | {'yes' if option.fits else 'no'} |"
             )
         chosen = "none fits" if self.recommended is None else self.recommended.name
         smallest = (
@@ -188,6 +202,7 @@ def plan(
     optimizer: str = "adam",
     chunk_size_numel: int | None = None,
     activation_bytes: int = 0,
+    shard_size: int | None = None,
 ) -> Plan:
     """Memory per rank and traffic per step for stages 0-3 and the stage-3 placements, and the
     recommended configuration (see [Note: which configuration is recommended]).
@@ -200,6 +215,9 @@ def plan(
         optimizer: one of adam, adamw, hybridadam, sgd, sgd_momentum.
         chunk_size_numel: the chunk size to plan for; None searches as the wrappers do.
         activation_bytes: non-model bytes a step needs on the device.
+        shard_size: hybrid sharding: stages 1-3 shard over groups of this many ranks and
+            replicate across the groups; each rank's reduced gradient shard is all-reduced
+            across groups once per step (see [Note: hybrid sharding] in comm/topology.py).
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.from_module(model)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -208,18 +226,32 @@ def plan(
         raise ValueError(
             f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
         )
+    if shard_size is not None and (
+        isinstance(shard_size, bool)
+        or not isinstance(shard_size, int)
+        or shard_size < 1
+        or world_size % shard_size
+    ):
+        raise ValueError(
+            f"shard_size must be a positive int dividing world_size={world_size}, "
+            f"got {shard_size!r}"
+        )
+    # The ranks one shard is spread over, and the replicas of each shard.
+    shards = shard_size or world_size
+    replicas = world_size // shards
     sizes = {
         "param": _bytes(param_dtype),
         "compute": _bytes(compute_dtype or param_dtype),
         "reduce": _bytes(reduce_dtype or param_dtype),
     }
-    chunk, psi_padded = _chunking(spec, world_size, chunk_size_numel, sizes["param"])
+    chunk, psi_padded = _chunking(spec, shards, chunk_size_numel, sizes["param"])
     opt_bytes = OPTIMIZER_STATE_BYTES[optimizer]
     k_paper = opt_bytes + (0 if sizes["param"] == 4 else 4)
     options = []
     for stage, placement in _ORDER:
+        n = world_size if stage == 0 else shards
         state = engine_bytes(
-            stage, psi_padded, world_size, param_bytes=sizes["param"],
+            stage, psi_padded, n, param_bytes=sizes["param"],
             compute_bytes=sizes["compute"], reduce_bytes=sizes["reduce"],
             optimizer_bytes_per_param=opt_bytes,
         )  # fmt: skip
@@ -230,7 +262,6 @@ def plan(
         device, host = (zero, state) if placement == "cpu" else (state, zero)
         if placement == "auto":
             device, host = _auto_split(state, device_memory_bytes, working + activation_bytes)
-        n = world_size
         wire = (n - 1) / n * spec.num_params
         # Stage 0 all-reduces gradients; 1 and 2 reduce-scatter them and all-gather parameters;
         # 3 gathers parameters twice (forward, backward).
@@ -241,6 +272,11 @@ def plan(
             3: sizes["reduce"] + 2 * sizes["param"],
         }
         comm = per_element[stage] * wire
+        # The reduced gradient shard, all-reduced across the groups (a ring: 2 (R - 1) / R).
+        across = 0.0
+        if stage > 0 and replicas > 1:
+            across = 2 * (replicas - 1) / replicas * sizes["reduce"] * psi_padded / n
+        comm += across
         offloaded = host.total / max(state.total, 1)
         moved = offloaded * (2 * sizes["param"] + 4) * psi_padded / n if stage == 3 else 0.0
         fits = (
@@ -251,10 +287,11 @@ def plan(
             PlanOption(
                 stage=stage, placement=placement, device=device, host=host, working_bytes=working,
                 zero_paper_bytes=zero_paper_bytes(
-                    stage, spec.num_params, world_size, param_bytes=sizes["param"],
+                    stage, spec.num_params, n, param_bytes=sizes["param"],
                     grad_bytes=sizes["param"], k=k_paper,
                 ),
                 comm_bytes_per_step=comm, host_device_bytes_per_step=moved, fits=fits,
+                cross_group_bytes_per_step=across,
             )
         )  # fmt: skip
     recommended = next((option for option in options if option.fits), None)
@@ -268,6 +305,7 @@ def plan(
         recommended=recommended,
         device_memory_bytes=device_memory_bytes,
         smallest_budget_bytes=int(gathered + activation_bytes),
+        shard_size=shard_size if replicas > 1 else None,
     )
 
 
