@@ -193,3 +193,27 @@ def test_the_http_sink_splits_a_batch_over_its_body_limit(monkeypatch: Any) -> N
     assert all(len(body) <= 2048 for body in bodies) and len(bodies) >= 6
     sent = [e for body in bodies for e in json.loads(body)["events"]]
     assert sent == events  # all of them, once, in order
+
+
+def _hybrid_run_header(path: str) -> None:
+    model = make_model()
+    config = {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL, "shard_size": 2}
+    wrapped = zero_model_wrapper(model, 3, config)
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    recorder = telemetry.enable(wrapped, optimizer, run_id="hybrid", path=path)
+    assert recorder is not None
+    optimizer.zero_grad()
+    optimizer.backward(wrapped(*batch_slice(0, 0, dist.get_rank(), 4)))
+    optimizer.step()
+    recorder.finish()
+
+
+def test_the_run_header_names_the_shard_groups(tmp_path: Path) -> None:
+    run_ranks(_hybrid_run_header, 4, str(tmp_path / "telemetry"))
+    for rank in range(4):
+        lines = (tmp_path / f"telemetry.rank{rank}.jsonl").read_text().splitlines()
+        events = [json.loads(line) for line in lines]
+        assert events[0]["config"]["shard_size"] == 2 and events[0]["config"]["replicas"] == 2
+        step = next(e for e in events if e["type"] == "step")
+        # The only bytes crossing the groups, counted apart (see tests/test_hybrid_sharding.py).
+        assert step["comm_bytes"]["replicate_all_reduce"] > 0

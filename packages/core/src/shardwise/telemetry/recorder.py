@@ -162,14 +162,17 @@ def enable(
     recorder = TelemetryRecorder(
         model, optimizer, TelemetryEmitter(sink, run_id=run_id, rank=rank), chunk_every=chunk_every
     )
-    recorder.started(
-        {
-            "stage": model.stage,
-            "chunks": len(model.chunk_manager.chunks),
-            "placement": model.gemini_manager.placement_policy if model.gemini_manager else None,
-            "param_dtype": str(model.config.mixed_precision.param_dtype),
-        }
-    )
+    config: dict[str, Any] = {
+        "stage": model.stage,
+        "chunks": len(model.chunk_manager.chunks),
+        "placement": model.gemini_manager.placement_policy if model.gemini_manager else None,
+        "param_dtype": str(model.config.mixed_precision.param_dtype),
+    }
+    topology = model.chunk_manager.topology
+    if topology.hybrid:  # the dashboard's run header lists every key
+        config["shard_size"] = comm.world_size(topology.shard)
+        config["replicas"] = topology.replicas
+    recorder.started(config)
     _report_uncaught_exceptions(recorder)
     atexit.register(recorder.finish)
     return recorder
