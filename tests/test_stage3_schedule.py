@@ -11,6 +11,7 @@ from helpers import CONFIG, batch_slice
 from shardwise import CommOp, zero_model_wrapper, zero_optim_wrapper
 from shardwise.chunk import ChunkState
 from shardwise.testing import GPT, run_ranks
+from shardwise.zero import grad_reducer
 
 
 def _gathered_during_forward(prefetch: bool) -> dict[str, object]:
@@ -124,21 +125,24 @@ def _reductions_in_flight(placement: str) -> list[str]:
     wrapped = zero_model_wrapper(model, 3, config)
     optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
     events: list[str] = []
-    for chunk in wrapped.chunk_manager.chunks:
-        start, finish = chunk.start_reduce, chunk.finish_reduce
+    # Every reduction goes through start_reduction and PendingReduction.wait (see [Note: one
+    # reduction entry point]): record when each is launched and when it is waited for.
+    start = grad_reducer.start_reduction
 
-        def started(start: Any = start, chunk_id: int = chunk.chunk_id) -> None:
-            events.append(f"start {chunk_id}")
-            start()
+    def started(chunks: Any, **kwargs: Any) -> Any:
+        ids = " ".join(str(chunk.chunk_id) for chunk in chunks)
+        events.append(f"start {ids}")
+        pending = start(chunks, **kwargs)
+        wait = pending.wait
 
-        def finished(
-            *, keep_full: bool, finish: Any = finish, chunk_id: int = chunk.chunk_id
-        ) -> None:
-            events.append(f"finish {chunk_id}")
-            finish(keep_full=keep_full)
+        def waited(*, keep_full: bool) -> Any:
+            events.append(f"finish {ids}")
+            return wait(keep_full=keep_full)
 
-        chunk.start_reduce = started  # type: ignore[method-assign]
-        chunk.finish_reduce = finished  # type: ignore[method-assign]
+        pending.wait = waited
+        return pending
+
+    grad_reducer.start_reduction = started  # this rank's process only
     for step in range(2):
         events.clear()
         optimizer.zero_grad()

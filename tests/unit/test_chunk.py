@@ -8,6 +8,7 @@ from torch import nn
 
 from shardwise import ChunkManager, CommOp
 from shardwise.chunk import ChunkState, TensorState
+from shardwise.chunk.reduction import reduce_now
 
 CPU = torch.device("cpu")
 
@@ -155,7 +156,7 @@ def test_zero_grad_lets_the_next_reduced_gradients_overwrite_the_shard() -> None
     def backward() -> None:
         for index, grad in enumerate(grads):
             chunk.add_grad(index, grad)
-        chunk.reduce_grads(keep_full=False)
+        reduce_now([chunk], keep_full=False)
 
     whole = torch.cat([g.reshape(-1) for g in grads])
     backward()
@@ -186,7 +187,7 @@ def test_stage1_gradient_shard_is_its_own_slice_of_the_whole_gradient() -> None:
     for _ in range(2):
         for index, grad in enumerate(grads):
             chunk.add_grad(index, grad)
-        chunk.reduce_grads(keep_full=True)  # stage 1 reduces at the step and keeps the buffer
+        reduce_now([chunk], keep_full=True)  # stage 1 reduces at the step and keeps the buffer
         assert torch.equal(chunk.grads_for_step()[: whole.numel()], whole)
         # The next backward would add onto the reduced slice: refused until zero_grad().
         with pytest.raises(ValueError, match="zero_grad"):

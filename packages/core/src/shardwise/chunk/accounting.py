@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.chunk.chunk import Chunk
-from shardwise.chunk.states import Pool
+from shardwise.chunk.states import GradLayout, Pool
 
 
 def storage_bytes(tensor: torch.Tensor | None) -> int:
@@ -21,7 +21,7 @@ def resident_bytes(chunk: Chunk) -> dict[str, int]:
     payload += 0 if chunk.keep_gathered else nbytes(chunk.shard)
     master = 0 if chunk.master is chunk.shard else nbytes(chunk.master)
     # Stage 1's gradient shard may be a view into its full gradient buffer: counted once.
-    shard = 0 if chunk.grad_shard_in_full else nbytes(chunk.grad_shard)
+    shard = 0 if chunk.grad_layout is GradLayout.SLICE_OF_FULL else nbytes(chunk.grad_shard)
     grads = nbytes(chunk.grad_full) + shard
     return {"params": payload, "master": master, "grads": grads}
 
@@ -38,7 +38,8 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
         held[chunk.payload_pool] += nbytes(chunk.shard)
     if chunk.master is not chunk.shard:
         held[chunk.optim_pool] += nbytes(chunk.master)
-    held[chunk.optim_pool] += 0 if chunk.grad_shard_in_full else nbytes(chunk.grad_shard)
+    if chunk.grad_layout is not GradLayout.SLICE_OF_FULL:
+        held[chunk.optim_pool] += nbytes(chunk.grad_shard)
     return held
 
 

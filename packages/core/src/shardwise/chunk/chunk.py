@@ -19,7 +19,9 @@
 
 [Note: reducing gradients]
 `grad_full` reaches its owners through `comm.reduce_to_shard` with the chunk's `reduce_method`
-(see [Note: reduce-scatter methods] in comm/collectives.py).
+(see [Note: reduce-scatter methods] in comm/collectives.py), launched for one chunk or a bucket
+by chunk/reduction.py (see [Note: one reduction entry point]); the chunk prepares its buffer
+(`prepare_reduce`) and takes its slice (`accept_reduced`).
 
 [Note: pools]
 Gathered buffers (`full`, `full_compute`, `grad_full`) always live on the compute device. The
@@ -39,7 +41,15 @@ from shardwise import comm
 from shardwise.chunk.grad_buffer import zero_unwritten
 from shardwise.chunk.parameters import adopt, mark_gathered, mark_released
 from shardwise.chunk.pools import PoolMoves
-from shardwise.chunk.states import ChunkDtypes, ChunkState, Pool, TensorInfo, TensorState
+from shardwise.chunk.states import (
+    ChunkDtypes,
+    ChunkState,
+    GradLayout,
+    GradState,
+    Pool,
+    TensorInfo,
+    TensorState,
+)
 from shardwise.comm import CommStats
 
 
@@ -93,11 +103,11 @@ class Chunk(PoolMoves):
         self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
         self.master = torch.empty(0, dtype=torch.float32, device=device)
         self.grad_full: torch.Tensor | None = None
-        self._grad_shard_stale = False  # see zero_grad()
-        # See share_grad_shard_with_full().
-        self.grad_shard_in_full = False
+        # Where the reduced gradient shard lives and what it holds (see GradLayout and
+        # GradState; share_grad_shard_with_full() and reuse_payload_for_grads() set the layout).
+        self.grad_layout = GradLayout.OWN_BUFFER
+        self.grad_state = GradState.OPEN
         self.exposes_grads = False
-        self._reduced_in_own_slice = False
         # Tensors whose gradient the uninitialised grad_full holds; None once it is all valid.
         self._grads_written: set[int] | None = None
         # Tensors a gradient reached on this rank since zero_grad(): the others are left out
@@ -123,10 +133,6 @@ class Chunk(PoolMoves):
         # groups (see [Note: hybrid sharding] in comm/topology.py).
         self.replicate_group: ProcessGroup | None = None
         self.replicas = 1
-        # See reuse_payload_for_grads().
-        self.grads_in_payload_mode = False
-        self.grads_in_payload = False
-        self._pending_reduce: tuple[comm.Waitable | None, torch.Tensor] | None = None
 
     # ---- packing ---------------------------------------------------------------------------
 
@@ -312,7 +318,7 @@ class Chunk(PoolMoves):
         Returns True when every trainable tensor of the chunk has its gradient for this pass.
         """
         info = self.tensors[index]
-        if self._reduced_in_own_slice:
+        if self.grad_layout is GradLayout.SLICE_OF_FULL and self.grad_state is GradState.CLOSED:
             raise ValueError(_ZERO_GRAD_FIRST)
         if self.grad_full is None:  # see [Note: gradient buffers start uninitialised]
             self.grad_full = torch.empty(
@@ -371,55 +377,37 @@ class Chunk(PoolMoves):
             post *= self.replicas
         if post != 1.0:
             reduced.div_(post)
-        if self.grads_in_payload_mode:
-            if self.grads_in_payload:
+        layout, state = self.grad_layout, self.grad_state
+        if layout is GradLayout.IN_PAYLOAD:
+            if state is GradState.CLOSED:
                 raise ValueError(_NO_ACCUMULATION)
             self.shard.copy_(reduced)
-            self.grads_in_payload = True
-        elif self.grad_shard_in_full:
+            self.grad_state = GradState.CLOSED
+        elif layout is GradLayout.SLICE_OF_FULL:
             assert self.grad_full is not None and keep_full
+            assert state is GradState.OPEN, state  # add_grad() refused gradients otherwise
             if reduced.data_ptr() != self.grad_shard.data_ptr():  # all-reduce: already there
                 self.grad_shard.copy_(reduced)  # over this rank's own unreduced gradients
             self.grad_full[: self.shard_begin].zero_()
             self.grad_full[self.shard_begin + self.shard_numel :].zero_()
-            self._reduced_in_own_slice = True
+            self.grad_state = GradState.CLOSED
             self._hide_grads()  # the buffer holds reduced slices now, not local gradients
             self.end_pass_without_reduce()
             return
         else:
             if self.optim_pool is Pool.HOST:
                 reduced = self._move(reduced, Pool.HOST)
-            if self._grad_shard_stale:  # the first gradients since zero_grad()
+            if state is GradState.STALE:  # the first gradients since zero_grad()
                 self.grad_shard.copy_(reduced)
-                self._grad_shard_stale = False
             else:
                 self.grad_shard.add_(reduced)
+            self.grad_state = GradState.OPEN
         if keep_full:
             assert self.grad_full is not None
             self.grad_full.zero_()
         else:
             self.grad_full = None
         self.end_pass_without_reduce()
-
-    def start_reduce(self) -> None:
-        """Launch the reduction of the gradient buffer without waiting."""
-        self._pending_reduce = comm.reduce_to_shard(
-            self.prepare_reduce(), self.reduce_method, self.stats, self.group, async_op=True
-        )
-
-    def finish_reduce(self, *, keep_full: bool) -> None:
-        """Wait for the reduce-scatter started by `start_reduce` and accept its result."""
-        assert self._pending_reduce is not None, "finish_reduce without start_reduce"
-        work, reduced = self._pending_reduce
-        self._pending_reduce = None
-        if work is not None:
-            work.wait()
-        self.accept_reduced(reduced, keep_full=keep_full)
-
-    def reduce_grads(self, *, keep_full: bool) -> None:
-        """Reduce-scatter the gradients and add this rank's averaged slice to `grad_shard`."""
-        self.start_reduce()
-        self.finish_reduce(keep_full=keep_full)
 
     def end_pass_without_reduce(self) -> None:
         """Close a backward pass whose gradients stay unreduced in `grad_full` (no_sync, or
@@ -447,18 +435,20 @@ class Chunk(PoolMoves):
                 "reuse_fp16_shard=True needs 16-bit parameters (a separate fp32 master) and "
                 "sharded chunks; build the model with ZeroInitContext(default_dtype=torch.float16)"
             )
-        self.grads_in_payload_mode = True
+        assert self.grad_state is not GradState.CLOSED, self.grad_state
+        self.grad_layout = GradLayout.IN_PAYLOAD
+        self.grad_state = GradState.OPEN
         self.grad_shard = torch.empty(0, dtype=torch.float32, device=self.grad_shard.device)
 
     def _check_payload_holds_params(self) -> None:
-        if self.grads_in_payload:
+        if self.grad_layout is GradLayout.IN_PAYLOAD and self.grad_state is GradState.CLOSED:
             raise ValueError(_NO_ACCUMULATION)
 
     def grads_for_step(self) -> torch.Tensor:
         """The fp32 gradient shard the optimizer reads (a transient copy of the payload when
         gradients live there)."""
-        if self.grads_in_payload_mode:
-            if self.grads_in_payload:
+        if self.grad_layout is GradLayout.IN_PAYLOAD:
+            if self.grad_state is GradState.CLOSED:
                 self.grad_shard = self.shard.to(torch.float32)
             else:
                 self.grad_shard = torch.zeros(
@@ -466,35 +456,37 @@ class Chunk(PoolMoves):
                 )
             if self.optim_pool is Pool.HOST:
                 self.grad_shard = self._move(self.grad_shard, Pool.HOST)
-        elif self._grad_shard_stale:  # no gradient reached it since zero_grad()
+        elif self.grad_state is GradState.STALE:  # no gradient reached it since zero_grad()
             self.grad_shard.zero_()
-            self._grad_shard_stale = False
+            self.grad_state = GradState.OPEN
         return self.grad_shard
 
     def end_step(self) -> None:
         """After a step, taken or skipped: put parameters back into a payload that held
         gradients, and drop the transient gradient copy."""
-        if self.grads_in_payload_mode:
+        if self.grad_layout is GradLayout.IN_PAYLOAD:
             self.shard.copy_(self.master)
-            self.grads_in_payload = False
+            self.grad_state = GradState.OPEN
             self.grad_shard = torch.empty(0, dtype=torch.float32, device=self.grad_shard.device)
 
     @property
     def grads_cleared(self) -> bool:
         """zero_grad() ran and no gradient reached `grad_shard` since: it holds no gradient,
         whatever its (stale) elements say."""
-        return self._grad_shard_stale
+        return self.grad_state is GradState.STALE
 
     def zero_grad(self) -> None:
         """Forget the gradients: the next reduced ones overwrite the shard instead of adding to
         it, which spares a pass over it (zeroed at the step if none came)."""
         self.grads_received.clear()
-        if self.grad_shard_in_full:  # the next backward adds onto this rank's slice
+        if self.grad_layout is GradLayout.SLICE_OF_FULL:
+            # The next backward adds onto this rank's slice.
             self._hide_grads()
             self.grad_shard.zero_()
-            self._reduced_in_own_slice = False
-            return
-        self._grad_shard_stale = not self.grads_in_payload_mode
+            self.grad_state = GradState.OPEN
+        elif self.grad_layout is GradLayout.OWN_BUFFER:
+            self.grad_state = GradState.STALE
+        # IN_PAYLOAD: what the payload holds goes back to parameters at the step (end_step).
 
     def _hide_grads(self) -> None:
         if self.exposes_grads:
@@ -511,8 +503,9 @@ class Chunk(PoolMoves):
             return
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
+        assert self.grad_state is GradState.OPEN, self.grad_state
         self.grad_shard = self.grad_full[self.shard_begin : self.shard_begin + self.shard_numel]
-        self.grad_shard_in_full = True
+        self.grad_layout = GradLayout.SLICE_OF_FULL
         # `.grad` may show the whole local gradient when the parameters compute in its dtype.
         self.exposes_grads = self.dtypes.compute == torch.float32
 

@@ -35,6 +35,36 @@ class TensorState(Enum):
     chunk's gradient buffer; the chunk is reduced once all its trainable tensors are here."""
 
 
+class GradLayout(Enum):
+    """Where a chunk keeps the reduced gradient shard the optimizer reads; fixed before the
+    first backward."""
+
+    OWN_BUFFER = "own_buffer"
+    """An fp32 buffer of its own (`grad_shard`), into which each reduction adds."""
+    SLICE_OF_FULL = "slice_of_full"
+    """Stage 1 with fp32 reduction: this rank's own slice of the whole local gradient buffer
+    (`grad_full`), which stage 1 keeps anyway; the reduction writes the reduced slice there."""
+    IN_PAYLOAD = "in_payload"
+    """`reuse_fp16_shard`: the 16-bit payload shard holds the reduced gradient between
+    backward and step, the fp32 master restoring the parameters at the step."""
+
+
+class GradState(Enum):
+    """What the gradient shard holds in a training step."""
+
+    STALE = "stale"
+    """`zero_grad()` ran and no reduced gradient arrived since: the shard's elements are
+    leftovers, overwritten by the next reduction or zeroed at the step (`OWN_BUFFER`)."""
+    OPEN = "open"
+    """Gradients may arrive: the shard holds the reduced sum so far (`OWN_BUFFER`, zeros
+    included), the local gradients accumulate unreduced (`SLICE_OF_FULL`), or the payload
+    holds parameters (`IN_PAYLOAD`)."""
+    CLOSED = "closed"
+    """Reduced in place, so no gradient may be added before the step or `zero_grad()`: this
+    rank's slice of `grad_full` holds the reduced gradient and the rest is zero
+    (`SLICE_OF_FULL`), or the payload holds it instead of parameters (`IN_PAYLOAD`)."""
+
+
 class Pool(Enum):
     """The two memory pools a chunk's resident buffers are placed in."""
 

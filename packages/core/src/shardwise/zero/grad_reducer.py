@@ -25,6 +25,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
+from shardwise.chunk.reduction import PendingReduction, reduce_now, start_reduction
 from shardwise.zero.gather_units import UnitMap
 
 
@@ -72,7 +73,7 @@ class GradReducer:
         self.bucket_bytes = bucket_bytes
         self._bucket: list[Chunk] = []
         self._bucket_filled = 0
-        self._in_flight: list[Chunk] = []
+        self._in_flight: list[PendingReduction] = []
         self.require_sync = True
         self._on_reduced = on_reduced
         self._after_grad = after_grad
@@ -205,38 +206,25 @@ class GradReducer:
             if self._bucket_filled >= self.bucket_bytes:
                 self._flush_bucket()
             return
-        chunk.start_reduce()
+        pending = start_reduction([chunk])
         if not self.overlap:
-            self._finish(chunk)
+            self._finish(pending)
             return
-        self._in_flight.append(chunk)
+        self._in_flight.append(pending)
         while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
             self._finish(self._in_flight.pop(0))
 
     def _flush_bucket(self) -> None:
-        """One reduce-scatter for every chunk in the bucket: the input is laid out rank-major
-        (every chunk's slice for rank 0, then for rank 1, ...), so each rank receives its own
-        slice of every chunk, back to back."""
+        """One reduce-scatter for every chunk in the bucket (see [Note: one reduction entry
+        point] in chunk/reduction.py)."""
         chunks, self._bucket, self._bucket_filled = self._bucket, [], 0
-        if not chunks:
-            return
-        world = chunks[0].world_size
-        rows = [c.prepare_reduce().view(world, c.shard_numel) for c in chunks]
-        stacked = torch.cat(rows, dim=1).reshape(-1)
-        _, reduced = comm.reduce_to_shard(
-            stacked, chunks[0].reduce_method, self.chunk_manager.stats, self.chunk_manager.group
-        )
-        offset = 0
-        for chunk in chunks:
-            chunk.accept_reduced(reduced[offset : offset + chunk.shard_numel], keep_full=False)
-            offset += chunk.shard_numel
+        if chunks:
+            self._finish(start_reduction(chunks, async_op=False))
+
+    def _finish(self, pending: PendingReduction) -> None:
+        for chunk in pending.wait(keep_full=False):
             if self._on_reduced is not None:
                 self._on_reduced(chunk)
-
-    def _finish(self, chunk: Chunk) -> None:
-        chunk.finish_reduce(keep_full=False)
-        if self._on_reduced is not None:
-            self._on_reduced(chunk)
 
     def finish_in_flight(self) -> None:
         """Wait for every reduction in flight now: the memory manager needs the room their
@@ -251,8 +239,8 @@ class GradReducer:
             for chunk in self._order[self._next :]:
                 self._reduce(chunk)
             self._flush_bucket()
-            for chunk in self._in_flight:
-                self._finish(chunk)
+            for pending in self._in_flight:
+                self._finish(pending)
             self._in_flight.clear()
             if not self._order_settled:
                 self._settle_order()
@@ -273,7 +261,7 @@ class GradReducer:
         if not self._unreduced_passes:
             return
         for chunk in self._order:
-            chunk.reduce_grads(keep_full=not self.reduce_in_backward)
+            reduce_now([chunk], keep_full=not self.reduce_in_backward)
             if self._on_reduced is not None:
                 self._on_reduced(chunk)
         self._unreduced_passes = False
