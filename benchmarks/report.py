@@ -17,6 +17,7 @@ STEP_RATIOS = [
     ("stage 2", "zero2", "ddp", ""),
     ("stage 3", "zero3-cuda", "fsdp2", "<= 0.90"),
     ("stage 3", "zero3-cpu", "fsdp2", ""),
+    ("stage 3", "zero3-cuda+defaults", "fsdp2", ""),
     ("stage 3", "zero3-cuda", "fsdp1", ""),
     ("variants", "zero1", "ddp", ""),
     ("variants", "zero2-rs", "ddp", ""),

@@ -31,7 +31,8 @@ HERE = Path(__file__).resolve().parent
 # fewer engines per process give each more turns in the same time.
 AB_GROUPS = {
     "stage 2": ["ddp", "zero2", "zero2+pg"],
-    "stage 3": ["fsdp2", "zero3-cuda", "fsdp1", "zero3-cpu"],
+    # "+defaults": the chunk size a user gets without setting one, beside the tuned one.
+    "stage 3": ["fsdp2", "zero3-cuda", "zero3-cuda+defaults", "fsdp1", "zero3-cpu"],
     "variants": ["ddp", "zero1", "zero2-rs", "zero2-ar", "fsdp2", "zero3-cuda-rs"],
 }
 # Run alone, for traffic, memory and telemetry's cost.

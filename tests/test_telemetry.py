@@ -214,6 +214,8 @@ def test_the_run_header_names_the_shard_groups(tmp_path: Path) -> None:
         lines = (tmp_path / f"telemetry.rank{rank}.jsonl").read_text().splitlines()
         events = [json.loads(line) for line in lines]
         assert events[0]["config"]["shard_size"] == 2 and events[0]["config"]["replicas"] == 2
+        # What chose the chunk size travels with the header too.
+        assert events[0]["config"]["chunk_size"].endswith("as set in gemini_config")
         step = next(e for e in events if e["type"] == "step")
         # The only bytes crossing the groups, counted apart (see tests/test_hybrid_sharding.py).
         assert step["comm_bytes"]["replicate_all_reduce"] > 0

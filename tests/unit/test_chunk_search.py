@@ -115,12 +115,18 @@ def test_a_default_stage_3_model_keeps_its_gathered_peak_under_the_bound() -> No
     """No chunk_size_numel: the searched size keeps every gathered chunk of a forward and
     backward, measured at every module boundary, within DEFAULT_GATHERED_SHARE of the model."""
     from shardwise import MixedPrecision, zero_model_wrapper
+    from shardwise.chunk.search import DEFAULT_GATHERED_SHARE, DEFAULT_MIN_NUM_CHUNKS
+    from shardwise.planner import plan
     from shardwise.testing import GPT, GPTConfig
-    from shardwise.zero.gemini_ddp import DEFAULT_GATHERED_SHARE, DEFAULT_MIN_NUM_CHUNKS
 
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_embd=128))
     total = gpt.num_parameters()
+    # The planner proposes the size the wrapper then picks, for the same reason.
+    planned = plan(
+        gpt, world_size=1, device_memory_bytes=10**12, host_memory_bytes=10**12,
+        param_dtype=torch.float16, compute_dtype=torch.float32,
+    )  # fmt: skip
     model = zero_model_wrapper(
         gpt,
         zero_stage=3,
@@ -132,6 +138,10 @@ def test_a_default_stage_3_model_keeps_its_gathered_peak_under_the_bound() -> No
         },
     )
     chunks = model.chunk_manager.chunks
+    assert planned.chunk_size_numel == model.chunk_manager.chunk_size_numel
+    assert planned.chunk_size_reason == model.chunk_manager.chunk_size_reason
+    assert "least waste, then fewest chunks" in planned.chunk_size_reason
+    assert model.chunk_manager.chunk_size_reason in repr(model)
     assert len(chunks) >= DEFAULT_MIN_NUM_CHUNKS
     peak = 0
 

@@ -84,6 +84,8 @@ class ChunkManager:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide_factor!r}")
         self.predivide_factor = float(predivide_factor)
         self.reduce_method = reduce_method
+        # What chose `chunk_size_numel` (the search's reason, or the setting), for summaries.
+        self.chunk_size_reason = f"chunk_size_numel {chunk_size_numel} as given"
         self.chunks: list[Chunk] = []
         self._where: dict[int, tuple[Chunk, int]] = {}  # id(param) -> (chunk, tensor index)
 

@@ -36,6 +36,21 @@ import torch
 # untied, 4 tied).
 GATHERED_AT_ONCE = 4
 
+# The seeds' defaults, in bytes: search 64 MiB above a 32 MiB minimum, in 4096 steps.
+DEFAULT_SEARCH_RANGE_BYTES = 64 * 1024**2
+DEFAULT_MIN_CHUNK_BYTES = 32 * 1024**2
+DEFAULT_SEARCH_N_GRIDS = 4096
+# Bounds on the searched size (see [Note: the gathered peak bounds the chunk size]): the chunks
+# gathered at once hold at most this share of the parameters, and of a device budget when one
+# is given; and the model spans at least this many chunks, so gathers can run ahead of compute.
+# Billion-parameter models keep the seeds' sizes (the bounds are far above them); a model
+# smaller than the seeds' minimum chunk no longer lands in one chunk. Half of the parameters
+# with 4 chunks kept one chunk's step time on the suite's GPT; a quarter with 8 cost 10% more
+# there (benchmarks/RESULTS.md, chunk-search block).
+DEFAULT_GATHERED_SHARE = 0.5
+DEFAULT_BUDGET_GATHERED_SHARE = 0.25
+DEFAULT_MIN_NUM_CHUNKS = 4
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkSearchResult:
@@ -185,3 +200,47 @@ def _pack(numels: torch.Tensor, capacities: torch.Tensor) -> tuple[torch.Tensor,
         position = end
         active = position < total
     return waste, count
+
+
+def default_chunk_search(
+    groups: Sequence[Sequence[int]],
+    *,
+    world_size: int,
+    param_element_size: int,
+    gathered_element_size: int,
+    device_budget_bytes: int | None = None,
+    search_range_bytes: int = DEFAULT_SEARCH_RANGE_BYTES,
+    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
+    n_grids: int = DEFAULT_SEARCH_N_GRIDS,
+    hidden_dim: int | None = None,
+) -> ChunkSearchResult:
+    """The chunk size stage 3 gets when none is set (the wrappers and the planner both ask
+    here): the seeds' knobs, in bytes of the parameter dtype, bounded so that the chunks
+    gathered at once hold at most DEFAULT_GATHERED_SHARE of the parameters (and
+    DEFAULT_BUDGET_GATHERED_SHARE of `device_budget_bytes`, when given) and the model spans at
+    least DEFAULT_MIN_NUM_CHUNKS chunks.
+
+    Args:
+        groups: element counts of the parameters packed together, in order (trainable and
+            frozen apart, as ChunkManager packs them).
+        world_size: the ranks a chunk is sharded over.
+        param_element_size: bytes of the stored parameter dtype.
+        gathered_element_size: bytes a gather allocates per element (payload, and its compute
+            copy when the compute dtype differs).
+    """
+    max_gathered = max(1, int(sum(map(sum, groups)) * DEFAULT_GATHERED_SHARE))
+    if device_budget_bytes is not None and device_budget_bytes > 0:
+        by_budget = (
+            int(device_budget_bytes * DEFAULT_BUDGET_GATHERED_SHARE) // gathered_element_size
+        )
+        max_gathered = max(1, min(max_gathered, by_budget))
+    return search_chunk_size(
+        groups,
+        world_size=world_size,
+        search_range_numel=search_range_bytes // param_element_size,
+        n_grids=n_grids,
+        min_chunk_size_numel=max(1, min_chunk_bytes // param_element_size),
+        hidden_dim=hidden_dim,
+        max_gathered_numel=max_gathered,
+        min_num_chunks=DEFAULT_MIN_NUM_CHUNKS,
+    )

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.chunk.search import search_chunk_size
+from shardwise.chunk.search import DEFAULT_MIN_CHUNK_BYTES, default_chunk_search
 from shardwise.planner.formulas import StateBytes, engine_bytes, zero_paper_bytes
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "sgd": 0, "sgd_momentum": 4}
@@ -96,6 +96,8 @@ class Plan:
     trains wherever "cpu" does, so one figure serves both."""
     shard_size: int | None = None
     """Hybrid sharding's group size (None: sharded over all ranks)."""
+    chunk_size_reason: str = ""
+    """What chose `chunk_size_numel`: the search's reason, as the wrappers log it."""
 
     @property
     def zero_stage(self) -> int | None:
@@ -144,6 +146,7 @@ class Plan:
                 "num_params": self.spec.num_params,
                 "psi_padded": self.psi_padded,
                 "chunk_size_numel": self.chunk_size_numel,
+                "chunk_size_reason": self.chunk_size_reason,
                 "options": [
                     {**asdict(option), "name": option.name, "device_total": option.device.total,
                      "host_total": option.host.total}
@@ -183,7 +186,9 @@ class Plan:
             f"{_gb(self.smallest_budget_bytes)} GB (the chunks gathered at once and the "
             f"activations; 'auto' trains wherever 'cpu' does)"
         )
-        return "\n".join([*rows, "", smallest, f"recommended: {chosen}", self.wrapper_call()])
+        chunks = f"stage-3 chunk size: {self.chunk_size_reason}"
+        lines = [*rows, "", chunks, smallest, f"recommended: {chosen}", self.wrapper_call()]
+        return "\n".join(lines)
 
 
 def _gb(nbytes: float) -> str:
@@ -244,7 +249,7 @@ def plan(
         "compute": _bytes(compute_dtype or param_dtype),
         "reduce": _bytes(reduce_dtype or param_dtype),
     }
-    chunk, psi_padded = _chunking(spec, shards, chunk_size_numel, sizes["param"])
+    chunk, psi_padded, chunk_reason = _chunking(spec, shards, chunk_size_numel, sizes["param"])
     opt_bytes = OPTIMIZER_STATE_BYTES[optimizer]
     k_paper = opt_bytes + (0 if sizes["param"] == 4 else 4)
     options = []
@@ -306,6 +311,7 @@ def plan(
         device_memory_bytes=device_memory_bytes,
         smallest_budget_bytes=int(gathered + activation_bytes),
         shard_size=shard_size if replicas > 1 else None,
+        chunk_size_reason=chunk_reason,
     )
 
 
@@ -315,21 +321,32 @@ def _bytes(dtype: torch.dtype) -> int:
 
 def _chunking(
     spec: ModelSpec, world_size: int, chunk_size_numel: int | None, param_bytes: int
-) -> tuple[int, int]:
-    """The chunk size (searched when not given) and the padded parameter count it implies."""
+) -> tuple[int, int, str]:
+    """The chunk size (searched when not given, as the wrappers search it), the padded
+    parameter count it implies, and what chose the size."""
     numels = list(spec.tensor_numels)
     if chunk_size_numel is None:
         if numels:
-            chunk_size_numel = search_chunk_size(
-                [numels], world_size=world_size, search_range_numel=64 * 2**20 // param_bytes,
-                n_grids=4096, min_chunk_size_numel=32 * 2**20 // param_bytes,
-            ).chunk_size_numel  # fmt: skip
+            # As the wrappers search it (the gathered bytes counted in the parameter dtype).
+            result = default_chunk_search(
+                [numels], world_size=world_size, param_element_size=param_bytes,
+                gathered_element_size=param_bytes,
+            )  # fmt: skip
+            chunk_size_numel, reason = result.chunk_size_numel, result.reason
         else:
-            chunk_size_numel = max(spec.largest_tensor_numel, 32 * 2**20 // param_bytes)
+            chunk_size_numel = max(
+                spec.largest_tensor_numel, DEFAULT_MIN_CHUNK_BYTES // param_bytes
+            )
+            reason = (
+                f"chunk_size_numel {chunk_size_numel:,}: the seeds' minimum chunk (tensor sizes "
+                f"unknown: plan a module, --model, for the searched size)"
+            )
+    else:
+        reason = f"chunk_size_numel {chunk_size_numel:,} as given"
     if not numels:
         # Sizes unknown: at most N - 1 padding elements per chunk.
         chunks = math.ceil(spec.num_params / chunk_size_numel)
-        return chunk_size_numel, spec.num_params + chunks * (world_size - 1)
+        return chunk_size_numel, spec.num_params + chunks * (world_size - 1), reason
     padded, used = 0, 0
     for numel in numels:
         if used and used + numel > max(chunk_size_numel, numel):
@@ -337,7 +354,7 @@ def _chunking(
             used = 0
         used += numel
     padded += -(-used // world_size) * world_size
-    return chunk_size_numel, padded
+    return chunk_size_numel, padded, reason
 
 
 def _auto_split(

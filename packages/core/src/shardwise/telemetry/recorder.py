@@ -165,6 +165,7 @@ def enable(
     config: dict[str, Any] = {
         "stage": model.stage,
         "chunks": len(model.chunk_manager.chunks),
+        "chunk_size": model.chunk_manager.chunk_size_reason,
         "placement": model.gemini_manager.placement_policy if model.gemini_manager else None,
         "param_dtype": str(model.config.mixed_precision.param_dtype),
     }

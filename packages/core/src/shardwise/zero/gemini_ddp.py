@@ -11,28 +11,19 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import ChunkManager
-from shardwise.chunk.search import search_chunk_size
+from shardwise.chunk.search import (
+    DEFAULT_MIN_CHUNK_BYTES,
+    DEFAULT_SEARCH_N_GRIDS,
+    DEFAULT_SEARCH_RANGE_BYTES,
+    ChunkSearchResult,
+    default_chunk_search,
+)
 from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager, placement_policy
 from shardwise.zero.config import MixedPrecision, ZeroConfig, compute_device
 from shardwise.zero.ignore import is_ignored, mark_ignored
 from shardwise.zero.init_context import whole_numel
 from shardwise.zero.model import ZeroModel, chunk_manager_for
-
-# The seeds' defaults, in bytes: search 64 MiB above a 32 MiB minimum, in 4096 steps.
-DEFAULT_SEARCH_RANGE_BYTES = 64 * 1024**2
-DEFAULT_MIN_CHUNK_BYTES = 32 * 1024**2
-DEFAULT_SEARCH_N_GRIDS = 4096
-# Bounds on the searched size (see [Note: the gathered peak bounds the chunk size] in
-# chunk/search.py): the chunks gathered at once hold at most this share of the parameters, and of
-# a device budget when one is given; and the model spans at least this many chunks, so gathers can
-# run ahead of compute. Billion-parameter models keep the seeds' sizes (the bounds are far above
-# them); a model smaller than the seeds' minimum chunk no longer lands in one chunk. Half of
-# the parameters with 4 chunks kept one chunk's step time on the suite's GPT; a quarter with 8
-# cost 10% more there (benchmarks/RESULTS.md, chunk-search block).
-DEFAULT_GATHERED_SHARE = 0.5
-DEFAULT_BUDGET_GATHERED_SHARE = 0.25
-DEFAULT_MIN_NUM_CHUNKS = 4
 
 _log = logging.getLogger(__name__)
 
@@ -229,10 +220,13 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         gpu_margin_mem_ratio=config.get("gpu_margin_mem_ratio"),
     )
     chunk_size = config.get("chunk_size_numel")
+    reason = f"chunk_size_numel {chunk_size} as set in gemini_config"
     if chunk_size is None:
-        chunk_size = _searched_chunk_size(model, config, mixed_precision, hidden_dim)
+        searched = _searched_chunk_size(model, config, mixed_precision, hidden_dim)
+        chunk_size, reason = searched.chunk_size_numel, searched.reason
     elif hidden_dim is not None:
         chunk_size = -(-chunk_size // hidden_dim) * hidden_dim
+        reason += f", rounded up to a multiple of hidden_dim {hidden_dim}: {chunk_size}"
     zero_config = ZeroConfig(
         stage=3,
         device=device,
@@ -248,10 +242,10 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         gather_units=_gather_units(config.get("gather_units", ())),
         shard_size=config.get("shard_size"),
     )
+    chunk_manager = chunk_manager_for(zero_config, CommStats())
+    chunk_manager.chunk_size_reason = reason
     manager = GeminiManager(
-        policy,
-        chunk_manager_for(zero_config, CommStats()),
-        device_budget_bytes=config.get("device_budget_bytes"),
+        policy, chunk_manager, device_budget_bytes=config.get("device_budget_bytes")
     )
     return GeminiDDP.from_config(model, zero_config, manager, pin_memory)
 
@@ -293,11 +287,9 @@ def _searched_chunk_size(
     config: Mapping[str, Any],
     mixed_precision: MixedPrecision,
     hidden_dim: int | None,
-) -> int:
-    """Search a chunk size with the seeds' knobs, given in bytes of the parameter dtype, bounded
-    so that the chunks gathered at once hold at most DEFAULT_GATHERED_SHARE of the parameters
-    (and DEFAULT_BUDGET_GATHERED_SHARE of `device_budget_bytes`, when given) and the model spans
-    at least DEFAULT_MIN_NUM_CHUNKS chunks; the choice and its reason are logged."""
+) -> ChunkSearchResult:
+    """Search a chunk size with the seeds' knobs from `config` (see `default_chunk_search`);
+    the choice and its reason are logged."""
     element_size = torch.empty((), dtype=mixed_precision.param_dtype).element_size()
     # A gather allocates the payload and, when the compute dtype differs, its compute copy.
     gathered_element_size = element_size
@@ -313,20 +305,21 @@ def _searched_chunk_size(
         [whole_numel(p) for p in unique if p.requires_grad],
         [whole_numel(p) for p in unique if not p.requires_grad],
     ]
-    max_gathered = max(1, int(sum(map(sum, groups)) * DEFAULT_GATHERED_SHARE))
     budget = config.get("device_budget_bytes")
-    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-        by_budget = int(budget * DEFAULT_BUDGET_GATHERED_SHARE) // gathered_element_size
-        max_gathered = max(1, min(max_gathered, by_budget))
-    result = search_chunk_size(
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        budget = None  # absent, or wrong: GeminiManager refuses it with the reason
+    # Chunks are sharded over a shard group under hybrid sharding.
+    shard_size = config.get("shard_size")
+    result = default_chunk_search(
         groups,
-        world_size=comm.world_size(config.get("process_group")),
-        search_range_numel=search_range // element_size,
+        world_size=shard_size or comm.world_size(config.get("process_group")),
+        param_element_size=element_size,
+        gathered_element_size=gathered_element_size,
+        device_budget_bytes=budget,
+        search_range_bytes=search_range,
+        min_chunk_bytes=min_chunk,
         n_grids=config.get("chunk_search_n_grids", DEFAULT_SEARCH_N_GRIDS),
-        min_chunk_size_numel=max(1, min_chunk // element_size),
         hidden_dim=hidden_dim,
-        max_gathered_numel=max_gathered,
-        min_num_chunks=DEFAULT_MIN_NUM_CHUNKS,
     )
     _log.info("stage 3 chunk size searched: %s", result.reason)
-    return result.chunk_size_numel
+    return result

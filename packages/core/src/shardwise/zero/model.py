@@ -375,7 +375,8 @@ class ZeroModel(nn.Module):
         return self.chunk_manager.resident_bytes()
 
     def extra_repr(self) -> str:
-        return f"stage={self.stage}, chunks={len(self.chunk_manager.chunks)}"
+        manager = self.chunk_manager
+        return f"stage={self.stage}, chunks={len(manager.chunks)} ({manager.chunk_size_reason})"
 
 
 def chunk_manager_for(config: ZeroConfig, stats: CommStats) -> ChunkManager:
