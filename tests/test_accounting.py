@@ -117,3 +117,28 @@ def test_auto_reduction_exchanges_slices_on_gloo() -> None:
     assert gradient_reduction_method("all_reduce", None) is ReduceScatterMethod.ALL_REDUCE
     with pytest.raises(ValueError, match="gradient_reduction must be one of"):
         gradient_reduction_method("ring", None)
+
+
+def test_device_bytes_shortcut_agrees_with_the_pools() -> None:
+    """The memory manager's per-chunk shortcut counts what `resident_bytes_by_pool` puts in the
+    device pool, whatever the placement and gradient layout."""
+    from torch import nn
+
+    from shardwise import ChunkManager
+    from shardwise.chunk import Pool
+    from shardwise.chunk.accounting import device_resident_bytes, resident_bytes_by_pool
+
+    for keep_gathered in (True, False):
+        model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+        manager = ChunkManager(
+            chunk_size_numel=40, device=torch.device("cpu"), keep_gathered=keep_gathered
+        )
+        manager.register(model.named_parameters())
+        for chunk in manager.chunks:
+            if keep_gathered:
+                chunk.share_grad_shard_with_full()
+            for payload in (Pool.DEVICE, Pool.HOST) if not keep_gathered else (Pool.DEVICE,):
+                for optim in (Pool.DEVICE, Pool.HOST):
+                    chunk.place(payload=payload, optim=optim, pin_memory=False)
+                    expected = resident_bytes_by_pool(chunk)[Pool.DEVICE]
+                    assert device_resident_bytes(chunk) == expected, (keep_gathered, payload, optim)

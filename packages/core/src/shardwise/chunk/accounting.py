@@ -43,6 +43,21 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
     return held
 
 
+def device_resident_bytes(chunk: Chunk) -> int:
+    """`resident_bytes_by_pool(chunk)[Pool.DEVICE]`, without building the dict: the memory
+    manager asks after every gather and gradient, for every chunk."""
+    nbytes = storage_bytes
+    held = nbytes(chunk.full) + nbytes(chunk.full_compute) + nbytes(chunk.grad_full)
+    if not chunk.keep_gathered and chunk.payload_pool is Pool.DEVICE:
+        held += nbytes(chunk.shard)
+    if chunk.optim_pool is Pool.DEVICE:
+        if chunk.master is not chunk.shard:
+            held += nbytes(chunk.master)
+        if chunk.grad_layout is not GradLayout.SLICE_OF_FULL:
+            held += nbytes(chunk.grad_shard)
+    return held
+
+
 def gathered_bytes(chunk: Chunk) -> int:
     """Device bytes a gather of `chunk` allocates (payload, and its compute copy)."""
     nbytes = chunk.padded_numel * chunk.full.element_size()

@@ -22,7 +22,11 @@ import torch
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
-from shardwise.chunk.accounting import resident_bytes_by_pool, transient_bytes
+from shardwise.chunk.accounting import (
+    device_resident_bytes,
+    resident_bytes_by_pool,
+    transient_bytes,
+)
 from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.policies import AutoPlacement, PlacementPolicy
@@ -204,7 +208,7 @@ class GeminiManager:
 
     def _chunk_device_bytes(self, chunk: Chunk) -> int:
         """Device bytes of `chunk`'s model state, its optimizer state included."""
-        held = resident_bytes_by_pool(chunk)[Pool.DEVICE]
+        held = device_resident_bytes(chunk)
         if chunk.optim_pool is Pool.DEVICE:
             cached = self._optimizer_bytes_cache.get(chunk.chunk_id)
             if cached is None:
