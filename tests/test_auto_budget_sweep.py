@@ -106,3 +106,66 @@ def test_auto_trains_at_every_budget_bit_identical_to_cuda(world: int) -> None:
         assert result["runs"][-1]["prefetch"] is True
         # Below the working set no placement fits, and the error names the least budget.
         assert "cannot fit" in result["below"] and "at least" in result["below"]
+
+
+def _overrun_then_replan() -> list[dict[str, Any]]:
+    """Two plain steps (the warm-up plans for them), then steps of two micro-batches, the first
+    under no_sync: every chunk then keeps its whole gradient until the synchronised backward,
+    more than the plan foresaw. Run under "cuda" and under "auto" at budgets across the sweep."""
+    rank = dist.get_rank()
+
+    def train(policy: dict[str, Any]) -> dict[str, Any]:
+        config = {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL, **policy}
+        model = make_model()
+        wrapped = zero_model_wrapper(model, 3, config)
+        optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        gemini = wrapped.gemini_manager
+        assert gemini is not None
+        history = []
+        for step in range(6):
+            optimizer.zero_grad()
+            micro = 1 if step < 2 else 2
+            for m in range(micro):
+                loss = wrapped(*batch_slice(step, m, rank, 2))
+                if m < micro - 1:
+                    with wrapped.no_sync():
+                        optimizer.backward(loss)
+                else:
+                    optimizer.backward(loss)
+            optimizer.step()
+            auto = gemini.auto
+            history.append((auto.overruns, auto.replans) if auto is not None else (0, 0))
+        return {"state": wrapped.state_dict(only_rank_0=False), "history": history}
+
+    reference = train({"placement_policy": "cuda"})
+    # Budgets in halves of the fp32 parameters' bytes, from below the working set to above
+    # what the model state and the held gradients take together.
+    params = sum(v.numel() * v.element_size() for v in reference["state"].values())
+    runs = []
+    for halves in range(1, 9):
+        budget = params * halves // 2
+        try:
+            run = train({"placement_policy": "auto", "device_budget_bytes": budget})
+        except DeviceBudgetExceeded:
+            continue  # no placement fits there: "cpu" needs the same gradient buffers
+        same = all(torch.equal(run["state"][k], reference["state"][k]) for k in run["state"])
+        runs.append({"budget": budget, "history": run["history"], "same": same})
+    return runs
+
+
+def test_a_step_past_the_plan_evicts_carries_on_and_plans_again() -> None:
+    for runs in run_ranks(_overrun_then_replan, 2, timeout_s=240):
+        assert all(run["same"] for run in runs)
+        replanned = [run for run in runs if run["history"][-1][1] > 0]
+        assert replanned, runs  # some budget was passed, so the plan was made again
+        for run in replanned:
+            overruns = [overruns for overruns, _ in run["history"]]
+            replans = [replans for _, replans in run["history"]]
+            # The plain steps kept to the plan; the first no_sync step passed it, so the plan
+            # was made again after it, once: the same steps never again evict what the plan
+            # kept (they may still pass the budget where the activations beside the held
+            # gradients do, with nothing left to move, as under "cpu").
+            assert overruns[:2] == [0, 0] and overruns[2] > 0, run
+            assert replans == [0, 0, 1, 1, 1, 1], run
+        # Where the new plan has room for the held gradients, no step passes it again.
+        assert any(run["history"][-1][0] == run["history"][2][0] for run in replanned), runs

@@ -32,6 +32,12 @@ on the device saves its gathers' host-to-device copies, an optimizer side the gr
 to host memory and the updated parameters' trip back: shards come first, as they save more
 bytes for each byte of device memory. Ties go to the higher chunk id: nothing depends on set or
 dict iteration order.
+
+A step that makes room by evicting what the plan kept on the device (it allocated more than the
+warm-up did: gradients held whole under `no_sync`, a larger batch) sets a flag that rides in
+the step's gradient-norm all-reduce; after a step where any rank set it, every rank sends its
+shards and optimizer sides back to host memory and plans again against the largest working set
+seen so far (`replan`), so the same steps keep to the new plan.
 """
 
 from __future__ import annotations
@@ -80,6 +86,9 @@ class AutoPlacer:
         self.warmup_peak = 0
         self.evictions = 0
         self.overruns = 0
+        # Overruns since the plan was last made, and how often it was made again.
+        self.overruns_since_plan = 0
+        self.replans = 0
         self.prefetch = False
         # The most bytes the step's working set (gathered chunks, gradient buffers) took.
         self.working_peak = 0
@@ -145,6 +154,7 @@ class AutoPlacer:
         reductions in flight, evict shards, then optimizer sides, until it is back within or
         nothing is left to move."""
         self.overruns += 1
+        evictions = self.evictions
         before = self._device_bytes()
         self.drain()
         excess -= before - self._device_bytes()
@@ -159,6 +169,11 @@ class AutoPlacer:
                 break
             if chunk.requires_grad and chunk.optim_pool is Pool.DEVICE:
                 excess -= self._move(chunk, self.evict_optim)
+        if self.evictions > evictions:
+            # The plan kept on the device what this step needed room for: plan again after
+            # the step. (An overrun with nothing to move is the activations passing the
+            # budget beside the working set alone, which no plan changes.)
+            self.overruns_since_plan += 1
 
     def _move(self, chunk: Chunk, move: Callable[[Chunk], None]) -> int:
         """Move part of `chunk` to the host; the device bytes that freed."""
@@ -207,6 +222,35 @@ class AutoPlacer:
         for position, ids in enumerate(self.timeline):
             for chunk_id in ids:
                 self._uses.setdefault(chunk_id, []).append(position)
+        self._plan(move_optim, optim_bytes, agree_max)
+
+    def replan(
+        self,
+        move_optim: Callable[[Chunk], None],
+        optim_bytes: Callable[[Chunk], int],
+        agree_max: Callable[[int], int] = lambda value: value,
+    ) -> None:
+        """A step allocated more than the plan foresaw (`overruns_since_plan`: e.g. gradients
+        held whole under `no_sync`): send every shard and optimizer side back to host memory
+        and plan again against the largest working set seen since, as at the end of warm-up.
+        Every rank calls it at the same step (the plan's agreements are collectives)."""
+        for chunk in self.chunk_manager.chunks:
+            if chunk.keep_gathered:
+                continue
+            if chunk.requires_grad and chunk.optim_pool is Pool.DEVICE:
+                self.evict_optim(chunk)
+            if chunk.payload_pool is Pool.DEVICE and chunk.state is ChunkState.SHARDED:
+                chunk.move_payload(Pool.HOST)
+        self.replans += 1
+        self._plan(move_optim, optim_bytes, agree_max)
+
+    def _plan(
+        self,
+        move_optim: Callable[[Chunk], None],
+        optim_bytes: Callable[[Chunk], int],
+        agree_max: Callable[[int], int],
+    ) -> None:
+        self.overruns_since_plan = 0
         chunks = self.chunk_manager.chunks
         # The least the step needs on the device: its working set beside its activations,
         # the largest of every rank's (the prefetch decision must agree).

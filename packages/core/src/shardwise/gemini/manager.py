@@ -186,6 +186,17 @@ class GeminiManager:
                 self._agree_max,
             )
 
+    @property
+    def overran_since_plan(self) -> bool:
+        """Under "auto": a step allocated more than the plan foresaw since it was made."""
+        return self.auto is not None and self.auto.warm and self.auto.overruns_since_plan > 0
+
+    def replan(self) -> None:
+        """Under "auto", plan again what stays on the device (see AutoPlacer.replan). A
+        collective: call it on every rank alike, at the end of a step some rank overran."""
+        if self.auto is not None and self.auto.warm:
+            self.auto.replan(self._move_optim_to_device, self._optimizer_bytes, self._agree_max)
+
     def _agree_max(self, value: int) -> int:
         # Over every rank: the decision orders collectives, which must agree across shard
         # groups too under hybrid sharding.

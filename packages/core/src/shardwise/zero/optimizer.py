@@ -108,6 +108,7 @@ class ZeroOptimizer:
         self.last_loss: torch.Tensor | None = None
         self.last_loss_scale = grad_scaler.scale
         self.num_steps = 0
+        self._replan_after_step = False
         self.warn_after_skipped_steps = warn_after_skipped_steps
         self.skipped_in_a_row = 0
         self.skip_warning: str | None = None
@@ -217,10 +218,13 @@ class ZeroOptimizer:
             self.model.comm_stats,
             self.model.config.process_group,
             signature=rank_sync.step_signature(),
-            got_grad=self._got_grad_flags(),
+            # The last flag: did "auto" placement overrun its plan on this rank (any rank's
+            # makes every rank plan again after this step, see _after_step)?
+            got_grad=[*self._got_grad_flags(), self._overran_plan()],
             replicas=self.model.chunk_manager.topology.replicas,
         )
         rank_sync.step_checked(reduced.ranks_agree)
+        self._replan_after_step = reduced.got_grad[-1]
         norm = reduced.norm / scale
         self.last_grad_norm = norm
         self.last_loss_scale = scale
@@ -254,6 +258,10 @@ class ZeroOptimizer:
             chunk.end_step()
         self._after_step()
         return True
+
+    def _overran_plan(self) -> bool:
+        gemini = self.model.gemini_manager
+        return gemini is not None and gemini.overran_since_plan
 
     def _got_grad_flags(self) -> list[bool]:
         """Per trainable tensor, in chunk order: did a gradient reach it on this rank since
@@ -290,6 +298,10 @@ class ZeroOptimizer:
         self._step_hooks.append(hook)
 
     def _after_step(self) -> None:
+        gemini = self.model.gemini_manager
+        if self._replan_after_step and gemini is not None:
+            self._replan_after_step = False
+            gemini.replan()
         self.num_steps += 1
         for hook in self._step_hooks:
             hook(self)
