@@ -194,3 +194,21 @@ def test_stage1_gradient_shard_is_its_own_slice_of_the_whole_gradient() -> None:
             chunk.add_grad(0, grads[0])
         chunk.zero_grad()
         assert not chunk.grad_full.any()
+
+
+def test_gather_codec_follows_the_dtypes_and_fills_the_compute_copy() -> None:
+    from shardwise.chunk import ChunkDtypes
+    from shardwise.chunk.codec import CastCodec, IdentityCodec
+
+    model = nn.Linear(3, 2)
+    fp16 = ChunkDtypes(payload=torch.float16, compute=torch.float32, reduce=torch.float16)
+    manager = ChunkManager(chunk_size_numel=100, device=CPU, dtypes=fp16, keep_gathered=True)
+    manager.register(model.named_parameters())
+    (chunk,) = manager.chunks
+    assert isinstance(chunk.codec, CastCodec)
+    # The parameters compute with the fp32 copy the codec decoded from the 16-bit payload.
+    assert model.weight.dtype == torch.float32
+    assert torch.equal(model.weight.detach().reshape(-1), chunk.full[:6].float())
+    plain = ChunkManager(chunk_size_numel=100, device=CPU, keep_gathered=True)
+    plain.register(nn.Linear(3, 2).named_parameters())
+    assert isinstance(plain.chunks[0].codec, IdentityCodec)

@@ -3,7 +3,8 @@
 [Note: chunk buffers]
 - `full`: the whole payload (numel padded to a multiple of the world size). While gathered,
   parameters are views into the *compute* buffer (`full` itself, or `full_compute` when the
-  compute dtype differs from the payload dtype); while released they hold an empty tensor, so
+  compute dtype differs from the payload dtype, filled by the chunk's gather codec: see
+  [Note: gather codecs] in chunk/codec.py); while released they hold an empty tensor, so
   reading one outside its module's forward gives an empty tensor, never freed memory.
   Releasing resizes the buffer's storage to zero instead of dropping it, so views of it that
   autograd saved during forward (a transposed weight, say) see the re-gathered data in backward
@@ -38,6 +39,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
+from shardwise.chunk.codec import codec_for
 from shardwise.chunk.grad_buffer import zero_unwritten
 from shardwise.chunk.parameters import adopt, mark_gathered, mark_released
 from shardwise.chunk.pools import PoolMoves
@@ -100,6 +102,8 @@ class Chunk(PoolMoves):
         # Buffers, allocated by close(); see [Note: chunk buffers].
         self.full = torch.empty(0, dtype=dtypes.payload, device=device)
         self.full_compute: torch.Tensor | None = None
+        # See [Note: gather codecs] in chunk/codec.py.
+        self.codec = codec_for(dtypes)
         self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
         self.master = torch.empty(0, dtype=torch.float32, device=device)
         self.grad_full: torch.Tensor | None = None
@@ -180,8 +184,9 @@ class Chunk(PoolMoves):
             comm.broadcast(self.full, src_rank, self.stats, self.group)
             if self.replicate_group is not None:  # then every group holds group 0's values
                 comm.broadcast(self.full, 0, self.stats, self.replicate_group)
-        if self.dtypes.compute != self.dtypes.payload:
-            self.full_compute = self.full.to(self.dtypes.compute)
+        if self.codec.needs_compute_copy:
+            self.full_compute = torch.empty_like(self.full, dtype=self.dtypes.compute)
+            self.codec.decode(self.full, self.full_compute)
         for info in self.tensors:
             adopt(info.param, info.shape)
         self._bind_params()
@@ -218,9 +223,7 @@ class Chunk(PoolMoves):
             return
         self._check_payload_holds_params()
         self._materialise(self.full)
-        work = comm.all_gather(
-            self.full, self._shard_on_device(), self.stats, self.group, async_op=True
-        )
+        work = self._start_all_gather(self._shard_on_device(), async_op=True)
         if work is not None:
             self._pending_gather = (work, self.full)
         else:
@@ -238,12 +241,21 @@ class Chunk(PoolMoves):
         self._check_payload_holds_params()
         if self._pending_gather is None:
             self._materialise(self.full)
-            comm.all_gather(self.full, self._shard_on_device(), self.stats, self.group)
+            self._start_all_gather(self._shard_on_device(), async_op=False)
         else:
             work, _ = self._pending_gather
             work.wait()
             self._pending_gather = None
         self._finish_gather()
+
+    def _start_all_gather(
+        self, shard: torch.Tensor, *, async_op: bool
+    ) -> torch.distributed.Work | None:
+        """Every all-gather of the payload into `full` starts here (see [Note: gather
+        codecs]); the caller decodes once it is complete."""
+        return comm.all_gather(
+            self.full, self.codec.encode(shard), self.stats, self.group, async_op=async_op
+        )
 
     def _shard_on_device(self) -> torch.Tensor:
         if self.payload_pool is Pool.DEVICE:
@@ -253,7 +265,7 @@ class Chunk(PoolMoves):
     def _finish_gather(self) -> None:
         if self.full_compute is not None:
             self._materialise(self.full_compute)
-            self.full_compute.copy_(self.full)
+            self.codec.decode(self.full, self.full_compute)
             # The 16-bit payload is only a staging buffer once the compute copy exists.
             self._free(self.full)
         self._bind_params()
@@ -532,7 +544,7 @@ class Chunk(PoolMoves):
         """All-gather the shards into the full copy a stage-1/2 chunk keeps."""
         # In place: the shard is this rank's slice of `full`, where an all-gather puts it anyway
         # (NCCL and gloo both allow it; a copy of the shard cost 3 ms per 4 MiB here).
-        work = comm.all_gather(self.full, self.shard, self.stats, self.group, async_op=not wait)
+        work = self._start_all_gather(self.shard, async_op=not wait)
         if work is None:
             self._refresh_compute_copy()
         else:
@@ -547,7 +559,7 @@ class Chunk(PoolMoves):
 
     def _refresh_compute_copy(self) -> None:
         if self.full_compute is not None:
-            self.full_compute.copy_(self.full)
+            self.codec.decode(self.full, self.full_compute)
 
     def write_range(self, index: int, begin: int, values: torch.Tensor) -> None:
         """Overwrite elements [begin, begin + numel) of flattened tensor `index` with `values`,
