@@ -99,6 +99,44 @@ def test_parameter_gathers_run_until_the_next_forward_uses_them() -> None:
         assert after_forward == 0
 
 
+def _reads_between_step_and_forward(defer: bool) -> dict[str, object]:
+    """What a loop reads from the parameters right after step(), before any forward: EMA-style
+    reads through `.data`, a torch op on the parameter, the inner module's state dict."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    wrapped = zero_model_wrapper(model, 2, {"device": torch.device("cpu")})
+    optimizer = zero_optim_wrapper(
+        wrapped,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        optim_config={"reduce_bucket_size": CHUNK_NUMEL, "overlap_param_gather": defer},
+    )
+    optimizer.backward(wrapped(*batch_slice(0, 0, rank, world)))
+    optimizer.step()
+    pending = sum(c._pending_publish is not None for c in wrapped.chunk_manager.chunks)
+    params = list(model.parameters())
+    half = len(params) // 2
+    return {
+        "pending": pending,
+        # .data hands out the values: waits for them first.
+        "data": [p.data.clone() for p in params[:half]],
+        "sums": [float(p.sum()) for p in params[half:]],
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
+
+
+def test_parameters_read_after_a_deferred_step_are_the_new_ones() -> None:
+    """With overlap_param_gather a parameter is still being all-gathered after step(); any read
+    of its values waits for that gather first, so every read equals the run without it."""
+    deferred = run_ranks(_reads_between_step_and_forward, 2, True)
+    plain = run_ranks(_reads_between_step_and_forward, 2, False)
+    for mine, undeferred in zip(deferred, plain, strict=True):
+        assert mine["pending"] > 0 and undeferred["pending"] == 0
+        pairs = zip(mine["data"], undeferred["data"], strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+        assert mine["sums"] == undeferred["sums"]
+        assert all(torch.equal(mine["state"][k], v) for k, v in undeferred["state"].items())
+
+
 def test_overlapped_reduction_is_bit_exact() -> None:
     check(Run(stage=2, overlap=True, branch="some_ranks"), exact=True)
 

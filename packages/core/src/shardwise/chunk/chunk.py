@@ -41,7 +41,13 @@ from torch.distributed import ProcessGroup
 from shardwise import comm
 from shardwise.chunk.codec import codec_for
 from shardwise.chunk.grad_buffer import zero_unwritten
-from shardwise.chunk.parameters import adopt, mark_gathered, mark_released
+from shardwise.chunk.parameters import (
+    adopt,
+    mark_gathered,
+    mark_pending,
+    mark_released,
+    mark_settled,
+)
 from shardwise.chunk.pools import PoolMoves
 from shardwise.chunk.states import (
     ChunkDtypes,
@@ -549,12 +555,16 @@ class Chunk(PoolMoves):
             self._refresh_compute_copy()
         else:
             self._pending_publish = work
+            for info in self.tensors:
+                mark_pending(info.param, self.wait_publish)
 
     def wait_publish(self) -> None:
         """Wait for a background all-gather started by `publish_master(wait=False)`."""
         if self._pending_publish is not None:
-            self._pending_publish.wait()
-            self._pending_publish = None
+            work, self._pending_publish = self._pending_publish, None
+            work.wait()
+            for info in self.tensors:
+                mark_settled(info.param)
             self._refresh_compute_copy()
 
     def _refresh_compute_copy(self) -> None:

@@ -12,7 +12,8 @@ other use of one raises at once, naming the parameter, instead of computing with
 tensor (a reduction would silently give 0): `ReleasedParameter.__torch_function__` lets only
 attribute access and the metadata calls listed in `_METADATA_CALLS` through. Both classes are
 subclasses of `nn.Parameter`; a parameter's class changes in place, so it stays the same
-object that optimizers and modules hold.
+object that optimizers and modules hold. At stages 1-2 with deferred parameter gathers, a
+`PendingParameter` waits for its chunk's gather before any read of its values.
 """
 
 from __future__ import annotations
@@ -123,6 +124,55 @@ class ReleasedParameter(ChunkParameter):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"ReleasedParameter(shape={tuple(self._logical_shape)}, dtype={self.dtype})"
+
+
+class PendingParameter(ChunkParameter):
+    """A chunk parameter whose new values are still being all-gathered after a stage-1/2 step
+    (see [Note: deferred parameter gathers] in zero/param_gather.py): any use of its values
+    first waits for that gather, so nothing reads a half-updated parameter."""
+
+    _wait_for_values: Any  # the chunk's wait_publish
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if _reads_values(func):
+            for arg in (*args, *(kwargs or {}).values()):
+                if isinstance(arg, PendingParameter):
+                    arg._wait_for_values()  # turns every parameter of its chunk back
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+# Attributes whose reading reads no element (`.data` and `.grad` are not among them: `p.data`
+# hands out the values themselves).
+_METADATA_ATTRIBUTES = frozenset(
+    {"shape", "dtype", "device", "requires_grad", "is_leaf", "layout", "ndim", "names"}
+)
+
+
+def _reads_values(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+        return attribute not in _METADATA_ATTRIBUTES
+    return name not in _METADATA_CALLS or name in ("to", "cpu", "cuda", "detach")
+
+
+def mark_pending(param: nn.Parameter, wait: Any) -> None:
+    """`param`'s chunk is being all-gathered in the background; `wait()` finishes it."""
+    param._wait_for_values = wait  # type: ignore[attr-defined]
+    param.__class__ = PendingParameter
+
+
+def mark_settled(param: nn.Parameter) -> None:
+    if isinstance(param, PendingParameter):
+        param.__class__ = ChunkParameter  # type: ignore[assignment]
 
 
 def adopt(param: nn.Parameter, shape: torch.Size) -> None:

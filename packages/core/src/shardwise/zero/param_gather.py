@@ -8,9 +8,10 @@ cannot overlap backward. With `overlap_param_gather` the step starts the all-gat
 returns; each module waits, just before it runs, for the chunks holding its own parameters, so
 the gathers of later layers proceed while the first layers compute. The root's forward waits
 for whatever is left when it ends, and anything that rewrites a chunk (a load, the next step)
-waits first. The numbers are the same as without it; what changes is that a parameter read
-between `step()` and the next forward, outside the module that owns it, may be mid-update:
-call `model.wait_param_gathers()` before reading one there.
+waits first. The numbers are the same as without it. A parameter whose chunk is still being
+gathered is a `PendingParameter` (chunk/parameters.py): any read of its values outside the
+module's forward (`p.data`, `p.sum()`, a state dict, a copy) waits for that chunk's gather
+first, so no code sees a half-updated parameter; reading only its shape or dtype does not wait.
 """
 
 from __future__ import annotations
