@@ -2,14 +2,14 @@
 
     torchrun --standalone --nproc-per-node=2 examples/train_gpt.py [--steps 300]
 
-The text is examples/data/shakespeare.txt (three public-domain plays; see the README there),
-read byte by byte; its last 10 % is held out and the evaluation loss on it is printed every
---eval-every steps and at the end. Parameters are stored and communicated in fp16 (computed in
-fp32, which is what a CPU does fast), the optimizer steps sharded fp32 master weights, and a
-dynamic loss scale guards the fp16 gradients. The "auto" placement policy decides where each
-chunk lives against a device budget smaller than the model state, so chunks move between the
-device and host pools as training goes (watch the dashboard's chunk map and placement
-timeline). Rank 0 shows a progress bar and one line per step.
+The text is examples/data/shakespeare.txt (three public-domain plays; see the README there), read
+byte by byte; its last 10 % is held out and the evaluation loss on it is printed (and sent to the
+dashboard) every --eval-every steps and at the end. Parameters are stored and communicated in fp16
+(computed in fp32, which is what a CPU does fast), the optimizer steps sharded fp32 master weights,
+and a dynamic loss scale guards the fp16 gradients. The "auto" placement policy decides where each
+chunk lives against a device budget smaller than the model state, so chunks move between the device
+and host pools as training goes (watch the dashboard's chunk map and placement timeline). Rank 0
+shows a progress bar and one line per step.
 """
 
 from __future__ import annotations
@@ -208,6 +208,9 @@ def main() -> None:
             if ((step + 1) % args.eval_every == 0 or last)
             else None
         )
+        if eval_loss is not None and recorder is not None:
+            # On every rank, as the step events: the all-reduced loss is the same on each.
+            recorder.evaluated(step, eval_loss)
         if rank == 0:
             progress.write(
                 f"step {step:4d} | loss {loss.item():.4f} | scale {optimizer.loss_scale:>9.0f}"

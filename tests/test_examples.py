@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -10,8 +11,17 @@ from launch import torchrun
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_demo_learns_the_text_under_auto_placement_with_a_held_out_loss() -> None:
-    result = torchrun(ROOT / "examples" / "train_gpt.py", "--steps", "40", "--eval-every", "20")
+def test_demo_learns_the_text_under_auto_placement_with_a_held_out_loss(tmp_path: Path) -> None:
+    telemetry = tmp_path / "telemetry"
+    result = torchrun(
+        ROOT / "examples" / "train_gpt.py",
+        "--steps",
+        "40",
+        "--eval-every",
+        "20",
+        # Its telemetry to files, never to a dashboard the environment may name.
+        env={"SHARDWISE_TELEMETRY_FILE": str(telemetry), "SHARDWISE_DASHBOARD_URL": ""},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ZeRO stage 3 on 2 ranks" in result.stdout
     budget = re.search(
@@ -34,3 +44,14 @@ def test_demo_learns_the_text_under_auto_placement_with_a_held_out_loss() -> Non
     assert sorted(evals) == [19, 39]
     assert evals[39] < 3.8
     assert evals[39] < evals[19] + 0.05  # held-out loss does not rise as training goes on
+
+    # The evaluations reach each rank's telemetry, with the losses printed (the same on every
+    # rank: all-reduced).
+    for rank in range(2):
+        events = [
+            json.loads(line)
+            for line in Path(f"{telemetry}.rank{rank}.jsonl").read_text().splitlines()
+        ]
+        reported = {e["step"]: e["loss"] for e in events if e["type"] == "eval"}
+        assert sorted(reported) == [19, 39]
+        assert all(abs(reported[step] - evals[step]) <= 5e-5 for step in reported)

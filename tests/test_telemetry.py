@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import sys
 import time
+import urllib.error
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import CHUNK_NUMEL, batch_slice, make_model
@@ -27,19 +31,36 @@ def _train(sink: dict[str, str], steps: int) -> dict[str, Any]:
     optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
     recorder = telemetry.enable(wrapped, optimizer, run_id="test-run", chunk_every=3, **sink)
     assert recorder is not None
-    losses, sent = [], []
+    losses, sent, evals = [], [], []
+    # A step event counts the bytes sent since the previous one: an evaluation's included.
+    before = wrapped.comm_stats.sent_bytes()
     for step in range(steps):
-        before = wrapped.comm_stats.sent_bytes()
         optimizer.zero_grad()
         loss = wrapped(*batch_slice(step, 0, rank, 2))
         optimizer.backward(loss)
         optimizer.step()
         losses.append(float(loss.detach()))
         sent.append(wrapped.comm_stats.sent_bytes() - before)
+        before = wrapped.comm_stats.sent_bytes()
+        if step % 2 == 1:
+            # An evaluation on a batch no step trains on; every rank runs its share.
+            with torch.no_grad():
+                held_out = wrapped(*batch_slice(100 + step, 0, rank, 2))
+            recorder.evaluated(step, held_out)  # a tensor is taken as its value
+            evals.append(float(held_out))
+    recorder.evaluated(steps - 1, float("nan"))  # not finite: reported as unknown
+    refused = []
+    for bad in (-1, True, 1.0):
+        try:
+            recorder.evaluated(bad, 1.0)  # type: ignore[arg-type]
+        except ValueError as error:
+            refused.append(str(error))
     recorder.finish()
     return {
         "losses": losses,
         "sent": sent,
+        "evals": evals,
+        "refused": refused,
         "chunks": len(wrapped.chunk_manager.chunks),
         "dropped": recorder.emitter.dropped,
         "cpu_seconds": recorder.cpu_seconds(),
@@ -65,6 +86,23 @@ def test_jsonl_events_describe_every_step(tmp_path: Path) -> None:
         snapshots = [e for e in events if e["type"] == "chunks"]
         assert [e["step"] for e in snapshots] == [0, 3]
         assert all(len(e["chunks"]) == result["chunks"] for e in snapshots)
+        # Evaluations after steps 1 and 3, each after its step's event, then the non-finite one.
+        evals = [e for e in events if e["type"] == "eval"]
+        assert [(e["step"], e["loss"]) for e in evals] == [
+            (1, result["evals"][0]),
+            (3, result["evals"][1]),
+            (4, None),
+        ]
+        assert all(
+            set(e) == {"schema", "type", "run_id", "rank", "time", "step", "loss"} for e in evals
+        )
+        order = [(e["type"], e["step"]) for e in events if e["type"] in ("step", "eval")]
+        assert order.index(("eval", 1)) == order.index(("step", 1)) + 1
+        assert result["refused"] == [
+            "step must be an int >= 0, got -1",
+            "step must be an int >= 0, got True",
+            "step must be an int >= 0, got 1.0",
+        ]
         assert events[-1]["status"] == "finished"
         # What telemetry cost this rank is measured (benchmarks report it per step).
         assert 0.0 < result["cpu_seconds"] < 5.0
@@ -173,16 +211,6 @@ def test_an_uncaught_exception_reports_the_run_failed(tmp_path: Path) -> None:
 def test_the_http_sink_splits_a_batch_over_its_body_limit(monkeypatch: Any) -> None:
     bodies: list[bytes] = []
 
-    class _Answer:
-        def __enter__(self) -> _Answer:
-            return self
-
-        def __exit__(self, *args: object) -> None:
-            pass
-
-        def read(self) -> bytes:
-            return b"{}"
-
     def urlopen(request: Any, timeout: float) -> _Answer:
         bodies.append(request.data)
         return _Answer()
@@ -193,6 +221,67 @@ def test_the_http_sink_splits_a_batch_over_its_body_limit(monkeypatch: Any) -> N
     assert all(len(body) <= 2048 for body in bodies) and len(bodies) >= 6
     sent = [e for body in bodies for e in json.loads(body)["events"]]
     assert sent == events  # all of them, once, in order
+
+
+class _OldDashboard:
+    """urlopen as against a dashboard from before "eval" events: a batch holding one is refused
+    whole, each such event named by its index, as pydantic names an unknown tag."""
+
+    def __init__(self) -> None:
+        self.stored: list[dict[str, Any]] = []
+        self.requests = 0
+
+    def __call__(self, request: Any, timeout: float) -> Any:
+        self.requests += 1
+        events = json.loads(request.data)["events"]
+        detail = [
+            {"loc": ["body", "events", i], "msg": "no such tag", "type": "union_tag_invalid"}
+            for i, e in enumerate(events)
+            if e["type"] not in ("run_started", "step", "chunks", "run_finished", "dropped")
+        ] + [
+            {"loc": ["body", "events", i, "step"], "msg": "not an int", "type": "int_type"}
+            for i, e in enumerate(events)
+            if not isinstance(e["step"], int)
+        ]
+        if detail:
+            body = io.BytesIO(json.dumps({"detail": detail}).encode())
+            raise urllib.error.HTTPError(request.full_url, 422, "Unprocessable", Message(), body)
+        self.stored += events
+        return _Answer()
+
+
+class _Answer:
+    def __enter__(self) -> _Answer:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        pass
+
+    def read(self) -> bytes:
+        return b"{}"
+
+
+def test_a_dashboard_from_before_eval_events_still_gets_the_others(
+    monkeypatch: Any, caplog: Any
+) -> None:
+    old = _OldDashboard()
+    monkeypatch.setattr(sinks.urllib.request, "urlopen", old)
+    sink = HttpSink("http://127.0.0.1:1", share_node=False)
+    steps = [{"type": "step", "step": i} for i in range(4)]
+    evaluation = {"type": "eval", "step": 1, "loss": 2.5}
+    with caplog.at_level("WARNING", logger="shardwise.telemetry"):
+        sink.write([steps[0], steps[1], evaluation, steps[2]])
+        sink.write([evaluation, steps[3], {**evaluation, "step": 3}])
+        sink.write([evaluation])
+    assert old.stored == steps  # every step, once, in order; no evaluation
+    assert sink.refused_types == {"eval"}
+    assert old.requests == 3  # refused once; later batches are sent without asking again
+    (record,) = caplog.records
+    assert "does not know 'eval' events" in record.getMessage()
+    # A 422 for anything else is still an error the emitter counts.
+    with pytest.raises(urllib.error.HTTPError):
+        sink.write([{"type": "step", "step": "4"}, evaluation])
+    assert sink.refused_types == {"eval"} and old.stored == steps
 
 
 def _hybrid_run_header(path: str) -> None:

@@ -78,6 +78,20 @@ def chunks_event(run_id: str = "run-a", rank: int = 0, step: int = 0) -> dict[st
     }
 
 
+def eval_event(
+    run_id: str = "run-a", rank: int = 0, step: int = 0, loss: float | None = 2.0
+) -> dict[str, Any]:
+    return {
+        "schema": 1,
+        "type": "eval",
+        "run_id": run_id,
+        "rank": rank,
+        "time": 1_700_000_000.75 + step,
+        "step": step,
+        "loss": loss,
+    }
+
+
 def finished_event(run_id: str = "run-a", rank: int = 0) -> dict[str, Any]:
     return {
         "schema": 1,

@@ -37,10 +37,23 @@ def _wait_until_ingested(url: str, timeout_s: float = 10.0) -> None:
     raise AssertionError(f"no event reached {url} within {timeout_s} s")
 
 
-def train(url: str | None, steps: int, kill_at: int = -1, server_pid: int = 0) -> dict[str, Any]:
+def _evaluate(wrapped: torch.nn.Module, step: int) -> float:
+    """The loss on a batch no step trains on, averaged over the ranks (each runs its share, as
+    every rank must run the same passes at stage 3)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.no_grad():
+        loss = wrapped(*batch_slice(1000 + step, 0, rank, world)).detach().float()
+    dist.all_reduce(loss)
+    return float(loss) / world
+
+
+def train(
+    url: str | None, steps: int, kill_at: int = -1, server_pid: int = 0, eval_every: int = 0
+) -> dict[str, Any]:
     """Train `steps` steps on this rank, streaming telemetry to `url` when given. With
     `kill_at`, rank 0 SIGKILLs the dashboard (`server_pid`) before that step, once the
-    dashboard holds some of this run's events."""
+    dashboard holds some of this run's events. With `eval_every`, every rank evaluates after
+    every that many steps and reports it (`recorder.evaluated`)."""
     rank = dist.get_rank()
     warnings = _Collect()
     logging.getLogger("shardwise.telemetry").addHandler(warnings)
@@ -56,7 +69,7 @@ def train(url: str | None, steps: int, kill_at: int = -1, server_pid: int = 0) -
         recorder = telemetry.enable(wrapped, optimizer, chunk_every=CHUNK_EVERY)
         assert recorder is not None
         del os.environ["SHARDWISE_DASHBOARD_URL"]
-    losses = []
+    losses, evals = [], []
     for step in range(steps):
         if rank == 0 and step == kill_at:
             assert url is not None
@@ -67,8 +80,13 @@ def train(url: str | None, steps: int, kill_at: int = -1, server_pid: int = 0) -
         optimizer.backward(loss)
         optimizer.step()
         losses.append(float(loss.detach()))
+        if eval_every and (step + 1) % eval_every == 0:
+            evals.append([step, _evaluate(wrapped, step)])
+            if recorder is not None:
+                recorder.evaluated(*evals[-1])
     result: dict[str, Any] = {
         "losses": losses,
+        "evals": evals,
         "chunk_ids": [chunk.chunk_id for chunk in wrapped.chunk_manager.chunks],
     }
     if recorder is not None:

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_support import chunks_event, finished_event, started_event, step_event
+from dashboard_support import (
+    chunks_event,
+    eval_event,
+    finished_event,
+    started_event,
+    step_event,
+)
 from fastapi.testclient import TestClient
 
 from shardwise_dashboard.app import create_app
@@ -223,6 +229,49 @@ def test_history_can_be_thinned_without_losing_overflows(client: TestClient) -> 
     assert client.get("/api/v1/runs/run-a?max_points=1").status_code == 422
 
 
+def test_evaluations_are_stored_and_served_per_rank(client: TestClient) -> None:
+    events = []
+    for rank in (0, 1):
+        events += [step_event(rank=rank, step=s) for s in range(100)]
+        # Every 10 steps, sent after the step (as the ranks do) and once out of order; one
+        # evaluation lost its loss (not finite on the rank: null).
+        evals = [eval_event(rank=rank, step=s, loss=3.0 - s / 100) for s in range(9, 100, 10)]
+        evals[4]["loss"] = None
+        events += [evals[-1], *evals[:-1]]
+    for half in (events[:110], events[110:]):  # each under the test server's body limit
+        response = post(client, half)
+        assert response.status_code == 200, response.text
+    eval_steps = list(range(9, 100, 10))
+    detail = client.get("/api/v1/runs/run-a").json()
+    for rank, rank_detail in enumerate(detail["ranks"]):
+        assert [e["step"] for e in rank_detail["evals"]] == eval_steps
+        assert all(e["type"] == "eval" and e["rank"] == rank for e in rank_detail["evals"])
+        losses = [e["loss"] for e in rank_detail["evals"]]
+        assert losses == [None if s == 49 else 3.0 - s / 100 for s in eval_steps]
+        assert len(rank_detail["steps"]) == 100  # evaluations are not steps
+        assert rank_detail["num_steps"] == 100 and rank_detail["last_step"] == 99
+    # Thinned with the steps: every k-th evaluation by position, and the latest.
+    thin = client.get("/api/v1/runs/run-a?max_points=4").json()["ranks"]
+    assert [[e["step"] for e in r["evals"]] for r in thin] == [[9, 39, 69, 99]] * 2
+    one = client.get("/api/v1/runs/run-a?rank=1").json()["ranks"]
+    assert [r["rank"] for r in one] == [1] and len(one[0]["evals"]) == 10
+    # A run that never evaluated has none.
+    post(client, a_run("run-b"))
+    assert all(r["evals"] == [] for r in client.get("/api/v1/runs/run-b").json()["ranks"])
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [({"loss": "low"}, "loss"), ({"step": -1}, "step"), ({"epoch": 2}, "epoch")],
+)
+def test_a_bad_evaluation_is_refused_whole(
+    client: TestClient, change: dict[str, Any], where: str
+) -> None:
+    response = post(client, [step_event(step=0), {**eval_event(), **change}])
+    assert response.status_code == 422 and where in json.dumps(response.json()["detail"])
+    assert_healthy_and_empty(client)
+
+
 def test_any_run_id_can_be_read_back(client: TestClient) -> None:
     for run_id in ("team/exp 1", "ünï-cødé", "a?b#c"):
         post(client, [step_event(run_id)])
@@ -318,6 +367,7 @@ def test_openapi_describes_every_endpoint(client: TestClient) -> None:
         "Chunks",
         "RunFinished",
         "Dropped",
+        "Eval",
         "RunDetail",
         "PlacementTimeline",
     } <= set(spec["components"]["schemas"])

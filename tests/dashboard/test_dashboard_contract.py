@@ -60,12 +60,15 @@ def test_every_event_core_builds_is_accepted() -> None:
             memory={"device": 100, "host": 50},
         ),
         core_events.chunks("r", 0, step_index=0, report=report),
+        core_events.evaluation("r", 0, step_index=49, loss=2.25),
+        core_events.evaluation("r", 0, step_index=99, loss=float("nan")),
         core_events.run_finished("r", 0, error="boom"),
         core_events.run_finished("r", 0),
         core_events.dropped("r", 0, 7),
     ]
     batch = EventBatch.model_validate({"events": built})
     assert [e.type for e in batch.events] == [e["type"] for e in built]
+    assert [e["loss"] for e in built if e["type"] == "eval"] == [2.25, None]
     dumped = [e.model_dump(mode="json", by_alias=True) for e in batch.events]
     for stored, sent in zip(dumped, built, strict=True):
         # Nothing lost or renamed on the way through; a step from a core that does not send

@@ -40,7 +40,16 @@ def test_the_demo_streams_its_run_into_the_dashboard_it_starts() -> None:
         ranks = db.execute(
             "SELECT rank, status, num_steps FROM ranks WHERE run_id = ? ORDER BY rank", (run_id,)
         ).fetchall()
+        # The evaluation after the last step, from every rank, with the loss the run printed.
+        evals = db.execute(
+            "SELECT rank, step, json_extract(body, '$.loss') FROM events "
+            "WHERE run_id = ? AND type = 'eval' ORDER BY rank",
+            (run_id,),
+        ).fetchall()
     assert ranks == [(0, "finished", 3), (1, "finished", 3)]
+    (printed,) = re.findall(r"step +2 \|.*\| eval loss ([\d.]+)", output)
+    assert [(rank, step) for rank, step, _ in evals] == [(0, 2), (1, 2)]
+    assert all(abs(loss - float(printed)) <= 5e-5 for _, _, loss in evals)
     assert not any("shardwise_dashboard serve --port " + str(port) in line for line in _procs())
 
 

@@ -1,5 +1,5 @@
 """End to end: a 2-rank training run streams into a real dashboard server, and headless
-Chromium, which loaded the page before the run began, shows it live."""
+Chromium, which loaded the page before the run began, shows it live, evaluations included."""
 
 from __future__ import annotations
 
@@ -17,12 +17,25 @@ from shardwise.testing import run_ranks
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACT = ROOT / "runs" / "test-artifacts" / "dashboard-e2e.png"  # runs/ is git-ignored
 STEPS = 12
+EVAL_EVERY = 4  # evaluations after steps 3, 7 and 11
 WORLD = 2
 
 
 def _page_state(page: Any, run_id: str) -> dict[str, Any]:
     return page.evaluate(
-        """(runId) => ({
+        """(runId) => {
+          // Pixels of the evaluation series' colour (#e08a1e) on a chart.
+          const orangePixels = (canvas) => {
+            const { width, height } = canvas;
+            const data = canvas.getContext('2d').getImageData(0, 0, width, height).data;
+            let count = 0;
+            for (let i = 0; i < data.length; i += 4) {
+              const [r, g, b] = [data[i], data[i + 1], data[i + 2]];
+              if (r > 180 && g > 100 && g < 170 && b < 80) count += 1;
+            }
+            return count;
+          };
+          return {
             listed: [...document.querySelectorAll('#run-list li')].map(li => li.dataset.runId),
             shown: document.getElementById('run').dataset.runId,
             status: document.getElementById('run').dataset.status,
@@ -36,9 +49,17 @@ def _page_state(page: Any, run_id: str) -> dict[str, Any]:
                 lossValues: Number(card.querySelector('canvas[data-chart="loss"]').dataset.values),
                 scalePoints: Number(
                     card.querySelector('canvas[data-chart="loss-scale"]').dataset.points),
+                evalValues: Number(
+                    card.querySelector('canvas[data-chart="loss"]').dataset.sparseValues),
+                evalLoss: card.querySelector('.latest-eval').dataset.evalLoss,
+                evalStep: card.querySelector('.latest-eval').dataset.evalStep,
+                evalText: card.querySelector('.latest-eval').textContent,
+                evalShown: !card.querySelector('.latest-eval').hidden,
+                evalPixels: orangePixels(card.querySelector('canvas[data-chart="loss"]')),
             })),
             reloaded: window.__sameDocument !== true,
-        })""",
+          };
+        }""",
         run_id,
     )
 
@@ -62,7 +83,9 @@ def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
             assert page.locator("#run-list li").count() == 0
             page.evaluate("window.__sameDocument = true")
 
-            results = run_ranks(train, WORLD, server.url, STEPS, timeout_s=120)
+            results = run_ranks(
+                train, WORLD, server.url, STEPS, eval_every=EVAL_EVERY, timeout_s=120
+            )
 
             run_id = results[0]["run_id"]
             assert all(r["run_id"] == run_id for r in results)  # one run, shared by the ranks
@@ -78,7 +101,9 @@ def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
                         && [...cards].every((card, r) =>
                             card.querySelectorAll('.chunk-map [data-chunk-id]').length === counts[r]
                             && card.querySelector('canvas[data-chart="loss"]').dataset.points
-                               === String(steps));
+                               === String(steps)
+                            && card.querySelector('.latest-eval').dataset.evalStep
+                               === String(steps - 1));
                 }""",
                 arg=[run_id, STEPS, chunk_counts],
                 timeout=20_000,
@@ -101,6 +126,15 @@ def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
         # every payload on the compute device.
         assert shown["cells"] == [[chunk_id, "device"] for chunk_id in result["chunk_ids"]]
         assert shown["lossPoints"] == shown["lossValues"] == shown["scalePoints"] == STEPS
+        # The evaluations: drawn on the loss chart in their own colour, the latest in its
+        # caption, with the loss the ranks computed (all-reduced: the same on each).
+        assert [step for step, _ in result["evals"]] == [3, 7, 11]
+        last_step, last_loss = result["evals"][-1]
+        assert shown["evalValues"] == 3 and shown["evalShown"]
+        assert float(shown["evalLoss"]) == last_loss and shown["evalStep"] == str(last_step)
+        shown_loss, at = shown["evalText"].removeprefix("eval ").split(" @ ")
+        assert abs(float(shown_loss) - last_loss) < 0.01 and at == str(last_step)
+        assert shown["evalPixels"] > 20
     assert screenshot.stat().st_size > 10_000
 
     # What the server kept is exactly what the ranks computed.
@@ -113,5 +147,6 @@ def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
     assert detail["status"] == "finished" and detail["world_size"] == WORLD
     for rank_detail, result in zip(detail["ranks"], results, strict=True):
         assert [e["loss"] for e in rank_detail["steps"]] == result["losses"]
+        assert [[e["step"], e["loss"]] for e in rank_detail["evals"]] == result["evals"]
         assert rank_detail["chunks"]["step"] == (STEPS - 1) // CHUNK_EVERY * CHUNK_EVERY
         assert rank_detail["dropped"] == 0 and result["dropped"] == 0

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from shardwise_dashboard.schema import Chunks, Step
+from shardwise_dashboard.schema import Chunks, Eval, Step
 
 
 class IngestResult(BaseModel):
@@ -64,6 +64,8 @@ class RankDetail(BaseModel):
     sharded), H/h on the host."""
     placement_step: int | None
     steps: list[Step]
+    evals: list[Eval]
+    """The rank's evaluations in step order (thinned as its steps are, to max_points)."""
     chunks: Chunks | None
 
 

@@ -4,7 +4,9 @@ shardwise's ranks send `{"events": [...]}` batches; each event is a JSON object 
 `shardwise.telemetry.events` (which this module mirrors without importing torch or shardwise). Every
 field is checked strictly: types are not coerced ("1" is not an int), unknown fields are refused,
 strings and lists are bounded, and an event of another schema version is refused with a message
-naming the version seen. tests/dashboard check that SCHEMA_VERSION equals core's.
+naming the version seen. An event type this module does not list is refused too, naming the
+type: so a dashboard from before "eval" events refused them, and shardwise's sender then
+leaves them out for it. tests/dashboard check that SCHEMA_VERSION equals core's.
 """
 
 from __future__ import annotations
@@ -152,6 +154,14 @@ class Chunks(_Base):
     chunks: list[ChunkRow] = Field(max_length=MAX_CHUNKS_PER_SNAPSHOT)
 
 
+class Eval(_Base):
+    """An evaluation on one rank: its loss, after an optimizer step."""
+
+    type: Literal["eval"]
+    step: NonNegativeInt = Field(description="index of the optimizer step it followed")
+    loss: float | None = Field(description="the evaluation loss; null when not finite")
+
+
 class RunFinished(_Base):
     """A rank left a run, cleanly or not."""
 
@@ -167,7 +177,9 @@ class Dropped(_Base):
     count: NonNegativeInt
 
 
-Event = Annotated[RunStarted | Step | Chunks | RunFinished | Dropped, Field(discriminator="type")]
+Event = Annotated[
+    RunStarted | Step | Chunks | Eval | RunFinished | Dropped, Field(discriminator="type")
+]
 
 
 class EventBatch(_Strict):

@@ -107,6 +107,18 @@ WHERE e.run_id = ?1 AND e.type = 'step' {rank} AND (
 ORDER BY e.rank, e.step, e.id
 """
 
+# Each rank's evaluations, thinned to about ?2 (every k-th by position, not by step: they come
+# every so many steps, at steps a step-based stride could miss all of) and its latest.
+_EVALS = """
+SELECT rank, body FROM (
+    SELECT rank, step, id, body,
+           row_number() OVER (PARTITION BY rank ORDER BY step, id) AS n,
+           count(*) OVER (PARTITION BY rank) AS total
+    FROM events WHERE run_id = ?1 AND type = 'eval' {rank}
+) WHERE (n - 1) % max(1, (total + ?2 - 1) / ?2) = 0 OR n = total
+ORDER BY rank, step, id
+"""
+
 # Letters of a chunk in `ranks.placement`: where its 16-bit payload is, and whether it is
 # gathered (upper case) or only this rank's shard is held (lower case).
 _PLACEMENT = {
@@ -116,6 +128,9 @@ _PLACEMENT = {
     ("host", "sharded"): "h",
 }
 
+
+# The most evals of a rank `RunStore.run` returns unthinned (steps have no such bound).
+MAX_EVALS = 100_000
 
 # Bodies at least this long are kept zlib-compressed: a chunk snapshot shrinks about 14-fold,
 # which is most of the database of a run with many ranks, for ~20 us each.
@@ -307,13 +322,15 @@ class RunStore:
     def run(
         self, run_id: str, max_points: int | None = None, rank: int | None = None
     ) -> dict[str, Any] | None:
-        """One run: its summary and config, and per rank its status, its step events (in
-        step order) and its latest chunk snapshot; None when the run is unknown.
+        """One run: its summary and config, and per rank its status, its step and eval events
+        (in step order) and its latest chunk snapshot; None when the run is unknown.
 
         Args:
             run_id: the run.
             max_points: when set, a rank's steps are thinned to about this many (every k-th
-                step, plus its last step and every overflow, so no overflow mark is lost).
+                step, plus its last step and every overflow, so no overflow mark is lost), and
+                its evals likewise (every k-th and the latest); unset, every step and up to
+                `MAX_EVALS` evals.
             rank: when set, only this rank (of a run with many, the page's detail view).
         """
         only = "" if rank is None else f"AND rank = {int(rank)}"
@@ -338,6 +355,9 @@ class RunStore:
                     _THINNED_STEPS.format(rank=only.replace("rank", "e.rank")),
                     (run_id, max_points, max_points),
                 ).fetchall()
+            evals = self._db.execute(
+                _EVALS.format(rank=only), (run_id, max_points or MAX_EVALS)
+            ).fetchall()
             snapshots = self._db.execute(
                 "SELECT rank, body FROM events WHERE id IN (SELECT max(id) FROM events "
                 f"WHERE run_id = ? AND type = 'chunks' {only} GROUP BY rank)",
@@ -348,9 +368,13 @@ class RunStore:
             **self._summary(row, now),
             "config": json.loads(config) if config is not None else None,
         }
-        per_rank = {r[0]: {**self._rank(r, now), "steps": [], "chunks": None} for r in ranks}
+        per_rank = {
+            r[0]: {**self._rank(r, now), "steps": [], "evals": [], "chunks": None} for r in ranks
+        }
         for rank_id, body in steps:
             per_rank[rank_id]["steps"].append(decode_body(body))
+        for rank_id, body in evals:
+            per_rank[rank_id]["evals"].append(decode_body(body))
         for rank_id, body in snapshots:
             per_rank[rank_id]["chunks"] = decode_body(body)
         detail["ranks"] = list(per_rank.values())

@@ -10,9 +10,13 @@ by type:
   or the engine's warning that steps keep being skipped with no loss scale left to lower)
 - "chunks": step, chunks [{"id", "numel", "state" ("sharded"|"gathered"), "sharded",
   "payload" ("device"|"host"), "optim" ("device"|"host"|null), "tensor_states" {state: count}}]
+- "eval": step (the index of the optimizer step the evaluation followed, as a "step" event's),
+  loss (the evaluation loss; null if not finite)
 - "run_finished": status ("finished"|"failed"), error (null or a message)
 - "dropped": count (events the emitter could not deliver)
-The dashboard validates every field; it never imports torch.
+The dashboard validates every field; it never imports torch. "eval" came later than the others
+within version 1, a type added beside them rather than a change to one: a dashboard from before
+it refuses a batch holding one (it names the type), and `HttpSink` then stops sending it there.
 """
 
 from __future__ import annotations
@@ -104,6 +108,11 @@ def chunks(
             for row in report
         ],
     }
+
+
+def evaluation(run_id: str, rank: int, *, step_index: int, loss: float | None) -> dict[str, Any]:
+    """An evaluation's loss, after optimizer step `step_index`."""
+    return {**_base("eval", run_id, rank), "step": step_index, "loss": finite_or_none(loss)}
 
 
 def run_finished(run_id: str, rank: int, *, error: str | None = None) -> dict[str, Any]:

@@ -3,11 +3,13 @@
     recorder = shardwise.telemetry.enable(model, optimizer)   # None when nothing is configured
 
 With no argument it reads SHARDWISE_DASHBOARD_URL (and SHARDWISE_DASHBOARD_TOKEN) or
-SHARDWISE_TELEMETRY_FILE (a JSON-lines file per rank: `{path}.rank{r}.jsonl`); with neither set
-it returns None and costs nothing. Each step adds one event to a bounded queue (see
-TelemetryEmitter); chunk snapshots go out at the first step and every `chunk_every` steps.
-The run is reported finished by `finish()` or at exit, and failed (with the exception) when an
-uncaught exception ends the process, so a crashed rank shows as failed, not as finished.
+SHARDWISE_TELEMETRY_FILE (a JSON-lines file per rank: `{path}.rank{r}.jsonl`); with neither set it
+returns None and costs nothing. Each step adds one event to a bounded queue (see TelemetryEmitter);
+chunk snapshots go out at the first step and every `chunk_every` steps;
+`recorder.evaluated(step, loss)` reports an evaluation (the training loop calls it: only it knows
+when it evaluates). The run is reported finished by `finish()` or at exit, and failed (with the
+exception) when an uncaught exception ends the process, so a crashed rank shows as failed, not as
+finished.
 """
 
 from __future__ import annotations
@@ -67,6 +69,24 @@ class TelemetryRecorder:
                 config=config,
                 num_params=sum(c.numel for c in self.model.chunk_manager.chunks),
                 host=socket.gethostname(),
+            )
+        )
+
+    def evaluated(self, step: int, loss: float) -> None:
+        """Report an evaluation's loss (an "eval" event): queued, as every event is, so it
+        never waits for the dashboard.
+
+        Args:
+            step: the index of the optimizer step the evaluation followed (the first step is
+                0, as in the step events).
+            loss: the evaluation loss (a float or a one-element tensor); a non-finite one is
+                reported as unknown.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        self.emitter.emit(
+            events.evaluation(
+                self.emitter.run_id, self.emitter.rank, step_index=step, loss=float(loss)
             )
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import logging
 import os
 import time
 import urllib.error
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardwise.telemetry.node_relay import NodeRelay, RelayPeer, node_sharing_wanted, relay_address
+
+_log = logging.getLogger("shardwise.telemetry")
 
 
 class Sink(Protocol):
@@ -48,7 +51,9 @@ class JsonlSink:
 
 class HttpSink:
     """POSTs batches to a dashboard's ingestion endpoint, through the node's shared sender
-    when there is one (see [Note: one sender per node]).
+    when there is one (see [Note: one sender per node]). A dashboard that refuses a batch for
+    an event type it does not know (a release from before that type) gets the batch's other
+    events, and none of that type from then on (`refused_types`).
 
     Args:
         url: the dashboard's base URL, e.g. http://127.0.0.1:8265.
@@ -82,6 +87,8 @@ class HttpSink:
         self.compress_min_bytes = compress_min_bytes
         self.posts = 0  # requests this sink made itself
         self._compress = True  # off once a dashboard refuses gzip (an older release)
+        # Event types the dashboard named as unknown (an older release): not sent to it again.
+        self.refused_types: set[str] = set()
         self._relay: NodeRelay | None = None
         self._peer: RelayPeer | None = None
         if share_node is None:
@@ -101,6 +108,10 @@ class HttpSink:
             self._post(events)
 
     def _post(self, events: list[dict[str, Any]]) -> None:
+        if self.refused_types:
+            events = [e for e in events if e.get("type") not in self.refused_types]
+            if not events:
+                return
         body = json.dumps({"events": events}, allow_nan=False).encode()
         if len(body) > self.max_body_bytes and len(events) > 1:
             half = len(events) // 2
@@ -113,6 +124,19 @@ class HttpSink:
                 self._request(gzip.compress(body, compresslevel=1) if compress else body, compress)
                 return
             except urllib.error.HTTPError as error:
+                unknown = _unknown_types(error, events) if error.code == 422 else set()
+                if unknown:
+                    # A dashboard from before these event types refuses the whole batch:
+                    # send it the others, and never these again.
+                    _log.warning(
+                        "the dashboard at %s does not know %s events (an older release): "
+                        "they are not sent to it",
+                        self.endpoint,
+                        ", ".join(map(repr, sorted(unknown))),
+                    )
+                    self.refused_types |= unknown
+                    self._post(events)
+                    return
                 if compress and error.code in (400, 415, 422):
                     # A dashboard from before gzip bodies: say it plainly from now on.
                     self._compress = compress = False
@@ -142,3 +166,18 @@ class HttpSink:
 
     def __repr__(self) -> str:
         return f"HttpSink({self.endpoint!r})"
+
+
+def _unknown_types(error: urllib.error.HTTPError, events: list[dict[str, Any]]) -> set[str]:
+    """The types of the events a 422 answer refused for their type alone (the dashboard
+    names each such event by its index, with pydantic's "union_tag_invalid")."""
+    try:
+        problems = json.loads(error.read())["detail"]
+        found: set[str] = set()
+        for problem in problems:
+            loc = problem["loc"]
+            if problem["type"] == "union_tag_invalid" and loc[:2] == ["body", "events"]:
+                found.add(str(events[loc[2]]["type"]))
+        return found
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return set()

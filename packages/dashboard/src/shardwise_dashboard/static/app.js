@@ -75,7 +75,8 @@ function scheduleRender() {
 // ---- one rank --------------------------------------------------------------------------
 
 const CHARTS = [
-  { key: "loss", title: "loss", series: [["loss", "#2f6fd6"]], format: formatNumber, marks: true },
+  // The evaluation loss is a sparse series beside the training loss (see RankView.evals).
+  { key: "loss", title: "loss: train / eval", series: [["loss", "#2f6fd6"], ["eval", "#e08a1e"]], format: formatNumber, marks: true },
   { key: "loss-scale", title: "loss scale (log2)", series: [["scale", "#7a3fd6"]], format: formatNumber, log2: true, marks: true },
   { key: "memory", title: "memory: device / host", series: [["device", "#2f6fd6"], ["host", "#e08a1e"]], format: formatBytes },
   { key: "comm", title: "bytes sent per step", series: [["sent", "#2e9d4f"]], format: formatBytes },
@@ -91,6 +92,8 @@ class RankView {
     this.seen = new Set();
     this.series = { loss: [], scale: [], device: [], host: [], sent: [], to_device: [], to_host: [], ms: [], norm: [] };
     this.overflows = [];
+    // Evaluations, sorted by step: every rank reports the same (all-reduced) loss.
+    this.evals = { steps: [], loss: [] };
     this.chunks = null;
     this.chunksDirty = true;
     this.status = "running";
@@ -134,7 +137,17 @@ class RankView {
       name.textContent = spec.title;
       const latest = document.createElement("span");
       latest.className = "latest";
-      caption.append(name, latest);
+      const values = document.createElement("span");
+      values.append(latest);
+      let latestEval = null;
+      if (spec.key === "loss") {
+        // The latest evaluation, beside the latest training loss, in its series' colour.
+        latestEval = document.createElement("span");
+        latestEval.className = "latest-eval";
+        latestEval.hidden = true;
+        values.append(" ", latestEval);
+      }
+      caption.append(name, values);
       const canvas = document.createElement("canvas");
       canvas.dataset.chart = spec.key;
       canvas.dataset.rank = String(this.rank);
@@ -146,7 +159,7 @@ class RankView {
         log2: spec.log2,
         format: spec.format,
       });
-      return { spec, chart, latest };
+      return { spec, chart, latest, latestEval };
     });
     this.timeline = new PlacementTimeline(this.rank);
     card.append(title, this.warningLine, this.map, this.timeline.element, this.errorLine, charts);
@@ -183,6 +196,16 @@ class RankView {
     this.chartsDirty = true;
   }
 
+  addEval(e) {
+    const { steps, loss } = this.evals;
+    let at = steps.length;
+    while (at > 0 && steps[at - 1] > e.step) at--;
+    if (at > 0 && steps[at - 1] === e.step) return; // seen (history and the stream overlap)
+    steps.splice(at, 0, e.step);
+    loss.splice(at, 0, e.loss);
+    this.chartsDirty = true;
+  }
+
   setChunks(e) {
     this.timeline.addEvent(e);
     if (this.chunks && this.chunks.step > e.step) return;
@@ -195,6 +218,7 @@ class RankView {
     this.lastSeen = Math.max(this.lastSeen, e.time);
     if (this.status === "stale") this.status = "running"; // it spoke again
     if (e.type === "step") this.addStep(e);
+    else if (e.type === "eval") this.addEval(e);
     else if (e.type === "chunks") this.setChunks(e);
     else if (e.type === "run_started") this.host = e.host;
     else if (e.type === "run_finished") {
@@ -212,6 +236,7 @@ class RankView {
 
   merge(r) {
     for (const e of r.steps) this.addStep(e);
+    for (const e of r.evals ?? []) this.addEval(e);
     if (r.chunks) this.setChunks(r.chunks);
     if (r.status !== "running" || this.status === "stale") this.status = r.status;
     this.error = r.error ?? this.error;
@@ -262,17 +287,32 @@ class RankView {
     this.chartsDirty = false;
     const s = this.series;
     const data = {
-      loss: [s.loss], "loss-scale": [s.scale], memory: [s.device, s.host],
+      loss: [s.loss, { xs: this.evals.steps, ys: this.evals.loss }], "loss-scale": [s.scale], memory: [s.device, s.host],
       comm: [s.sent], moved: [s.to_device, s.to_host], "step-time": [s.ms], "grad-norm": [s.norm],
     };
-    for (const { spec, chart, latest } of this.charts) {
+    for (const { spec, chart, latest, latestEval } of this.charts) {
       const ys = data[spec.key];
       chart.setData(this.steps, ys, spec.marks ? this.overflows : []);
       chart.draw();
       const value = ys[0].length ? ys[0][ys[0].length - 1] : null;
       latest.textContent = value === null ? "" : spec.format(value);
+      if (latestEval) this.renderLatestEval(latestEval, spec.format);
     }
     return { drewCharts: true, chartsPending: false };
+  }
+
+  /** "eval 2.88 @ 249": the latest evaluation; its exact loss and step in data attributes
+   * (data-eval-loss is empty when the loss was not finite). */
+  renderLatestEval(element, format) {
+    const { steps, loss } = this.evals;
+    element.hidden = steps.length === 0;
+    if (!steps.length) return;
+    const value = loss[loss.length - 1];
+    const step = steps[steps.length - 1];
+    element.dataset.evalLoss = value === null ? "" : String(value);
+    element.dataset.evalStep = String(step);
+    element.dataset.evals = String(steps.length);
+    element.textContent = `eval ${value === null ? "n/a" : format(value)} @ ${step}`;
   }
 }
 

@@ -1,6 +1,8 @@
 // A small canvas line chart: several series over one x axis (the step), optional log2 y
-// axis, and marks at chosen x positions (overflow steps). Drawing is explicit (draw()), so
-// the page decides when: at most once per animation frame, and only when data changed.
+// axis, and marks at chosen x positions (overflow steps). A series is either aligned with the
+// chart's x values, or sparse, with x values of its own (evaluations every so many steps):
+// drawn as dots joined by a line. Drawing is explicit (draw()), so the page decides when: at
+// most once per animation frame, and only when data changed.
 
 const PAD = { left: 56, right: 6, top: 6, bottom: 16 };
 
@@ -17,7 +19,8 @@ export class LineChart {
     this.marks = [];
   }
 
-  /** Point the chart at its data (arrays are read, not copied, at each draw). */
+  /** Point the chart at its data (arrays are read, not copied, at each draw): `ys[i]` is an
+   * array aligned with `xs`, or `{xs, ys}` for a sparse series (x ascending). */
   setData(xs, ys, marks) {
     this.xs = xs;
     this.ys = ys;
@@ -33,9 +36,13 @@ export class LineChart {
       canvas.width = width;
       canvas.height = height;
     }
-    const points = this.ys.reduce((n, ys) => n + ys.filter((y) => y !== null).length, 0);
+    const count = (ys) => ys.filter((y) => y !== null).length;
+    const aligned = this.ys.filter((ys) => Array.isArray(ys));
+    const sparse = this.ys.filter((ys) => !Array.isArray(ys));
+    // data-values: values of the aligned series; data-sparse-values: of the sparse ones.
     canvas.dataset.points = String(this.xs.length);
-    canvas.dataset.values = String(points);
+    canvas.dataset.values = String(aligned.reduce((n, ys) => n + count(ys), 0));
+    canvas.dataset.sparseValues = String(sparse.reduce((n, s) => n + count(s.ys), 0));
     canvas.dataset.marks = String(this.marks.length);
     const ctx = canvas.getContext("2d");
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
@@ -44,7 +51,14 @@ export class LineChart {
     ctx.clearRect(0, 0, w, h);
     ctx.font = "10px system-ui, sans-serif";
     ctx.fillStyle = "#6b6b70";
-    if (this.xs.length === 0) {
+    let x0 = this.xs.length ? this.xs[0] : Infinity;
+    let x1 = this.xs.length ? this.xs[this.xs.length - 1] : -Infinity;
+    for (const series of sparse) {
+      if (series.xs.length === 0) continue;
+      x0 = Math.min(x0, series.xs[0]);
+      x1 = Math.max(x1, series.xs[series.xs.length - 1]);
+    }
+    if (!Number.isFinite(x0)) {
       ctx.fillText("no data yet", PAD.left, h / 2);
       return;
     }
@@ -53,7 +67,7 @@ export class LineChart {
     let lo = Infinity;
     let hi = -Infinity;
     for (const ys of this.ys) {
-      for (const y of ys) {
+      for (const y of Array.isArray(ys) ? ys : ys.ys) {
         if (y === null || (log2 && y <= 0)) continue;
         const t = transform(y);
         if (t < lo) lo = t;
@@ -68,8 +82,6 @@ export class LineChart {
       hi += Math.abs(hi) * 0.05 + (log2 ? 1 : 1e-9);
       lo -= Math.abs(lo) * 0.05 + (log2 ? 1 : 1e-9);
     }
-    const x0 = this.xs[0];
-    const x1 = this.xs[this.xs.length - 1];
     const span = Math.max(x1 - x0, 1);
     const plotW = w - PAD.left - PAD.right;
     const plotH = h - PAD.top - PAD.bottom;
@@ -101,6 +113,10 @@ export class LineChart {
     // so a long run costs one pass over its data and at most a few strokes per pixel.
     this.options.series.forEach((series, i) => {
       const ys = this.ys[i];
+      if (!Array.isArray(ys)) {
+        this.drawSparse(ctx, series.colour, ys, px, (y) => py(transform(y)), log2);
+        return;
+      }
       ctx.strokeStyle = series.colour;
       ctx.lineWidth = 1.4;
       ctx.beginPath();
@@ -144,6 +160,26 @@ export class LineChart {
         ctx.fillRect(px(this.xs[0]) - 1.5, py(transform(ys[0])) - 1.5, 3, 3);
       }
     });
+  }
+
+  /** A sparse series: a line through its points, and a dot at each. */
+  drawSparse(ctx, colour, series, px, py, log2) {
+    const points = [];
+    series.xs.forEach((x, k) => {
+      const y = series.ys[k];
+      if (y !== null && !(log2 && y <= 0)) points.push([px(x), py(y)]);
+    });
+    ctx.strokeStyle = colour;
+    ctx.fillStyle = colour;
+    ctx.lineWidth = 1.4;
+    ctx.beginPath();
+    points.forEach(([X, Y], k) => (k ? ctx.lineTo(X, Y) : ctx.moveTo(X, Y)));
+    ctx.stroke();
+    for (const [X, Y] of points) {
+      ctx.beginPath();
+      ctx.arc(X, Y, 2.5, 0, 2 * Math.PI);
+      ctx.fill();
+    }
   }
 }
 
