@@ -45,13 +45,24 @@ def test_demo_learns_the_text_under_auto_placement_with_a_held_out_loss(tmp_path
     assert evals[39] < 3.8
     assert evals[39] < evals[19] + 0.05  # held-out loss does not rise as training goes on
 
-    # The evaluations reach each rank's telemetry, with the losses printed (the same on every
-    # rank: all-reduced).
+    # What each rank's telemetry says. At this budget (below the model state) "auto" keeps
+    # some chunks' shards on the device and the others in host memory, moved in for every
+    # step: one snapshot holds both pools, on every rank, at every step.
     for rank in range(2):
         events = [
             json.loads(line)
             for line in Path(f"{telemetry}.rank{rank}.jsonl").read_text().splitlines()
         ]
+        steps = [e for e in events if e["type"] == "step"]
+        assert [e["step"] for e in steps] == list(range(40))
+        assert all(sum(e["moved_bytes"].values()) > 0 for e in steps)
+        assert all(e["memory"]["device"] > 0 and e["memory"]["host"] > 0 for e in steps)
+        snapshots = [e for e in events if e["type"] == "chunks"]
+        assert [e["step"] for e in snapshots] == list(range(40))
+        for snapshot in snapshots:
+            pools = [chunk["payload"] for chunk in snapshot["chunks"]]
+            assert 0 < pools.count("device") < len(pools), (snapshot["step"], pools)
+        # The evaluations, with the losses printed (the same on every rank: all-reduced).
         reported = {e["step"]: e["loss"] for e in events if e["type"] == "eval"}
         assert sorted(reported) == [19, 39]
         assert all(abs(reported[step] - evals[step]) <= 5e-5 for step in reported)
