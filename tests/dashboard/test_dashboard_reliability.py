@@ -242,6 +242,27 @@ def test_a_version_1_history_file_is_migrated(tmp_path: Path) -> None:
         assert migrated.execute("PRAGMA user_version").fetchone()[0] == 2
 
 
+def test_a_version_2_file_missing_an_index_gets_it_at_start(tmp_path: Path) -> None:
+    # As written between two changes of the indexes at version 2: the overview, which names
+    # its index, failed with a 500 on such a file.
+    db = tmp_path / "runs.sqlite"
+    RunStore(db).close()
+    with sqlite3.connect(db) as early:
+        early.executescript(
+            "DROP INDEX step_metrics; DROP INDEX events_by_run;"
+            "CREATE INDEX events_by_step ON events (run_id, type, step);"
+        )
+    with TestClient(create_app(Settings(db_path=db))) as client:
+        assert post(client, [step_event(step=s) for s in range(3)]).status_code == 200
+        response = client.get("/api/v1/overview/run-a")
+        assert response.status_code == 200, response.text
+        assert response.json()["steps"]["step"] == [0, 1, 2]
+    with sqlite3.connect(db) as fixed:
+        indexes = {row[0] for row in fixed.execute("SELECT name FROM sqlite_master")}
+        assert {"step_metrics", "events_by_run"} <= indexes
+        assert fixed.execute("PRAGMA user_version").fetchone()[0] == 2
+
+
 def _v1_step(step: int) -> dict[str, Any]:
     event = step_event("v1", 0, step, overflow=step == 1)
     del event["skipped_in_a_row"], event["warning"]

@@ -255,6 +255,10 @@ class RunStore:
                     db.execute(f"PRAGMA user_version = {DB_VERSION}")
                 finally:
                     db.execute("ROLLBACK")
+                # The indexes of this version changed once without a new version number: a
+                # file written before lacks the ones the reads name (INDEXED BY). Every
+                # statement is IF NOT EXISTS, so a current file is left as it is.
+                db.executescript("BEGIN IMMEDIATE;\n" + TABLES + "COMMIT;\n")
         except BaseException:
             db.close()
             raise
