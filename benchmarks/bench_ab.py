@@ -1,7 +1,7 @@
 """Step times of several engines taken in one process group, interleaved step block by block.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_ab.py \\
-        --engines ddp,zero2,zero2+pg --out r.json
+        --engines ddp,zero2,zero2+sync --out r.json
 
 Each engine trains its own copy of the same model (same seed, same batches). After a warm-up
 of every engine, round after round each engine runs `--block` steps in turn, the order rotating

@@ -33,7 +33,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--engine", required=True, type=EngineSpec.parse,
-        help="ddp, fsdp1, fsdp2, zero1, zero2, zero3-cuda, zero3-cpu, with suffixes +pg, "
+        help="ddp, fsdp1, fsdp2, zero1, zero2, zero3-cuda, zero3-cpu, with suffixes +sync, "
         "+telemetry, -rs, -a2a, -ar (see engines.py)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="share of time in shardwise code")

@@ -1,8 +1,9 @@
 """The engines the benchmarks compare, built over one model: torch's and shardwise's.
 
 An engine is named as the results name it: `ddp`, `fsdp1`, `fsdp2`, `zero1`, `zero2`,
-`zero3-cuda`, `zero3-cpu`, with suffixes `+pg` (stages 1-2: overlap the all-gather of updated
-parameters with the next forward), `+defaults` (stage 3: no chunk_size_numel, the searched
+`zero3-cuda`, `zero3-cpu`, with suffixes `+sync` (stages 1-2: `overlap_param_gather=False`,
+the all-gather of updated parameters waited in the step instead of overlapping the next
+forward, the default), `+defaults` (stage 3: no chunk_size_numel, the searched
 size a user gets), `+telemetry` (stream telemetry to a file) and `-rs`, `-a2a`,
 `-ar` (shardwise's gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce).
 """
@@ -49,7 +50,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 class EngineSpec:
     engine: str
     placement: str = "cuda"
-    param_gather: bool = False
+    param_gather: bool = True
     reduction: str = "auto"
     telemetry: bool = False
     defaults: bool = False
@@ -61,19 +62,19 @@ class EngineSpec:
             + ("-" + self.placement if self.engine == "zero3" else "")
             + ("+defaults" if self.defaults else "")
             + ("+telemetry" if self.telemetry else "")
-            + ("+pg" if self.param_gather else "")
+            + ("" if self.param_gather else "+sync")
             + REDUCTION_SUFFIX[self.reduction]
         )
 
     @classmethod
     def parse(cls, name: str) -> EngineSpec:
-        """The spec whose `name` is `name` (e.g. "zero2+pg", "zero3-cpu", "zero2-rs")."""
+        """The spec whose `name` is `name` (e.g. "zero2+sync", "zero3-cpu", "zero2-rs")."""
         original, reduction = name, "auto"
         for method, suffix in REDUCTION_SUFFIX.items():
             if suffix and name.endswith(suffix):
                 reduction, name = method, name[: -len(suffix)]
-        param_gather = name.endswith("+pg")
-        name = name.removesuffix("+pg")
+        param_gather = not name.endswith("+sync")
+        name = name.removesuffix("+sync")
         telemetry = name.endswith("+telemetry")
         name = name.removesuffix("+telemetry")
         defaults = name.endswith("+defaults")

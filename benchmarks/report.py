@@ -13,8 +13,8 @@ import torch
 
 # (interleaved group, numerator, denominator, target or "") for the step-time ratios.
 STEP_RATIOS = [
-    ("stage 2", "zero2+pg", "ddp", "<= 1.00"),
-    ("stage 2", "zero2", "ddp", ""),
+    ("stage 2", "zero2", "ddp", "<= 1.00"),
+    ("stage 2", "zero2+sync", "ddp", ""),
     ("stage 3", "zero3-cuda", "fsdp2", "<= 0.90"),
     ("stage 3", "zero3-cpu", "fsdp2", ""),
     ("stage 3", "zero3-cuda+defaults", "fsdp2", ""),
@@ -27,7 +27,7 @@ STEP_RATIOS = [
 # Engine -> multiple of psi its gradients and parameters should send per step (ZeRO analysis);
 # the all-reduce run sends one psi more by design.
 TRAFFIC = {
-    "zero1": 2, "zero2": 2, "zero2+pg": 2, "zero3-cuda": 3, "zero3-cpu": 3, "zero2-rs": 2,
+    "zero1": 2, "zero2": 2, "zero2+sync": 2, "zero3-cuda": 3, "zero3-cpu": 3, "zero2-rs": 2,
     "zero3-cuda-rs": 3, "zero2-ar": 3,
 }  # fmt: skip
 
@@ -188,9 +188,9 @@ def _alone_section(
         "Stage 2 against DDP: ZeRO-2 replaces DDP's one all-reduce by a reduce-scatter",
         "(overlapped with backward, as DDP overlaps its all-reduce) and an all-gather of the",
         "updated parameters after the step, which nothing can overlap unless the next forward",
-        "runs while it completes: `zero2` waits for it in the step (parameters are whole when",
-        "`step()` returns), `zero2+pg` (`optim_config={'overlap_param_gather': True}`) lets",
-        "each module wait for its own chunks in the next forward.",
+        "runs while it completes: by default (`zero2`) each module waits for its own chunks in",
+        "the next forward (a parameter read before it waits too); `zero2+sync`",
+        "(`optim_config={'overlap_param_gather': False}`) waits for them in the step.",
     ]
     return lines
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_interleaved_engines_reach_identical_losses(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
-    engines = "ddp,zero1,zero2,zero2+pg,fsdp2,zero3-cuda,zero3-cpu,zero2-rs"
+    engines = "ddp,zero1,zero2,zero2+sync,fsdp2,zero3-cuda,zero3-cpu,zero2-rs"
     options = [
         "--engines", engines, "--out", str(out), "--rounds", "2", "--warmup", "1",
         "--n-layer", "2", "--n-embd", "64", "--vocab", "512", "--seq", "32", "--chunk-mib", "0.1",
