@@ -4,9 +4,10 @@ One torchrun launch (tests/hf/trainer_run.py) trains tiny Llama and GPT-2 models
 with a plain Trainer and with the callback (stage 3, and Llama at stages 1 and 2), evaluating
 during and after training, saves, resumes, loads the best checkpoint, trains with activation
 checkpointing (reentrant and not, plain and at stages 1-3), trains a Switch Transformers model
-whose ranks route tokens to different experts, and builds a conflicting set-up and a Trainer that
-does not run distributed; the tests below assert on what it wrote. Loading the
-saved models happens in a plain process without shardwise (tests/hf/load_plain.py).
+whose ranks route tokens to different experts, trains with hybrid sharding, and builds a
+conflicting set-up and a Trainer that does not run distributed; the tests below assert on what
+it wrote. Loading the saved models happens in a plain process without shardwise
+(tests/hf/load_plain.py).
 """
 
 from __future__ import annotations
@@ -285,6 +286,18 @@ def test_switch_transformers_trains_at_stage_3_as_the_plain_trainer(seen: dict[s
     assert sharded["calls"] == plain["calls"]
     assert len(sharded["loss"]) == 6
     assert sharded["loss"] == plain["loss"]
+
+
+def test_hybrid_sharding_through_the_callback_matches_the_plain_trainer(
+    seen: dict[str, Any],
+) -> None:
+    # shard_size=1 on 2 ranks: two replicas, each rank's gradient shard (the whole gradient)
+    # all-reduced across them, (a + b) / 2 as DDP computes it: unclipped, bit for bit.
+    runs = seen["hybrid"]
+    assert len(runs["plain"]["loss"]) == 6
+    for stage in ("stage2", "stage3"):
+        assert runs[stage]["replicas"] == 2
+        assert runs[stage]["loss"] == runs["plain"]["loss"], (stage, runs)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the Trainer runs distributed")

@@ -1,8 +1,9 @@
 """Runs under `torchrun --nproc-per-node=2`: plain Trainer runs against the same runs with
 ShardwiseCallback at stages 1, 2 and 3, evaluating during and after training, a save, a resume,
 loading the best checkpoint, activation checkpointing (reentrant and not) at every stage, a
-Switch Transformers mixture of experts at stage 3, a conflicting set-up and a Trainer that does
-not run distributed; writes what it saw as JSON.
+Switch Transformers mixture of experts at stage 3, hybrid sharding (shard_size=1) at stages 2
+and 3, a conflicting set-up and a Trainer that does not run distributed; writes what it saw as
+JSON.
 
     torchrun --standalone --nproc-per-node=2 tests/hf/trainer_run.py OUT_DIR
 """
@@ -452,6 +453,32 @@ def switch_runs(out: Path) -> dict[str, Any]:
     return seen
 
 
+def hybrid_runs(out: Path) -> dict[str, Any]:
+    """The Llama model under the plain Trainer and under ShardwiseCallback(shard_size=1) at
+    stages 2 and 3: two shard groups of one rank, each a whole replica, the gradients
+    all-reduced across them as DDP does (unclipped, so bit for bit)."""
+    seen: dict[str, Any] = {}
+    runs: list[tuple[str, list[TrainerCallback]]] = [
+        ("plain", []),
+        ("stage2", [ShardwiseCallback(zero_stage=2, shard_size=1)]),
+        ("stage3", [ShardwiseCallback(zero_stage=3, shard_size=1)]),
+    ]
+    for name, callbacks in runs:
+        trainer = Trainer(
+            model=build("llama"),
+            args=arguments(out / f"hybrid_{name}", max_grad_norm=0.0),
+            train_dataset=dataset(),
+            callbacks=callbacks,
+        )
+        trainer.train()
+        engine = callbacks[0].model if callbacks else None
+        seen[name] = {
+            "loss": history(trainer, "loss"),
+            "replicas": engine.chunk_manager.topology.replicas if engine is not None else 1,
+        }
+    return seen
+
+
 def not_distributed(out: Path) -> str:
     """Without use_cpu=True, a CPU Trainer under torchrun does not run distributed although
     the process group has 2 ranks (every rank would train on all the data)."""
@@ -480,6 +507,7 @@ def main() -> None:
         "conflict_error": conflicts(out),
         "checkpointing": checkpointing_runs(out),
         "switch": switch_runs(out),
+        "hybrid": hybrid_runs(out),
         # Last: TrainingArguments without use_cpu change accelerate's shared state.
         "not_distributed": not_distributed(out),
     }
