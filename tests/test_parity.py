@@ -14,6 +14,7 @@ divides by the square root of the gradient's own running square: parameters are 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -73,24 +74,31 @@ def test_parameter_gather_overlapped_with_forward_is_bit_exact(stage: int) -> No
     check(Run(stage=stage, param_gather=True, overlap=True, branch="some_ranks"), exact=True)
 
 
-def _pending_publishes_around_forward() -> tuple[int, int, int]:
+def _stepped_stage_2(defer: bool) -> tuple[Any, Any]:
+    """A stage-2 model one step into training, the step's parameter all-gathers deferred into
+    the next forward or not; (the wrapped model, its inner module)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     wrapped = zero_model_wrapper(model, 2, {"device": torch.device("cpu")})
     optimizer = zero_optim_wrapper(
         wrapped,
         torch.optim.AdamW(model.parameters(), lr=1e-2),
-        optim_config={"reduce_bucket_size": CHUNK_NUMEL, "overlap_param_gather": True},
+        optim_config={"reduce_bucket_size": CHUNK_NUMEL, "overlap_param_gather": defer},
     )
-
-    def pending() -> int:
-        return sum(c._pending_publish is not None for c in wrapped.chunk_manager.chunks)
-
     optimizer.backward(wrapped(*batch_slice(0, 0, rank, world)))
     optimizer.step()
-    after_step = pending()
-    wrapped(*batch_slice(1, 0, rank, world))
-    return after_step, pending(), len(list(wrapped.chunk_manager.trainable_chunks()))
+    return wrapped, model
+
+
+def _pending(wrapped: Any) -> int:
+    return sum(c._pending_publish is not None for c in wrapped.chunk_manager.chunks)
+
+
+def _pending_publishes_around_forward() -> tuple[int, int, int]:
+    wrapped, _ = _stepped_stage_2(defer=True)
+    after_step = _pending(wrapped)
+    wrapped(*batch_slice(1, 0, dist.get_rank(), dist.get_world_size()))
+    return after_step, _pending(wrapped), len(list(wrapped.chunk_manager.trainable_chunks()))
 
 
 def test_parameter_gathers_run_until_the_next_forward_uses_them() -> None:
@@ -102,17 +110,8 @@ def test_parameter_gathers_run_until_the_next_forward_uses_them() -> None:
 def _reads_between_step_and_forward(defer: bool) -> dict[str, object]:
     """What a loop reads from the parameters right after step(), before any forward: EMA-style
     reads through `.data`, a torch op on the parameter, the inner module's state dict."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
-    wrapped = zero_model_wrapper(model, 2, {"device": torch.device("cpu")})
-    optimizer = zero_optim_wrapper(
-        wrapped,
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        optim_config={"reduce_bucket_size": CHUNK_NUMEL, "overlap_param_gather": defer},
-    )
-    optimizer.backward(wrapped(*batch_slice(0, 0, rank, world)))
-    optimizer.step()
-    pending = sum(c._pending_publish is not None for c in wrapped.chunk_manager.chunks)
+    wrapped, model = _stepped_stage_2(defer)
+    pending = _pending(wrapped)
     params = list(model.parameters())
     half = len(params) // 2
     return {

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch._dynamo  # imported once here, not in every rank that builds DDP
 import torch.distributed as dist
+from tiny_switch import tiny_switch
 from torch.nn.parallel import DistributedDataParallel
-from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import run_ranks
@@ -26,29 +26,9 @@ BATCH_PER_RANK = 2
 MAX_NORM = 1.0
 
 
-def _config() -> SwitchTransformersConfig:
-    return SwitchTransformersConfig(
-        vocab_size=64,
-        d_model=16,
-        d_kv=4,
-        d_ff=32,
-        num_heads=2,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_sparse_encoder_layers=1,
-        num_sparse_decoder_layers=1,
-        num_experts=8,
-        expert_capacity=64,
-        router_jitter_noise=0.0,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-
-
-def _model() -> SwitchTransformersForConditionalGeneration:
+def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return SwitchTransformersForConditionalGeneration(_config()).train()
+    return tiny_switch(64)
 
 
 def _batch(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:

@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from tiny_switch import tiny_switch
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    SwitchTransformersConfig,
-    SwitchTransformersForConditionalGeneration,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -421,25 +420,7 @@ def switch_runs(out: Path) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for name, callbacks in (("plain", []), ("stage3", [ShardwiseCallback(zero_stage=3)])):
         torch.manual_seed(0)
-        model = SwitchTransformersForConditionalGeneration(
-            SwitchTransformersConfig(
-                vocab_size=VOCAB,
-                d_model=16,
-                d_kv=4,
-                d_ff=32,
-                num_heads=2,
-                num_layers=2,
-                num_decoder_layers=2,
-                num_sparse_encoder_layers=1,
-                num_sparse_decoder_layers=1,
-                num_experts=8,
-                expert_capacity=64,
-                router_jitter_noise=0.0,
-                dropout_rate=0.0,
-                decoder_start_token_id=0,
-                pad_token_id=0,
-            )
-        )
+        model = tiny_switch(VOCAB)
         calls = record_expert_calls(model)
         rows = [{"input_ids": r["input_ids"], "labels": r["labels"][:6]} for r in dataset()]
         trainer = Trainer(
