@@ -142,3 +142,50 @@ def test_device_bytes_shortcut_agrees_with_the_pools() -> None:
                     chunk.place(payload=payload, optim=optim, pin_memory=False)
                     expected = resident_bytes_by_pool(chunk)[Pool.DEVICE]
                     assert device_resident_bytes(chunk) == expected, (keep_gathered, payload, optim)
+
+
+def _cached_counts_agree_with_a_fresh_count() -> int:
+    """Every budget check of a stage-3 run under "auto" (with evictions) compares the cached
+    device bytes with a count from scratch."""
+    from helpers import CHUNK_NUMEL, batch_slice, make_model
+
+    from shardwise import zero_model_wrapper, zero_optim_wrapper
+    from shardwise.chunk import Pool
+    from shardwise.chunk.accounting import device_resident_bytes
+
+    model = make_model()
+    config = {
+        "device": torch.device("cpu"),
+        "chunk_size_numel": CHUNK_NUMEL,
+        "placement_policy": "auto",
+        "device_budget_bytes": 200_000,
+    }
+    wrapped = zero_model_wrapper(model, 3, config)
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    gemini = wrapped.gemini_manager
+    assert gemini is not None
+    checks = 0
+    check = gemini.check_budget
+
+    def checked(where: str) -> None:
+        nonlocal checks
+        fresh = sum(
+            device_resident_bytes(c)
+            + (gemini._optimizer_bytes(c) if c.optim_pool is Pool.DEVICE else 0)
+            for c in gemini.chunk_manager.chunks
+        )
+        assert gemini._device_model_bytes() == fresh, where
+        checks += 1
+        check(where)
+
+    gemini.check_budget = checked  # type: ignore[method-assign]
+    for step in range(3):
+        optimizer.zero_grad()
+        optimizer.backward(wrapped(*batch_slice(step, 0, dist.get_rank(), 2)))
+        optimizer.step()
+    assert sum(gemini.bytes_moved().values()) > 0  # shards went between the pools
+    return checks
+
+
+def test_cached_device_bytes_match_a_fresh_count_at_every_check() -> None:
+    assert all(checks > 20 for checks in run_ranks(_cached_counts_agree_with_a_fresh_count, 2))

@@ -34,6 +34,8 @@ optimizer is built; copies between pools are counted in `bytes_to_device` / `byt
 
 from __future__ import annotations
 
+from typing import Any, Generic, TypeVar
+
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -60,6 +62,25 @@ from shardwise.chunk.states import (
 )
 from shardwise.comm import CommStats
 
+T = TypeVar("T")
+
+
+class _Resident(Generic[T]):
+    """A chunk attribute that decides what the chunk holds where (a buffer, a pool, a layout):
+    assigning it bumps `Chunk.resident_version`, so the memory manager counts a chunk's bytes
+    again only after one of them changed (see [Note: chunk buffers])."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._key = f"_resident_{name}"
+
+    def __get__(self, chunk: Any, owner: type | None = None) -> T:
+        value: T = chunk.__dict__[self._key]
+        return value
+
+    def __set__(self, chunk: Any, value: T) -> None:
+        chunk.__dict__[self._key] = value
+        chunk.resident_version += 1
+
 
 class Chunk(PoolMoves):
     """Many parameters in one flat buffer; rank r owns the r-th of `world_size` equal slices.
@@ -77,6 +98,16 @@ class Chunk(PoolMoves):
             their own, with no gradient or master buffers).
     """
 
+    full = _Resident[torch.Tensor]()
+    full_compute = _Resident[torch.Tensor | None]()
+    shard = _Resident[torch.Tensor]()
+    master = _Resident[torch.Tensor]()
+    grad_full = _Resident[torch.Tensor | None]()
+    grad_shard = _Resident[torch.Tensor]()
+    payload_pool = _Resident[Pool]()
+    optim_pool = _Resident[Pool]()
+    grad_layout = _Resident[GradLayout]()
+
     def __init__(
         self,
         *,
@@ -90,6 +121,8 @@ class Chunk(PoolMoves):
         requires_grad: bool,
     ) -> None:
         self.chunk_id = chunk_id
+        # Bumped whenever a buffer is replaced, resized or moved (see _Resident).
+        self.resident_version = 0
         self.capacity_numel = capacity_numel
         self.dtypes = dtypes
         self.device = device
@@ -107,12 +140,12 @@ class Chunk(PoolMoves):
         self.num_trainable = 0
         # Buffers, allocated by close(); see [Note: chunk buffers].
         self.full = torch.empty(0, dtype=dtypes.payload, device=device)
-        self.full_compute: torch.Tensor | None = None
+        self.full_compute = None
         # See [Note: gather codecs] in chunk/codec.py.
         self.codec = codec_for(dtypes)
         self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
         self.master = torch.empty(0, dtype=torch.float32, device=device)
-        self.grad_full: torch.Tensor | None = None
+        self.grad_full = None
         # Where the reduced gradient shard lives and what it holds (see GradLayout and
         # GradState; share_grad_shard_with_full() and reuse_payload_for_grads() set the layout).
         self.grad_layout = GradLayout.OWN_BUFFER
@@ -305,10 +338,11 @@ class Chunk(PoolMoves):
         nbytes = buffer.numel() * buffer.element_size()
         if buffer.untyped_storage().size() != nbytes:
             buffer.untyped_storage().resize_(nbytes)
+            self.resident_version += 1
 
-    @staticmethod
-    def _free(buffer: torch.Tensor) -> None:
+    def _free(self, buffer: torch.Tensor) -> None:
         buffer.untyped_storage().resize_(0)
+        self.resident_version += 1
 
     # ---- tensor states ---------------------------------------------------------------------
 

@@ -101,6 +101,9 @@ class GeminiManager:
         # grows in a step and moves by this manager, so the cache is dropped at each forward
         # and at each move.
         self._optimizer_bytes_cache: dict[int, int] = {}
+        # Per chunk id, (its resident_version, its device bytes then): a chunk whose buffers
+        # did not change since is not counted again.
+        self._resident_cache: dict[int, tuple[int, int]] = {}
         self._rebind: Callable[[Chunk], None] = lambda chunk: None
         self.auto: AutoPlacer | None = None
         if isinstance(self.policy, AutoPlacement):
@@ -219,12 +222,17 @@ class GeminiManager:
 
     def _chunk_device_bytes(self, chunk: Chunk) -> int:
         """Device bytes of `chunk`'s model state, its optimizer state included."""
-        held = device_resident_bytes(chunk)
+        resident = self._resident_cache.get(chunk.chunk_id)
+        if resident is not None and resident[0] == chunk.resident_version:
+            held = resident[1]
+        else:
+            held = device_resident_bytes(chunk)
+            self._resident_cache[chunk.chunk_id] = (chunk.resident_version, held)
         if chunk.optim_pool is Pool.DEVICE:
-            cached = self._optimizer_bytes_cache.get(chunk.chunk_id)
-            if cached is None:
-                cached = self._optimizer_bytes_cache[chunk.chunk_id] = self._optimizer_bytes(chunk)
-            held += cached
+            state = self._optimizer_bytes_cache.get(chunk.chunk_id)
+            if state is None:
+                state = self._optimizer_bytes_cache[chunk.chunk_id] = self._optimizer_bytes(chunk)
+            held += state
         return held
 
     def memory_by_pool(self) -> dict[str, int]:
