@@ -101,9 +101,9 @@ class GeminiManager:
         # grows in a step and moves by this manager, so the cache is dropped at each forward
         # and at each move.
         self._optimizer_bytes_cache: dict[int, int] = {}
-        # Per chunk id, (its resident_version, its device bytes then): a chunk whose buffers
-        # did not change since is not counted again.
-        self._resident_cache: dict[int, tuple[int, int]] = {}
+        # Per chunk id, (its resident_version, its device bytes then, the transient part of
+        # them): a chunk whose buffers did not change since is not counted again.
+        self._resident_cache: dict[int, tuple[int, int, int]] = {}
         self._rebind: Callable[[Chunk], None] = lambda chunk: None
         self.auto: AutoPlacer | None = None
         if isinstance(self.policy, AutoPlacement):
@@ -222,18 +222,24 @@ class GeminiManager:
 
     def _chunk_device_bytes(self, chunk: Chunk) -> int:
         """Device bytes of `chunk`'s model state, its optimizer state included."""
-        resident = self._resident_cache.get(chunk.chunk_id)
-        if resident is not None and resident[0] == chunk.resident_version:
-            held = resident[1]
-        else:
-            held = device_resident_bytes(chunk)
-            self._resident_cache[chunk.chunk_id] = (chunk.resident_version, held)
+        held = self._resident(chunk)[1]
         if chunk.optim_pool is Pool.DEVICE:
             state = self._optimizer_bytes_cache.get(chunk.chunk_id)
             if state is None:
                 state = self._optimizer_bytes_cache[chunk.chunk_id] = self._optimizer_bytes(chunk)
             held += state
         return held
+
+    def _resident(self, chunk: Chunk) -> tuple[int, int, int]:
+        resident = self._resident_cache.get(chunk.chunk_id)
+        if resident is None or resident[0] != chunk.resident_version:
+            resident = (
+                chunk.resident_version,
+                device_resident_bytes(chunk),
+                transient_bytes(chunk),
+            )
+            self._resident_cache[chunk.chunk_id] = resident
+        return resident
 
     def memory_by_pool(self) -> dict[str, int]:
         """Bytes of model state (payloads, masters, gradients, optimizer state) per pool now."""
@@ -251,7 +257,7 @@ class GeminiManager:
         device = self._device_model_bytes()
         self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
         if self.auto is not None:
-            self.auto.observe(sum(transient_bytes(c) for c in self.chunk_manager.chunks))
+            self.auto.observe(sum(self._resident(c)[2] for c in self.chunk_manager.chunks))
             budget = self.auto.budget
             excess = device + self.auto.non_model_now() - budget
             if excess > 0:
