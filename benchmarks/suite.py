@@ -8,7 +8,9 @@ separate runs of one engine drift by several percent on these machines, while fi
 turn by turn share the drift, so their ratios hold. Each engine then runs alone (bench_step.py)
 for what only a process of its own shows: bytes sent, model-state bytes, peak memory, and the
 share of a step spent in shardwise's own Python code (cProfile). Then step time against model
-size and rank count, gloo's collectives, and HybridAdam against fused AdamW.
+size and rank count, gloo's collectives, and HybridAdam against fused AdamW; then "auto"
+placement against the static splits over a sweep of budgets (bench_auto.py) and hybrid against
+full sharding (bench_hybrid.py), each writing its own block.
 """
 
 from __future__ import annotations
@@ -190,6 +192,12 @@ def main() -> None:
     kept = "".join("\n" + match.group(0) for match in KEPT_BLOCK.finditer(previous))
     out.write_text(report + kept)
     print(f"wrote {args.out}")
+    if not args.quick and out.resolve() == (HERE / "RESULTS.md").resolve():
+        # These write their own blocks of RESULTS.md (kept above on the next run).
+        for script in ("bench_auto.py", "bench_hybrid.py"):
+            print(script, flush=True)
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            subprocess.run([sys.executable, str(HERE / script)], env=env, timeout=1800, check=True)
 
 
 if __name__ == "__main__":
