@@ -11,7 +11,9 @@ The first pass, having no record yet, releases a chunk once every tensor in it h
 (a tied weight is then gathered again when reused). If a later pass departs from the record
 (data-dependent control flow) the rest of that pass falls back to on-demand gathers and
 releases at the end of forward: slower, never wrong. Every rank must run the same modules in
-the same order, as with any ZeRO-3 engine, since gathers are collectives.
+the same order, as with any ZeRO-3 engine, since gathers are collectives; a block whose
+children run on some ranks only (experts behind a router) is hooked as one gather unit
+instead, so its children issue none (see [Note: gather units] in zero/gather_units.py).
 """
 
 from __future__ import annotations
