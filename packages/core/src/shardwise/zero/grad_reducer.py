@@ -87,6 +87,7 @@ class GradReducer:
         self._unreduced_passes = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._governed = units.governed if units is not None else {}
+        self._unit_names = units.names if units is not None else []
         # Per chunk holding unit tensors: its other trainable tensors, and the units it waits on.
         self._plain: dict[int, frozenset[int]] = {}
         self._waits_on: dict[int, frozenset[int]] = {}
@@ -119,8 +120,9 @@ class GradReducer:
             if unit is not None and unit in self._units_done:
                 raise RuntimeError(
                     f"the gradient of {chunk.tensors[index].name} arrived after the backward "
-                    f"of its gather unit {unit} had ended and its chunk was reduced: it is "
-                    f"used outside that block too. Tie it to a module outside the block"
+                    f"of its gather unit {self._unit_names[unit]!r} had ended and its chunk "
+                    f"was reduced: it is used outside that block too. Make it a parameter of "
+                    f"a module outside the block, or leave the block out of gather_units"
                 )
             allocates = chunk.grad_full is None
             complete = chunk.add_grad(index, param.grad)
