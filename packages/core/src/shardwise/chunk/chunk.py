@@ -172,10 +172,9 @@ class Chunk(PoolMoves):
         self.predivide_factor = 1.0
         # See [Note: reducing gradients].
         self.reduce_method = comm.ReduceScatterMethod.NATIVE
-        # Hybrid sharding: the same shard's holders in the other shard groups, and how many
-        # groups (see [Note: hybrid sharding] in comm/topology.py).
+        # Hybrid sharding: the same shard's holders in the other shard groups (see [Note:
+        # hybrid sharding] in comm/topology.py); the initial broadcast reaches them too.
         self.replicate_group: ProcessGroup | None = None
-        self.replicas = 1
 
     # ---- packing ---------------------------------------------------------------------------
 
@@ -421,12 +420,6 @@ class Chunk(PoolMoves):
         """Take this rank's reduce-scattered slice: finish the average over ranks, add it to
         `grad_shard`, and free (or zero, with `keep_full`) the gradient buffer."""
         post = self.world_size / self.predivide_factor
-        if self.replicate_group is not None:
-            # Summed over this shard group; now over every group holding this shard.
-            comm.all_reduce(
-                reduced, self.stats, self.replicate_group, kind=comm.CommOp.REPLICATE_ALL_REDUCE
-            )
-            post *= self.replicas
         if post != 1.0:
             reduced.div_(post)
         layout, state = self.grad_layout, self.grad_state

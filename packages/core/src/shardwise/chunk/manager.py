@@ -139,7 +139,6 @@ class ChunkManager:
             chunk.predivide_factor = self.predivide_factor
             chunk.reduce_method = self.reduce_method
             chunk.replicate_group = self.topology.replicate
-            chunk.replicas = self.topology.replicas
             owner.update(dict.fromkeys(layout.members, chunk))
             last[layout.members[-1]] = chunk
             new_chunks.append(chunk)

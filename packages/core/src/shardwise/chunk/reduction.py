@@ -6,8 +6,12 @@ A chunk reduces its gradient buffer in place; a bucket of chunks is reduced in o
 reduce-scatter whose input is laid out rank-major (every chunk's slice for rank 0, then for
 rank 1, ...), so each rank receives its own slice of every chunk, back to back. Either way the
 chunk prepares its buffer (`prepare_reduce`) and takes its reduced slice (`accept_reduced`,
-which finishes the average and, under hybrid sharding, the all-reduce across shard groups);
-launching and waiting happen here only.
+which finishes the average over the group); launching and waiting happen here only.
+
+Under hybrid sharding the shard groups' gradient shards are then averaged across the groups by
+`reduce_across_replicas`, once before the step reads them (and before `full_grads()`), not
+after every reduction: every rank reaches that point alike whatever its memory manager did
+during backward, and gradients accumulated over several backward passes cross the groups once.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 
 from shardwise import comm
 from shardwise.chunk.chunk import Chunk
+from shardwise.chunk.manager import ChunkManager
+from shardwise.chunk.states import GradLayout
 
 
 class PendingReduction:
@@ -64,3 +70,30 @@ def start_reduction(chunks: Sequence[Chunk], *, async_op: bool = True) -> Pendin
 def reduce_now(chunks: Sequence[Chunk], *, keep_full: bool) -> None:
     """Reduce `chunks`' gradients and add each rank's averaged slices to their shards."""
     start_reduction(chunks, async_op=False).wait(keep_full=keep_full)
+
+
+def reduce_across_replicas(chunk_manager: ChunkManager) -> None:
+    """Hybrid sharding: average every trainable chunk's gradient shard over the shard groups
+    holding the same shard, in one all-reduce in the reduction dtype (the bytes the analysis
+    of [Note: hybrid sharding] counts). Values already equal on every replica stay as they are,
+    so a second call before new gradients changes nothing but rounding."""
+    topology = chunk_manager.topology
+    chunks = list(chunk_manager.trainable_chunks())
+    if topology.replicate is None or not chunks:
+        return
+    if any(c.grad_layout is GradLayout.IN_PAYLOAD for c in chunks):
+        raise ValueError(
+            "reuse_fp16_shard keeps gradients in the 16-bit payload; it cannot be combined "
+            "with shard_size (hybrid sharding)"
+        )
+    shards = [chunk.grads_for_step() for chunk in chunks]
+    # On the compute device (NCCL moves device tensors only), in the reduction dtype.
+    wire = torch.cat([s.to(chunk_manager.device, chunks[0].dtypes.reduce) for s in shards])
+    comm.all_reduce(
+        wire, chunk_manager.stats, topology.replicate, kind=comm.CommOp.REPLICATE_ALL_REDUCE
+    )
+    wire = wire.float().div_(topology.replicas)
+    offset = 0
+    for shard in shards:
+        shard.copy_(wire[offset : offset + shard.numel()])
+        offset += shard.numel()

@@ -18,8 +18,8 @@ class CommOp(str, Enum):
     BROADCAST = "broadcast"
     """One rank's buffer is copied to all (initial parameter sync)."""
     REPLICATE_ALL_REDUCE = "replicate_all_reduce"
-    """Hybrid sharding: each reduced gradient shard all-reduced with the ranks holding the same
-    shard in the other shard groups, the only step traffic that crosses groups."""
+    """Hybrid sharding: the gradient shards all-reduced, once per step, with the ranks holding
+    the same shards in the other shard groups: the only step traffic that crosses groups."""
     CONTROL = "control"
     """Agreements between ranks outside the step: barriers and small pickled Python objects
     (checkpoint tokens and file lists, run ids, error reports); bytes are the pickles'."""

@@ -5,11 +5,15 @@ With `shard_size` s over a data-parallel group of N ranks (N a multiple of s), t
 N / s shard groups of s consecutive ranks (e.g. one node each) and s replicate groups of the
 ranks at the same position in every shard group. Parameters, gradients and optimizer state are
 sharded over a shard group, as plain ZeRO shards them over all N, and each shard group holds a
-full replica. All-gathers and reduce-scatters stay inside a shard group (fast links); each
-rank's reduced gradient shard is then all-reduced with the ranks holding the same shard in the
-other groups and averaged over all N, so every replica steps alike: the slow links carry one
-shard's gradient per rank and step, 2 (R - 1) / R of it with R = N / s replicas (a ring
-all-reduce), instead of every gather and reduction of the pass.
+full replica. All-gathers and reduce-scatters stay inside a shard group (fast links); before
+the step reads them, each rank's gradient shard (the sum of the backward passes since
+`zero_grad()`) is all-reduced with the ranks holding the same shard in the other groups and
+averaged over all N, in one all-reduce (chunk/reduction.py, `reduce_across_replicas`), so every
+replica steps alike: the slow links carry one shard's gradient per rank and step, 2 (R - 1) / R
+of it with R = N / s replicas (a ring all-reduce), however many passes accumulated, instead of
+every gather and reduction of the pass. Doing it at the step, not after each reduction, also
+keeps it where every rank's sequence of collectives agrees: the memory manager finishes
+reductions when its own rank needs room.
 
 What every rank must agree on (passes, steps, which tensors got gradients, the gradient norm)
 is still decided over the whole data-parallel group.

@@ -25,7 +25,12 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
-from shardwise.chunk.reduction import PendingReduction, reduce_now, start_reduction
+from shardwise.chunk.reduction import (
+    PendingReduction,
+    reduce_across_replicas,
+    reduce_now,
+    start_reduction,
+)
 from shardwise.zero.gather_units import UnitMap
 
 
@@ -85,6 +90,10 @@ class GradReducer:
         self._complete: set[int] = set()
         self._callback_queued = False
         self._unreduced_passes = False
+        # Hybrid sharding: gradients were reduced within the shard groups since the last
+        # average across them (see reduce_across_replicas).
+        self._replicas_differ = False
+        self._hybrid = chunk_manager.topology.hybrid
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._governed = units.governed if units is not None else {}
         self._unit_names = units.names if units is not None else []
@@ -244,12 +253,14 @@ class GradReducer:
             for pending in self._in_flight:
                 self._finish(pending)
             self._in_flight.clear()
+            self._replicas_differ = self._hybrid
             if not self._order_settled:
                 self._settle_order()
         else:
             for chunk in self._order:
                 chunk.end_pass_without_reduce()
             self._unreduced_passes = True
+            self._replicas_differ = self._hybrid
         self._next = 0
         self._complete.clear()
         self._completed.clear()
@@ -258,15 +269,19 @@ class GradReducer:
 
     def reduce_all(self) -> None:
         """Reduce the gradients that backward passes left unreduced (every pass in stage 1,
-        passes under no_sync otherwise), every chunk in the fixed order. Whether anything is
-        left depends only on the passes run, which every rank runs alike, so all ranks agree."""
-        if not self._unreduced_passes:
-            return
-        for chunk in self._order:
-            reduce_now([chunk], keep_full=not self.reduce_in_backward)
-            if self._on_reduced is not None:
-                self._on_reduced(chunk)
-        self._unreduced_passes = False
+        passes under no_sync otherwise), every chunk in the fixed order; under hybrid
+        sharding, then average the gradient shards across the shard groups. Whether anything
+        is left depends only on the passes run, which every rank runs alike, so all ranks
+        agree."""
+        if self._unreduced_passes:
+            for chunk in self._order:
+                reduce_now([chunk], keep_full=not self.reduce_in_backward)
+                if self._on_reduced is not None:
+                    self._on_reduced(chunk)
+            self._unreduced_passes = False
+        if self._replicas_differ:
+            reduce_across_replicas(self.chunk_manager)
+            self._replicas_differ = False
 
     def remove(self) -> None:
         for handle in self._handles:

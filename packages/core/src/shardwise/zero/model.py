@@ -158,17 +158,10 @@ class ZeroModel(nn.Module):
         self.param_gather: DeferredParamGather | None = None
         if self.config.overlap_param_gather:
             self.param_gather = DeferredParamGather(self.module, chunk_manager)
-        # "auto" placement finishes the reductions in flight when it needs room, a decision
-        # each rank makes from its own memory; under hybrid sharding finishing one issues the
-        # all-reduce across shard groups, which the ranks must issue at the same point of their
-        # sequence of collectives (or two groups can wait on each other): reduce in place then.
-        overlap = self.config.overlap_communication and not (
-            chunk_manager.topology.hybrid and gemini is not None and gemini.auto is not None
-        )
         self.reducer = GradReducer(
             chunk_manager,
             reduce_in_backward=self.config.stage >= 2,
-            overlap=overlap,
+            overlap=self.config.overlap_communication,
             # Stage 3 holds a chunk gathered until its reduction ends: one in flight at most.
             max_in_flight=1 if self.config.stage == 3 else None,
             bucket_bytes=self.config.reduce_scatter_bucket_bytes,
