@@ -34,8 +34,6 @@ optimizer is built; copies between pools are counted in `bytes_to_device` / `byt
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
-
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -51,6 +49,7 @@ from shardwise.chunk.parameters import (
     mark_settled,
 )
 from shardwise.chunk.pools import PoolMoves
+from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import (
     ChunkDtypes,
     ChunkState,
@@ -61,25 +60,6 @@ from shardwise.chunk.states import (
     TensorState,
 )
 from shardwise.comm import CommStats
-
-T = TypeVar("T")
-
-
-class _Resident(Generic[T]):
-    """A chunk attribute that decides what the chunk holds where (a buffer, a pool, a layout):
-    assigning it bumps `Chunk.resident_version`, so the memory manager counts a chunk's bytes
-    again only after one of them changed (see [Note: chunk buffers])."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._key = f"_resident_{name}"
-
-    def __get__(self, chunk: Any, owner: type | None = None) -> T:
-        value: T = chunk.__dict__[self._key]
-        return value
-
-    def __set__(self, chunk: Any, value: T) -> None:
-        chunk.__dict__[self._key] = value
-        chunk.resident_version += 1
 
 
 class Chunk(PoolMoves):
@@ -98,15 +78,15 @@ class Chunk(PoolMoves):
             their own, with no gradient or master buffers).
     """
 
-    full = _Resident[torch.Tensor]()
-    full_compute = _Resident[torch.Tensor | None]()
-    shard = _Resident[torch.Tensor]()
-    master = _Resident[torch.Tensor]()
-    grad_full = _Resident[torch.Tensor | None]()
-    grad_shard = _Resident[torch.Tensor]()
-    payload_pool = _Resident[Pool]()
-    optim_pool = _Resident[Pool]()
-    grad_layout = _Resident[GradLayout]()
+    full = Resident[torch.Tensor]()
+    full_compute = Resident[torch.Tensor | None]()
+    shard = Resident[torch.Tensor]()
+    master = Resident[torch.Tensor]()
+    grad_full = Resident[torch.Tensor | None]()
+    grad_shard = Resident[torch.Tensor]()
+    payload_pool = Resident[Pool]()
+    optim_pool = Resident[Pool]()
+    grad_layout = Resident[GradLayout]()
 
     def __init__(
         self,
@@ -121,7 +101,8 @@ class Chunk(PoolMoves):
         requires_grad: bool,
     ) -> None:
         self.chunk_id = chunk_id
-        # Bumped whenever a buffer is replaced, resized or moved (see _Resident).
+        # Bumped whenever a buffer is replaced, resized or moved (see [Note: resident
+        # version] in chunk/resident.py).
         self.resident_version = 0
         self.capacity_numel = capacity_numel
         self.dtypes = dtypes

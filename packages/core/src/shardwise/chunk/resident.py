@@ -1,0 +1,31 @@
+"""Attributes of a chunk whose change alters what it holds where.
+
+[Note: resident version]
+The memory manager checks the device's bytes after every gather and gradient copy; counting
+every chunk's buffers each time cost most of a step under "auto" on a model of many chunks.
+So the attributes that decide a chunk's resident bytes (its buffers, their pools, its gradient
+layout) are `Resident` descriptors: assigning one bumps the chunk's `resident_version`, as
+does resizing a buffer's storage (`Chunk._materialise`, `Chunk._free`), and the manager counts
+a chunk again only when its version moved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Resident(Generic[T]):
+    """A chunk attribute whose assignment bumps the chunk's `resident_version`."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._key = f"_resident_{name}"
+
+    def __get__(self, chunk: Any, owner: type | None = None) -> T:
+        value: T = chunk.__dict__[self._key]
+        return value
+
+    def __set__(self, chunk: Any, value: T) -> None:
+        chunk.__dict__[self._key] = value
+        chunk.resident_version += 1
