@@ -17,6 +17,7 @@ import torch._dynamo  # imported once here, not in every rank that builds DDP
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import run_ranks
@@ -189,6 +190,71 @@ def test_every_placement_with_overlap_and_buckets() -> None:
     for rank_results in results:
         for config, result in zip(configs, rank_results, strict=True):
             assert result["diff"] == 0.0, (config, result["diff"])
+
+
+class Checkpointed(nn.Module):
+    """One MoE layer behind torch.utils.checkpoint, as activation checkpointing wraps a layer
+    (the re-run forward gets leaf inputs when reentrant, and stops early when not), or fed a
+    leaf input directly."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.moe = TopOneMoE()
+        self.head = nn.Linear(WIDTH, WIDTH)
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "leaf_input":
+            return self.head(self.moe(x.detach().requires_grad_()) + self.embed(x))
+        h = torch.tanh(self.embed(x))
+        reentrant = self.mode == "reentrant"
+        moe = checkpoint(self.moe, self.norm(h), use_reentrant=reentrant)
+        return self.head(h + moe)
+
+
+def _average_gradients(model: nn.Module) -> None:
+    """What DDP with find_unused_parameters=True leaves in `.grad` (which refuses reentrant
+    checkpointing of a block whose parameters some passes skip): each gradient averaged over
+    ranks, zeros where a rank's did not reach it, None where no rank's did."""
+    world = dist.get_world_size()
+    for param in model.parameters():
+        reached = torch.tensor([float(param.grad is not None)])
+        dist.all_reduce(reached)
+        if not reached.item():
+            continue
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad)
+        param.grad = grad / world
+
+
+def _checkpointed(mode: str) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    plain = Checkpointed(mode)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    model = Checkpointed(mode)
+    wrapped = zero_model_wrapper(model, 3, {"device": torch.device("cpu"), **SMALL_CHUNKS})
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(STEPS):
+        x, target = _batch(step, rank, world)
+        plain_optimizer.zero_grad()
+        (plain(x) - target).pow(2).mean().backward()
+        _average_gradients(plain)
+        plain_optimizer.step()
+        optimizer.zero_grad()
+        optimizer.backward((wrapped(x) - target).pow(2).mean())
+        optimizer.step()
+    final = wrapped.state_dict(only_rank_0=False)
+    return {"diff": max((final[k] - v).abs().max().item() for k, v in plain.state_dict().items())}
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "leaf_input"])
+def test_a_checkpointed_or_leaf_fed_expert_block_matches_ddp(mode: str) -> None:
+    for result in run_ranks(_checkpointed, 2, mode):
+        assert result["diff"] == 0.0, result
 
 
 class Branchy(nn.Module):

@@ -14,6 +14,7 @@ divides by the square root of the gradient's own running square: parameters are 
 from __future__ import annotations
 
 import math
+from copy import deepcopy
 from typing import Any
 
 import pytest
@@ -112,6 +113,11 @@ def _reads_between_step_and_forward(defer: bool) -> dict[str, object]:
     reads through `.data`, a torch op on the parameter, the inner module's state dict."""
     wrapped, model = _stepped_stage_2(defer)
     pending = _pending(wrapped)
+    model.zero_grad()  # reads .grad only: no wait
+    still_pending = _pending(wrapped)
+    copy = deepcopy(model)  # an EMA or teacher copy takes the new values
+    copied = [p.detach().clone() for p in copy.parameters()]
+    stacked = torch.stack([p.reshape(-1)[0] for p in model.parameters()])  # nested in a list
     params = list(model.parameters())
     half = len(params) // 2
     return {
@@ -120,6 +126,9 @@ def _reads_between_step_and_forward(defer: bool) -> dict[str, object]:
         "data": [p.data.clone() for p in params[:half]],
         "sums": [float(p.sum()) for p in params[half:]],
         "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "still_pending": still_pending,
+        "copied": copied,
+        "stacked": stacked,
     }
 
 
@@ -134,6 +143,10 @@ def test_parameters_read_after_a_deferred_step_are_the_new_ones() -> None:
         assert all(torch.equal(a, b) for a, b in pairs)
         assert mine["sums"] == undeferred["sums"]
         assert all(torch.equal(mine["state"][k], v) for k, v in undeferred["state"].items())
+        assert mine["still_pending"] == mine["pending"]
+        pairs = zip(mine["copied"], undeferred["copied"], strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+        assert torch.equal(mine["stacked"], undeferred["stacked"])
 
 
 def test_overlapped_reduction_is_bit_exact() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 # Calls that read no element: attribute access on a Tensor goes through `__get__`/`__set__`.
 # `detach` (torch's Module.state_dict, which code calls for the names) gives the empty tensor
@@ -142,18 +143,27 @@ class PendingParameter(ChunkParameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if _reads_values(func):
-            for arg in (*args, *(kwargs or {}).values()):
+            # Nested too: torch.stack([p, q]), torch._foreach_mul_(params, ...).
+            for arg in tree_flatten((args, kwargs or {}))[0]:
                 if isinstance(arg, PendingParameter):
                     arg._wait_for_values()  # turns every parameter of its chunk back
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ChunkParameter:
+        # A copy (an EMA model, a teacher) takes the new values, and is a plain chunk parameter.
+        self._wait_for_values()
+        mark_settled(self)  # already, unless nothing was pending any more
+        return self.__deepcopy__(memo)  # now ChunkParameter's
 
-# Attributes whose reading reads no element (`.data` and `.grad` are not among them: `p.data`
-# hands out the values themselves).
+
+# Attributes whose reading reads no element of the parameter (`.data` hands out the values
+# themselves; `.grad` is a tensor of its own).
 _METADATA_ATTRIBUTES = frozenset(
-    {"shape", "dtype", "device", "requires_grad", "is_leaf", "layout", "ndim", "names"}
+    {"shape", "dtype", "device", "requires_grad", "is_leaf", "layout", "ndim", "names", "grad"}
 )
+# Calls that hand out the values or their memory, though they read no element themselves.
+_VALUE_CALLS = frozenset({"to", "cpu", "cuda", "detach", "data_ptr", "untyped_storage"})
 
 
 def _reads_values(func: Any) -> bool:
@@ -161,7 +171,7 @@ def _reads_values(func: Any) -> bool:
     if name in ("__get__", "__set__"):
         attribute = getattr(getattr(func, "__self__", None), "__name__", "")
         return attribute not in _METADATA_ATTRIBUTES
-    return name not in _METADATA_CALLS or name in ("to", "cpu", "cuda", "detach")
+    return name not in _METADATA_CALLS or name in _VALUE_CALLS
 
 
 def mark_pending(param: nn.Parameter, wait: Any) -> None:

@@ -87,12 +87,15 @@ def reduce_across_replicas(chunk_manager: ChunkManager) -> None:
             "with shard_size (hybrid sharding)"
         )
     shards = [chunk.grads_for_step() for chunk in chunks]
-    # On the compute device (NCCL moves device tensors only), in the reduction dtype.
-    wire = torch.cat([s.to(chunk_manager.device, chunks[0].dtypes.reduce) for s in shards])
+    # Divided before the sum (exactly, for a power-of-two count), so that a 16-bit sum of
+    # loss-scaled gradients cannot overflow where the average would not; then sent on the
+    # compute device (NCCL moves device tensors only), in the reduction dtype.
+    flat = torch.cat([s.to(chunk_manager.device) for s in shards]).div_(topology.replicas)
+    wire = flat.to(chunks[0].dtypes.reduce)
     comm.all_reduce(
         wire, chunk_manager.stats, topology.replicate, kind=comm.CommOp.REPLICATE_ALL_REDUCE
     )
-    wire = wire.float().div_(topology.replicas)
+    wire = wire.float()
     offset = 0
     for shard in shards:
         shard.copy_(wire[offset : offset + shard.numel()])

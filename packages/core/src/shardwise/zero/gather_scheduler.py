@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from shardwise.chunk import Chunk, ChunkManager, ChunkState
+from shardwise.chunk import Chunk, ChunkManager, ChunkState, TensorState
 from shardwise.gemini import GeminiManager
 from shardwise.zero.gather_units import UnitMap
 from shardwise.zero.rank_sync import VisitTrail
@@ -261,6 +261,13 @@ class GatherScheduler:
         self._in_backward = False
         self.units.end_backward()
         self._backward.finish()
+        # Nothing computes once backward has ended. A module's re-run forward under
+        # non-reentrant checkpointing stops as soon as it has recomputed what backward needs,
+        # which may be before the module's own forward hook marks its tensors done.
+        for chunk in self.chunk_manager.chunks:
+            for index, info in enumerate(chunk.tensors):
+                if info.state is TensorState.COMPUTE:
+                    chunk.set_hold(index)
         self.release_all()
         if self._gemini is not None and not self._warmed_up:
             self._warmed_up = True

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise.chunk import ChunkManager
 
@@ -133,20 +133,27 @@ class UnitMap:
         """The unit `module` is the root of, if any."""
         return self._index.get(id(module))
 
-    def watch_backward(self, unit: int) -> Callable[..., None]:
+    def watch_backward(self, unit: int) -> Callable[..., Any]:
         """A forward pre-hook for unit `unit`: signal when the gradients of this call's inputs
-        are computed (the call's backward is done), once every call of the pass has."""
+        are computed (the call's backward is done), once every call of the pass has.
 
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        A leaf input is handed to the unit as a view of itself: a leaf's gradient hook runs
+        when its accumulation does, which autograd runs as soon as the first consumer's
+        gradient is ready, before the rest of the unit's backward; the view's runs only once
+        every consumer inside the unit is done (a re-run forward of reentrant checkpointing
+        gets leaf inputs, for instance)."""
+
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
-                return
+                return None
+            args, kwargs = tree_map(_view_of_leaf, (args, kwargs))
             leaves, _ = tree_flatten((args, kwargs))
             inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if not inputs:
                 # No input gradient will ever signal this call: the unit's chunks wait for
                 # the end of backward, as unused parameters' do.
                 self._unsignalled[unit] = True
-                return
+                return None
             self._pending[unit] += 1
             remaining = [len(inputs)]
 
@@ -157,6 +164,7 @@ class UnitMap:
 
             for tensor in inputs:
                 tensor.register_hook(on_input_grad)
+            return args, kwargs
 
         return hook
 
@@ -169,3 +177,9 @@ class UnitMap:
         """Backward ended: the next forward's calls start counting afresh."""
         self._pending = [0] * len(self.names)
         self._unsignalled = [False] * len(self.names)
+
+
+def _view_of_leaf(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is None:
+        return value.view_as(value)
+    return value
