@@ -40,7 +40,7 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.chunk.codec import codec_for
-from shardwise.chunk.grad_buffer import zero_unwritten
+from shardwise.chunk.grads import GradSide
 from shardwise.chunk.parameters import (
     adopt,
     mark_gathered,
@@ -48,7 +48,6 @@ from shardwise.chunk.parameters import (
     mark_released,
     mark_settled,
 )
-from shardwise.chunk.pools import PoolMoves
 from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import (
     ChunkDtypes,
@@ -62,7 +61,7 @@ from shardwise.chunk.states import (
 from shardwise.comm import CommStats
 
 
-class Chunk(PoolMoves):
+class Chunk(GradSide):
     """Many parameters in one flat buffer; rank r owns the r-th of `world_size` equal slices.
 
     Args:
@@ -342,199 +341,6 @@ class Chunk(PoolMoves):
     def in_use(self) -> bool:
         return any(info.state is TensorState.COMPUTE for info in self.tensors)
 
-    # ---- gradients -------------------------------------------------------------------------
-
-    def add_grad(self, index: int, grad: torch.Tensor) -> bool:
-        """Accumulate one parameter's gradient into the chunk's gradient buffer.
-
-        Returns True when every trainable tensor of the chunk has its gradient for this pass.
-        """
-        info = self.tensors[index]
-        if self.grad_layout is GradLayout.SLICE_OF_FULL and self.grad_state is GradState.CLOSED:
-            raise ValueError(_ZERO_GRAD_FIRST)
-        if self.grad_full is None:  # see [Note: gradient buffers start uninitialised]
-            self.grad_full = torch.empty(
-                self.padded_numel, dtype=self.dtypes.reduce, device=self.device
-            )
-            self._grads_written = set()
-        target = self.grad_full[info.offset : info.offset + info.numel]
-        self.grads_received.add(index)
-        if self.exposes_grads:
-            # `.grad` is a view of `target` (see exposed_grad()): autograd accumulated into it
-            # in place, or made a new tensor that holds the sum so far.
-            if grad.data_ptr() != target.data_ptr():
-                target.copy_(grad.reshape(-1))
-        elif self._grads_written is None or index in self._grads_written:
-            target.add_(grad.reshape(-1))
-        else:
-            target.copy_(grad.reshape(-1))
-            self._grads_written.add(index)
-        if info.state is not TensorState.READY_FOR_REDUCE:
-            info.state = TensorState.READY_FOR_REDUCE
-            self.num_grads_ready += 1
-        return self.num_grads_ready == self.num_trainable
-
-    def exposed_grad(self, index: int) -> torch.Tensor | None:
-        """What `.grad` of tensor `index` shows after its gradient reached the chunk: at stage
-        1 its local, unreduced gradient, a view into the whole gradient buffer (no copy), as
-        DDP users read `.grad` after backward; elsewhere None (the chunk holds it)."""
-        if not self.exposes_grads:
-            return None
-        assert self.grad_full is not None
-        info = self.tensors[index]
-        return self.grad_full[info.offset : info.offset + info.numel].view(info.shape)
-
-    def prepare_reduce(self) -> torch.Tensor:
-        """The gradient buffer, ready to reduce-scatter (pre-divided when asked). A chunk whose
-        parameters got no gradient on this rank contributes zeros, so every rank issues the
-        same collectives."""
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(
-                self.padded_numel, dtype=self.dtypes.reduce, device=self.device
-            )
-        self._initialise_unwritten_grads()
-        if self.predivide_factor != 1.0:
-            self.grad_full.div_(self.predivide_factor)
-        return self.grad_full
-
-    def accept_reduced(self, reduced: torch.Tensor, *, keep_full: bool) -> None:
-        """Take this rank's reduce-scattered slice: finish the average over ranks, add it to
-        `grad_shard`, and free (or zero, with `keep_full`) the gradient buffer."""
-        post = self.world_size / self.predivide_factor
-        if post != 1.0:
-            reduced.div_(post)
-        layout, state = self.grad_layout, self.grad_state
-        if layout is GradLayout.IN_PAYLOAD:
-            if state is GradState.CLOSED:
-                raise ValueError(_NO_ACCUMULATION)
-            self.shard.copy_(reduced)
-            self.grad_state = GradState.CLOSED
-        elif layout is GradLayout.SLICE_OF_FULL:
-            assert self.grad_full is not None and keep_full
-            assert state is GradState.OPEN, state  # add_grad() refused gradients otherwise
-            if reduced.data_ptr() != self.grad_shard.data_ptr():  # all-reduce: already there
-                self.grad_shard.copy_(reduced)  # over this rank's own unreduced gradients
-            self.grad_full[: self.shard_begin].zero_()
-            self.grad_full[self.shard_begin + self.shard_numel :].zero_()
-            self.grad_state = GradState.CLOSED
-            self._hide_grads()  # the buffer holds reduced slices now, not local gradients
-            self.end_pass_without_reduce()
-            return
-        else:
-            if self.optim_pool is Pool.HOST:
-                reduced = self._move(reduced, Pool.HOST)
-            if state is GradState.STALE:  # the first gradients since zero_grad()
-                self.grad_shard.copy_(reduced)
-            else:
-                self.grad_shard.add_(reduced)
-            self.grad_state = GradState.OPEN
-        if keep_full:
-            assert self.grad_full is not None
-            self.grad_full.zero_()
-        else:
-            self.grad_full = None
-        self.end_pass_without_reduce()
-
-    def end_pass_without_reduce(self) -> None:
-        """Close a backward pass whose gradients stay unreduced in `grad_full` (no_sync, or
-        stage 1), so the next pass counts its gradients afresh."""
-        self._initialise_unwritten_grads()
-        self.num_grads_ready = 0
-        for info in self.tensors:
-            if info.state is TensorState.READY_FOR_REDUCE:
-                info.state = TensorState.HOLD
-
-    def _initialise_unwritten_grads(self) -> None:
-        if self.grad_full is not None and self._grads_written is not None:
-            zero_unwritten(self.grad_full, self.tensors, self._grads_written)
-        self._grads_written = None  # every element is valid: later gradients add
-
-    def reuse_payload_for_grads(self) -> None:
-        """Keep this rank's reduced gradients in the 16-bit payload shard between backward and
-        step instead of a persistent fp32 gradient shard (the fp32 master restores the
-        parameters at the step). Saves 4 bytes per owned element between steps; refuses
-        gradient accumulation, since the next forward would gather gradients as parameters."""
-        if not self.requires_grad:
-            return
-        if self.master is self.shard or self.keep_gathered:
-            raise ValueError(
-                "reuse_fp16_shard=True needs 16-bit parameters (a separate fp32 master) and "
-                "sharded chunks; build the model with ZeroInitContext(default_dtype=torch.float16)"
-            )
-        assert self.grad_state is not GradState.CLOSED, self.grad_state
-        self.grad_layout = GradLayout.IN_PAYLOAD
-        self.grad_state = GradState.OPEN
-        self.grad_shard = torch.empty(0, dtype=torch.float32, device=self.grad_shard.device)
-
-    def _check_payload_holds_params(self) -> None:
-        if self.grad_layout is GradLayout.IN_PAYLOAD and self.grad_state is GradState.CLOSED:
-            raise ValueError(_NO_ACCUMULATION)
-
-    def grads_for_step(self) -> torch.Tensor:
-        """The fp32 gradient shard the optimizer reads (a transient copy of the payload when
-        gradients live there)."""
-        if self.grad_layout is GradLayout.IN_PAYLOAD:
-            if self.grad_state is GradState.CLOSED:
-                self.grad_shard = self.shard.to(torch.float32)
-            else:
-                self.grad_shard = torch.zeros(
-                    self.shard_numel, dtype=torch.float32, device=self.device
-                )
-            if self.optim_pool is Pool.HOST:
-                self.grad_shard = self._move(self.grad_shard, Pool.HOST)
-        elif self.grad_state is GradState.STALE:  # no gradient reached it since zero_grad()
-            self.grad_shard.zero_()
-            self.grad_state = GradState.OPEN
-        return self.grad_shard
-
-    def end_step(self) -> None:
-        """After a step, taken or skipped: put parameters back into a payload that held
-        gradients, and drop the transient gradient copy."""
-        if self.grad_layout is GradLayout.IN_PAYLOAD:
-            self.shard.copy_(self.master)
-            self.grad_state = GradState.OPEN
-            self.grad_shard = torch.empty(0, dtype=torch.float32, device=self.grad_shard.device)
-
-    @property
-    def grads_cleared(self) -> bool:
-        """zero_grad() ran and no gradient reached `grad_shard` since: it holds no gradient,
-        whatever its (stale) elements say."""
-        return self.grad_state is GradState.STALE
-
-    def zero_grad(self) -> None:
-        """Forget the gradients: the next reduced ones overwrite the shard instead of adding to
-        it, which spares a pass over it (zeroed at the step if none came)."""
-        self.grads_received.clear()
-        if self.grad_layout is GradLayout.SLICE_OF_FULL:
-            # The next backward adds onto this rank's slice.
-            self._hide_grads()
-            self.grad_shard.zero_()
-            self.grad_state = GradState.OPEN
-        elif self.grad_layout is GradLayout.OWN_BUFFER:
-            self.grad_state = GradState.STALE
-        # IN_PAYLOAD: what the payload holds goes back to parameters at the step (end_step).
-
-    def _hide_grads(self) -> None:
-        if self.exposes_grads:
-            for info in self.tensors:
-                info.param.grad = None
-
-    def share_grad_shard_with_full(self) -> None:
-        """Stage 1: keep the reduced gradient slice the optimizer reads in this rank's own
-        slice of the full gradient buffer, which stage 1 keeps anyway, instead of a separate
-        fp32 shard: the model state is then the ZeRO formula's. The next backward would add
-        onto that slice, so zero_grad() must come between step() and the next backward. Only
-        with fp32 reduction (the optimizer reads fp32 gradients)."""
-        if not self.requires_grad or not self.keep_gathered or self.dtypes.reduce != torch.float32:
-            return
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
-        assert self.grad_state is GradState.OPEN, self.grad_state
-        self.grad_shard = self.grad_full[self.shard_begin : self.shard_begin + self.shard_numel]
-        self.grad_layout = GradLayout.SLICE_OF_FULL
-        # `.grad` may show the whole local gradient when the parameters compute in its dtype.
-        self.exposes_grads = self.dtypes.compute == torch.float32
-
     # ---- after the optimizer step ----------------------------------------------------------
 
     def publish_master(self, *, wait: bool = True) -> None:
@@ -619,14 +425,3 @@ class Chunk(PoolMoves):
             f"Chunk(id={self.chunk_id}, tensors={len(self.tensors)}, numel={self.numel}, "
             f"padded={self.padded_numel}, state={self.state.value})"
         )
-
-
-_ZERO_GRAD_FIRST = (
-    "stage 1 keeps the reduced gradients of the last step in this rank's slice of the "
-    "gradient buffer: call optimizer.zero_grad() between step() and the next backward"
-)
-_NO_ACCUMULATION = (
-    "reuse_fp16_shard=True keeps gradients in the parameter shard until step(): call step() "
-    "after every backward; for gradient accumulation build ShardedModelV2 with "
-    "reuse_fp16_shard=False"
-)
