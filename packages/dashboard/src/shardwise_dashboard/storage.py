@@ -23,104 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from shardwise_dashboard import db_queries as queries
 from shardwise_dashboard.db_schema import DB_VERSION, MIGRATIONS, TABLES
 
-_UPSERT_RUN = """
-INSERT INTO runs (run_id, started, last_seen, received)
-VALUES (:run_id, :first, :last, :received)
-ON CONFLICT (run_id) DO UPDATE SET
-    started = min(runs.started, excluded.started),
-    last_seen = max(runs.last_seen, excluded.last_seen),
-    received = max(coalesce(runs.received, 0), excluded.received)
-"""
-
-_DESCRIBE_RUN = """
-UPDATE runs SET world_size = :world_size, num_params = :num_params, config = :config
-WHERE run_id = :run_id
-"""
-
-# In an UPDATE every right-hand side reads the row as it was, so the comparisons below all
-# see the stored values, not ones set earlier in the same statement.
-_UPSERT_RANK = """
-INSERT INTO ranks (run_id, rank, status, error, host, last_step, num_steps, dropped, last_seen,
-                   received, skipped_in_a_row, warning, warning_step, first_overflow,
-                   first_overflow_time, placement, placement_step)
-VALUES (:run_id, :rank, coalesce(:status, 'running'), :error, :host, :last_step, :num_steps,
-        :dropped, :last_seen, :received, :skipped_in_a_row, :warning, :warning_step,
-        :first_overflow, :first_overflow_time, :placement, :placement_step)
-ON CONFLICT (run_id, rank) DO UPDATE SET
-    status = coalesce(:status, ranks.status),
-    error = coalesce(:error, ranks.error),
-    host = coalesce(:host, ranks.host),
-    last_step = max(ranks.last_step, :last_step),
-    num_steps = ranks.num_steps + :num_steps,
-    dropped = ranks.dropped + :dropped,
-    last_seen = max(ranks.last_seen, :last_seen),
-    received = max(coalesce(ranks.received, 0), :received),
-    skipped_in_a_row = CASE WHEN :last_step >= ranks.last_step THEN :skipped_in_a_row
-                            ELSE ranks.skipped_in_a_row END,
-    warning = CASE WHEN :warning_step > coalesce(ranks.warning_step, -1) THEN :warning
-                   ELSE ranks.warning END,
-    warning_step = nullif(max(coalesce(ranks.warning_step, -1), coalesce(:warning_step, -1)), -1),
-    first_overflow_time = CASE
-        WHEN :first_overflow IS NOT NULL
-             AND :first_overflow < coalesce(ranks.first_overflow, :first_overflow + 1)
-        THEN :first_overflow_time ELSE ranks.first_overflow_time END,
-    first_overflow = CASE
-        WHEN :first_overflow IS NOT NULL
-             AND :first_overflow < coalesce(ranks.first_overflow, :first_overflow + 1)
-        THEN :first_overflow ELSE ranks.first_overflow END,
-    placement = CASE WHEN :placement_step >= coalesce(ranks.placement_step, -1) THEN :placement
-                     ELSE ranks.placement END,
-    placement_step = nullif(
-        max(coalesce(ranks.placement_step, -1), coalesce(:placement_step, -1)), -1
-    )
-"""
-
-_RUN_SUMMARIES = """
-SELECT r.run_id, r.started, r.last_seen, r.world_size, r.num_params,
-       count(k.rank), coalesce(sum(k.status = 'finished'), 0),
-       coalesce(sum(k.status = 'failed'), 0), coalesce(max(k.last_step), -1),
-       coalesce(sum(k.dropped), 0), coalesce(r.received, r.last_seen),
-       coalesce(sum(k.warning IS NOT NULL), 0)
-FROM runs r LEFT JOIN ranks k ON k.run_id = r.run_id
-{where}
-GROUP BY r.run_id ORDER BY r.started DESC, r.run_id
-"""
-
-_RANKS = """
-SELECT rank, status, error, host, last_step, num_steps, dropped, last_seen,
-       coalesce(received, last_seen), skipped_in_a_row, warning, warning_step,
-       first_overflow, first_overflow_time, placement, placement_step
-FROM ranks WHERE run_id = ? {where} ORDER BY rank
-"""
-
-# Every k-th step of each rank, k = ceil(steps / max_points), plus its last and its overflows.
-_THINNED_STEPS = """
-SELECT e.rank, e.body FROM events e
-JOIN ranks k ON k.run_id = e.run_id AND k.rank = e.rank
-WHERE e.run_id = ?1 AND e.type = 'step' {rank} AND (
-    e.step % max(1, (k.last_step + ?2) / ?3) = 0
-    OR e.step = k.last_step
-    OR e.overflow
-)
-ORDER BY e.rank, e.step, e.id
-"""
-
-# Each rank's evaluations, thinned to about ?2 (every k-th by position, not by step: they come
-# every so many steps, at steps a step-based stride could miss all of) and its latest.
-_EVALS = """
-SELECT rank, body FROM (
-    SELECT rank, step, id, body,
-           row_number() OVER (PARTITION BY rank ORDER BY step, id) AS n,
-           count(*) OVER (PARTITION BY rank) AS total
-    FROM events WHERE run_id = ?1 AND type = 'eval' {rank}
-) WHERE (n - 1) % max(1, (total + ?2 - 1) / ?2) = 0 OR n = total
-ORDER BY rank, step, id
-"""
-
-# Letters of a chunk in `ranks.placement`: where its 16-bit payload is, and whether it is
-# gathered (upper case) or only this rank's shard is held (lower case).
 _PLACEMENT = {
     ("device", "gathered"): "D",
     ("device", "sharded"): "d",
@@ -306,9 +211,9 @@ class RunStore:
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     rows,
                 )
-                self._db.executemany(_UPSERT_RUN, list(runs.values()))
-                self._db.executemany(_DESCRIBE_RUN, list(described.values()))
-                self._db.executemany(_UPSERT_RANK, list(ranks.values()))
+                self._db.executemany(queries.UPSERT_RUN, list(runs.values()))
+                self._db.executemany(queries.DESCRIBE_RUN, list(described.values()))
+                self._db.executemany(queries.UPSERT_RANK, list(ranks.values()))
                 self._db.execute("COMMIT")
             except BaseException as error:
                 self._db.execute("ROLLBACK")
@@ -319,7 +224,7 @@ class RunStore:
     def runs(self) -> list[dict[str, Any]]:
         """Every run, newest first, with its status and progress."""
         with self._lock:
-            rows = self._db.execute(_RUN_SUMMARIES.format(where="")).fetchall()
+            rows = self._db.execute(queries.RUN_SUMMARIES.format(where="")).fetchall()
         now = self.clock()
         return [self._summary(row, now) for row in rows]
 
@@ -340,14 +245,14 @@ class RunStore:
         only = "" if rank is None else f"AND rank = {int(rank)}"
         with self._lock:
             row = self._db.execute(
-                _RUN_SUMMARIES.format(where="WHERE r.run_id = ?"), (run_id,)
+                queries.RUN_SUMMARIES.format(where="WHERE r.run_id = ?"), (run_id,)
             ).fetchone()
             if row is None:
                 return None
             config = self._db.execute(
                 "SELECT config FROM runs WHERE run_id = ?", (run_id,)
             ).fetchone()[0]
-            ranks = self._db.execute(_RANKS.format(where=only), (run_id,)).fetchall()
+            ranks = self._db.execute(queries.RANKS.format(where=only), (run_id,)).fetchall()
             if max_points is None:
                 steps = self._db.execute(
                     f"SELECT rank, body FROM events WHERE run_id = ? AND type = 'step' {only} "
@@ -356,11 +261,11 @@ class RunStore:
                 ).fetchall()
             else:
                 steps = self._db.execute(
-                    _THINNED_STEPS.format(rank=only.replace("rank", "e.rank")),
+                    queries.THINNED_STEPS.format(rank=only.replace("rank", "e.rank")),
                     (run_id, max_points, max_points),
                 ).fetchall()
             evals = self._db.execute(
-                _EVALS.format(rank=only), (run_id, max_points or MAX_EVALS)
+                queries.EVALS.format(rank=only), (run_id, max_points or MAX_EVALS)
             ).fetchall()
             snapshots = self._db.execute(
                 "SELECT rank, body FROM events WHERE id IN (SELECT max(id) FROM events "
@@ -437,14 +342,14 @@ class RunStore:
         overflow) of the latest `num_steps` steps; None when the run is unknown."""
         with self._lock:
             row = self._db.execute(
-                _RUN_SUMMARIES.format(where="WHERE r.run_id = ?"), (run_id,)
+                queries.RUN_SUMMARIES.format(where="WHERE r.run_id = ?"), (run_id,)
             ).fetchone()
             if row is None:
                 return None
             config = self._db.execute(
                 "SELECT config FROM runs WHERE run_id = ?", (run_id,)
             ).fetchone()[0]
-            ranks = self._db.execute(_RANKS.format(where=""), (run_id,)).fetchall()
+            ranks = self._db.execute(queries.RANKS.format(where=""), (run_id,)).fetchall()
             last_step = row[8]
             steps = self._db.execute(
                 # The planner prefers the narrower index, then reads every row for its body.
