@@ -169,3 +169,17 @@ def sharded(run: Run) -> tuple[list[float], dict[str, torch.Tensor], dict[str, A
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+class OkResponse:
+    """What `urllib.request.urlopen` returns for a 200 with an empty JSON body, for tests that
+    stand in for a dashboard."""
+
+    def __enter__(self) -> OkResponse:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        pass
+
+    def read(self) -> bytes:
+        return b"{}"

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import CHUNK_NUMEL, batch_slice, make_model
+from helpers import CHUNK_NUMEL, OkResponse, batch_slice, make_model
 
 from shardwise import telemetry, zero_model_wrapper, zero_optim_wrapper
 from shardwise.telemetry import HttpSink, TelemetryEmitter, sinks
@@ -211,9 +211,9 @@ def test_an_uncaught_exception_reports_the_run_failed(tmp_path: Path) -> None:
 def test_the_http_sink_splits_a_batch_over_its_body_limit(monkeypatch: Any) -> None:
     bodies: list[bytes] = []
 
-    def urlopen(request: Any, timeout: float) -> _Answer:
+    def urlopen(request: Any, timeout: float) -> OkResponse:
         bodies.append(request.data)
-        return _Answer()
+        return OkResponse()
 
     monkeypatch.setattr(sinks.urllib.request, "urlopen", urlopen)
     events = [{"type": "step", "step": i, "pad": "x" * 100} for i in range(100)]
@@ -247,18 +247,7 @@ class _OldDashboard:
             body = io.BytesIO(json.dumps({"detail": detail}).encode())
             raise urllib.error.HTTPError(request.full_url, 422, "Unprocessable", Message(), body)
         self.stored += events
-        return _Answer()
-
-
-class _Answer:
-    def __enter__(self) -> _Answer:
-        return self
-
-    def __exit__(self, *args: object) -> None:
-        pass
-
-    def read(self) -> bytes:
-        return b"{}"
+        return OkResponse()
 
 
 def test_a_dashboard_from_before_eval_events_still_gets_the_others(

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from dashboard_support import Server, free_port, step_event
 from fastapi.testclient import TestClient
+from helpers import OkResponse
 
 from shardwise.telemetry import HttpSink, TelemetryEmitter, sinks
 from shardwise_dashboard.app import create_app
@@ -207,22 +208,12 @@ def test_a_dashboard_without_gzip_gets_plain_bodies_from_then_on(
 ) -> None:
     sent: list[str | None] = []
 
-    class _Answer:
-        def __enter__(self) -> _Answer:
-            return self
-
-        def __exit__(self, *args: object) -> None:
-            pass
-
-        def read(self) -> bytes:
-            return b"{}"
-
-    def urlopen(request: Any, timeout: float) -> _Answer:
+    def urlopen(request: Any, timeout: float) -> OkResponse:
         encoding = request.get_header("Content-encoding")
         sent.append(encoding)
         if encoding == "gzip":  # as a dashboard from before gzip answers: not JSON
             raise urllib.error.HTTPError(request.full_url, 422, "Unprocessable", {}, None)  # type: ignore[arg-type]
-        return _Answer()
+        return OkResponse()
 
     monkeypatch.setattr(sinks.urllib.request, "urlopen", urlopen)
     sink = HttpSink("http://127.0.0.1:1", share_node=False, compress_min_bytes=1024)
