@@ -100,15 +100,23 @@ class GradReducer:
         # Per chunk holding unit tensors: its other trainable tensors, and the units it waits on.
         self._plain: dict[int, frozenset[int]] = {}
         self._waits_on: dict[int, frozenset[int]] = {}
-        for chunk in self._order:
-            mine = {i: u for (c, i), u in self._governed.items() if c == chunk.chunk_id}
-            if mine:
-                self._waits_on[chunk.chunk_id] = frozenset(mine.values())
-                self._plain[chunk.chunk_id] = frozenset(
-                    i
-                    for i, info in enumerate(chunk.tensors)
-                    if info.param.requires_grad and i not in mine
-                )
+        # Per unit, the chunks holding its tensors, in chunk order.
+        self._chunks_of_unit: dict[int, list[Chunk]] = {}
+        governed_in: dict[int, dict[int, int]] = {}  # chunk id -> {tensor index: unit}
+        for (chunk_id, index), unit in self._governed.items():
+            governed_in.setdefault(chunk_id, {})[index] = unit
+        for chunk in sorted(self._order, key=lambda c: c.chunk_id):
+            mine = governed_in.get(chunk.chunk_id)
+            if not mine:
+                continue
+            self._waits_on[chunk.chunk_id] = frozenset(mine.values())
+            self._plain[chunk.chunk_id] = frozenset(
+                i
+                for i, info in enumerate(chunk.tensors)
+                if info.param.requires_grad and i not in mine
+            )
+            for unit in self._waits_on[chunk.chunk_id]:
+                self._chunks_of_unit.setdefault(unit, []).append(chunk)
         self._units_done: set[int] = set()
         self._plain_received: dict[int, set[int]] = {}
         if units is not None:
@@ -164,14 +172,8 @@ class GradReducer:
         """Unit `unit`'s backward is done on this rank: its chunks may be complete."""
         self._queue_end_of_backward()
         self._units_done.add(unit)
-        for chunk in self._order:
-            waits_on = self._waits_on.get(chunk.chunk_id)
-            if (
-                waits_on is not None
-                and unit in waits_on
-                and chunk.chunk_id not in self._complete
-                and self._unit_chunk_complete(chunk.chunk_id)
-            ):
+        for chunk in self._chunks_of_unit.get(unit, []):
+            if chunk.chunk_id not in self._complete and self._unit_chunk_complete(chunk.chunk_id):
                 self._chunk_complete(chunk)
 
     def _chunk_complete(self, chunk: Chunk) -> None:
