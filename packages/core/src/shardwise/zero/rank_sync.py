@@ -77,11 +77,11 @@ class VisitTrail:
         """How many visits and their order-sensitive hash, small enough for float64."""
         return float(len(self._visits) % _WRAP), float(self._hash)
 
-    def take(self) -> list[str]:
-        """The names visited since the last call, and start afresh."""
-        names = [self.names[i] for i in self._visits]
+    def take(self) -> list[int]:
+        """The visits since the last call (indices into `names`), and start afresh."""
+        visits = self._visits
         self._visits, self._hash = [], 0
-        return names
+        return visits
 
 
 class RankSync:
@@ -138,13 +138,15 @@ class RankSync:
         both = torch.cat([mine, -mine])
         comm.all_reduce(both, self._stats, self._group, op=ReduceOp.MAX)
         n = mine.numel()
-        visited = self.trail.take() if self.trail is not None else []
+        visits = self.trail.take() if self.trail is not None else []
         if torch.equal(both[:n], -both[n:]):
             return
         counters = n - 2  # the trail's fingerprint comes last
         if not torch.equal(both[:counters], -both[n : n + counters]):
             self._raise(_PHASES[phase])
-        self._raise_modules_differ(visited, _PHASES[phase])
+        assert self.trail is not None  # only the trail's fingerprint is left to differ
+        names = self.trail.names
+        self._raise_modules_differ([names[i] for i in visits], _PHASES[phase])
 
     def _raise_modules_differ(self, visited: list[str], phase: str) -> None:
         everyone = [set(v) for v in comm.all_gather_object(visited, self._stats, self._group)]
