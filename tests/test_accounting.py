@@ -151,7 +151,7 @@ def _cached_counts_agree_with_a_fresh_count() -> int:
 
     from shardwise import zero_model_wrapper, zero_optim_wrapper
     from shardwise.chunk import Pool
-    from shardwise.chunk.accounting import device_resident_bytes
+    from shardwise.chunk.accounting import device_resident_bytes, transient_bytes
 
     model = make_model()
     config = {
@@ -174,7 +174,9 @@ def _cached_counts_agree_with_a_fresh_count() -> int:
             + (gemini._optimizer_bytes(c) if c.optim_pool is Pool.DEVICE else 0)
             for c in gemini.chunk_manager.chunks
         )
-        assert gemini._device_model_bytes() == fresh, where
+        assert gemini.tally.device_bytes() == fresh, where
+        in_flight = sum(transient_bytes(c) for c in gemini.chunk_manager.chunks)
+        assert gemini.tally.transient_bytes() == in_flight, where
         checks += 1
         check(where)
 

@@ -34,6 +34,8 @@ optimizer is built; copies between pools are counted in `bytes_to_device` / `byt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -48,7 +50,7 @@ from shardwise.chunk.parameters import (
     mark_released,
     mark_settled,
 )
-from shardwise.chunk.resident import Resident
+from shardwise.chunk.resident import Resident, resident_changed
 from shardwise.chunk.states import (
     ChunkDtypes,
     ChunkState,
@@ -103,6 +105,8 @@ class Chunk(GradSide):
         # Bumped whenever a buffer is replaced, resized or moved (see [Note: resident
         # version] in chunk/resident.py).
         self.resident_version = 0
+        # Told of every such change (the memory manager's running totals), when set.
+        self.resident_watch: Callable[[Chunk], None] | None = None
         self.capacity_numel = capacity_numel
         self.dtypes = dtypes
         self.device = device
@@ -317,11 +321,11 @@ class Chunk(GradSide):
         nbytes = buffer.numel() * buffer.element_size()
         if buffer.untyped_storage().size() != nbytes:
             buffer.untyped_storage().resize_(nbytes)
-            self.resident_version += 1
+            resident_changed(self)
 
     def _free(self, buffer: torch.Tensor) -> None:
         buffer.untyped_storage().resize_(0)
-        self.resident_version += 1
+        resident_changed(self)
 
     # ---- tensor states ---------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ every chunk's buffers each time cost most of a step under "auto" on a model of m
 So the attributes that decide a chunk's resident bytes (its buffers, their pools, its gradient
 layout) are `Resident` descriptors: assigning one bumps the chunk's `resident_version`, as
 does resizing a buffer's storage (`Chunk._materialise`, `Chunk._free`), and the manager counts
-a chunk again only when its version moved.
+a chunk again only when its version moved, or is told of the change at once by
+`resident_watch` (see [Note: device tally] in gemini/device_tally.py).
 """
 
 from __future__ import annotations
@@ -28,4 +29,12 @@ class Resident(Generic[T]):
 
     def __set__(self, chunk: Any, value: T) -> None:
         chunk.__dict__[self._key] = value
-        chunk.resident_version += 1
+        resident_changed(chunk)
+
+
+def resident_changed(chunk: Any) -> None:
+    """Bump `chunk`'s resident version and tell its watcher, if it has one yet."""
+    chunk.resident_version += 1
+    watch = chunk.__dict__.get("resident_watch")
+    if watch is not None:
+        watch(chunk)

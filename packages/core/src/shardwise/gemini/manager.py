@@ -22,12 +22,9 @@ import torch
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
-from shardwise.chunk.accounting import (
-    device_resident_bytes,
-    resident_bytes_by_pool,
-    transient_bytes,
-)
+from shardwise.chunk.accounting import resident_bytes_by_pool
 from shardwise.gemini.auto_placement import AutoPlacer
+from shardwise.gemini.device_tally import DeviceTally
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.policies import AutoPlacement, PlacementPolicy
 from shardwise.gemini.policies import placement_policy as placement_policy_object
@@ -96,25 +93,20 @@ class GeminiManager:
         # it could not make room for: those cannot move to the host).
         self.peak_model_device_bytes = 0
         self._optimizer_bytes: Callable[[Chunk], int] = lambda chunk: 0
-        # Per chunk id, its optimizer state's bytes: the budget check runs after every gather
-        # and gradient, and counting the state walks every tensor's state dict. The state only
-        # grows in a step and moves by this manager, so the cache is dropped at each forward
-        # and at each move.
-        self._optimizer_bytes_cache: dict[int, int] = {}
-        # Per chunk id, (its resident_version, its device bytes then, the transient part of
-        # them): a chunk whose buffers did not change since is not counted again.
-        self._resident_cache: dict[int, tuple[int, int, int]] = {}
+        # See [Note: device tally]; it counts optimizer state through `attach_optimizer`'s
+        # function, looked up at each count.
+        self.tally = DeviceTally(chunk_manager, lambda chunk: self._optimizer_bytes(chunk))
         self._rebind: Callable[[Chunk], None] = lambda chunk: None
         self.auto: AutoPlacer | None = None
         if isinstance(self.policy, AutoPlacement):
             assert self.device_budget_bytes is not None
-            tracer = MemoryTracer(chunk_manager.device, self._device_model_bytes)
+            tracer = MemoryTracer(chunk_manager.device, self.tally.device_bytes)
             self.auto = AutoPlacer(
                 chunk_manager,
                 budget=self.device_budget_bytes,
                 margin_ratio=self.policy.margin_ratio,
-                device_bytes=self._device_model_bytes,
-                chunk_device_bytes=self._chunk_device_bytes,
+                device_bytes=self.tally.device_bytes,
+                chunk_device_bytes=self.tally.chunk_device_bytes,
                 tracer=tracer,
             )
             self.auto.evict_optim = self._move_optim_to_host
@@ -140,7 +132,7 @@ class GeminiManager:
         """Tell the manager how to count the optimizer state of a chunk (in its optim pool),
         and how to re-point the optimizer at a chunk whose optimizer side moved."""
         self._optimizer_bytes = state_bytes_of
-        self._optimizer_bytes_cache.clear()
+        self.tally.forget_optimizer()
         self._rebind = rebind
 
     def attach_reducer(self, drain: Callable[[], None]) -> None:
@@ -162,7 +154,7 @@ class GeminiManager:
     # ---- calls from the gather schedule (stage 3) --------------------------------------------
 
     def begin_forward(self) -> None:
-        self._optimizer_bytes_cache.clear()  # a step may have created optimizer state
+        self.tally.forget_optimizer()  # a step may have created optimizer state
         if self.auto is not None:
             self.auto.begin_step()
             if not self.auto.warm:
@@ -210,36 +202,12 @@ class GeminiManager:
     def _move_optim_to_device(self, chunk: Chunk) -> None:
         chunk.move_optim(Pool.DEVICE)
         self._rebind(chunk)
-        self._optimizer_bytes_cache.pop(chunk.chunk_id, None)
+        self.tally.forget_optimizer(chunk)
 
     def _move_optim_to_host(self, chunk: Chunk) -> None:
         chunk.move_optim(Pool.HOST)
         self._rebind(chunk)
-        self._optimizer_bytes_cache.pop(chunk.chunk_id, None)
-
-    def _device_model_bytes(self) -> int:
-        return sum(self._chunk_device_bytes(chunk) for chunk in self.chunk_manager.chunks)
-
-    def _chunk_device_bytes(self, chunk: Chunk) -> int:
-        """Device bytes of `chunk`'s model state, its optimizer state included."""
-        held = self._resident(chunk)[1]
-        if chunk.optim_pool is Pool.DEVICE:
-            state = self._optimizer_bytes_cache.get(chunk.chunk_id)
-            if state is None:
-                state = self._optimizer_bytes_cache[chunk.chunk_id] = self._optimizer_bytes(chunk)
-            held += state
-        return held
-
-    def _resident(self, chunk: Chunk) -> tuple[int, int, int]:
-        resident = self._resident_cache.get(chunk.chunk_id)
-        if resident is None or resident[0] != chunk.resident_version:
-            resident = (
-                chunk.resident_version,
-                device_resident_bytes(chunk),
-                transient_bytes(chunk),
-            )
-            self._resident_cache[chunk.chunk_id] = resident
-        return resident
+        self.tally.forget_optimizer(chunk)
 
     def memory_by_pool(self) -> dict[str, int]:
         """Bytes of model state (payloads, masters, gradients, optimizer state) per pool now."""
@@ -254,15 +222,15 @@ class GeminiManager:
         """Record the device's bytes (model state, and under "auto" the traced non-model
         memory too); raise if the model state passes the budget. "auto" first makes room
         (see [Note: auto placement]) and raises only where nothing is left to move."""
-        device = self._device_model_bytes()
+        device = self.tally.device_bytes()
         self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
         if self.auto is not None:
-            self.auto.observe(sum(self._resident(c)[2] for c in self.chunk_manager.chunks))
+            self.auto.observe(self.tally.transient_bytes())
             budget = self.auto.budget
             excess = device + self.auto.non_model_now() - budget
             if excess > 0:
                 self.auto.relieve(excess)
-                device = self._device_model_bytes()
+                device = self.tally.device_bytes()
             self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
             self.peak_device_bytes = max(self.peak_device_bytes, device + self.auto_non_model())
         else:

@@ -1,0 +1,100 @@
+"""Running totals of the device bytes a model's chunks hold, kept up to date chunk by chunk.
+
+[Note: device tally]
+The memory manager checks the device's bytes after every gather and gradient copy. Summing
+every chunk each time cost a fifth of a step on a model of 40 small chunks (3800 chunk counts
+per step under "auto"). Instead each chunk reports a change of its buffers (see [Note:
+resident version] in chunk/resident.py) to this tally, which recounts only the chunks that
+changed since the last question and keeps the totals. A chunk's optimizer state (in its optim
+pool) only grows within a step and moves only by the manager, so its count is kept until the
+manager says it may have changed (`forget_optimizer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardwise.chunk import Chunk, ChunkManager, Pool
+from shardwise.chunk.accounting import device_resident_bytes, transient_bytes
+
+
+class DeviceTally:
+    """The device bytes of `chunk_manager`'s chunks: model state (optimizer state included)
+    and the transient part of it (gathered payloads and gradient buffers).
+
+    Args:
+        chunk_manager: the chunks to count; chunks packed later are picked up when asked.
+        optimizer_bytes: the bytes of a chunk's optimizer state (counted where its optim pool
+            is the device).
+    """
+
+    def __init__(
+        self, chunk_manager: ChunkManager, optimizer_bytes: Callable[[Chunk], int]
+    ) -> None:
+        self.chunk_manager = chunk_manager
+        self.optimizer_bytes = optimizer_bytes
+        self._watched: list[Chunk] = []
+        # Per chunk id: (its model-state device bytes, their transient part) when last counted.
+        self._counted: dict[int, tuple[int, int]] = {}
+        self._optimizer: dict[int, int] = {}
+        self._dirty: dict[int, Chunk] = {}
+        self._model = 0
+        self._transient = 0
+
+    def device_bytes(self) -> int:
+        """Model-state bytes on the device now."""
+        self._settle()
+        return self._model
+
+    def transient_bytes(self) -> int:
+        """Bytes of gathered payloads and gradient buffers on the device now."""
+        self._settle()
+        return self._transient
+
+    def chunk_device_bytes(self, chunk: Chunk) -> int:
+        """Model-state bytes `chunk` holds on the device now."""
+        self._settle()
+        return self._counted[chunk.chunk_id][0]
+
+    def forget_optimizer(self, chunk: Chunk | None = None) -> None:
+        """Count the optimizer state of `chunk` (None: of every chunk) again when next asked."""
+        chunks = self.chunk_manager.chunks if chunk is None else [chunk]
+        for each in chunks:
+            self._optimizer.pop(each.chunk_id, None)
+            self._dirty[each.chunk_id] = each
+
+    def _touched(self, chunk: Chunk) -> None:
+        self._dirty[chunk.chunk_id] = chunk
+
+    def _settle(self) -> None:
+        chunks = self.chunk_manager.chunks
+        if len(chunks) != len(self._watched):  # a manager's chunk list only grows
+            self._watch(chunks)
+        for chunk in self._dirty.values():
+            model, transient = self._count(chunk)
+            old_model, old_transient = self._counted.get(chunk.chunk_id, (0, 0))
+            self._model += model - old_model
+            self._transient += transient - old_transient
+            self._counted[chunk.chunk_id] = (model, transient)
+        self._dirty.clear()
+
+    def _watch(self, chunks: list[Chunk]) -> None:
+        """Start over on the chunks packed so far."""
+        for chunk in self._watched:
+            chunk.resident_watch = None
+        self._watched = list(chunks)
+        self._counted.clear()
+        self._optimizer.clear()
+        self._model = self._transient = 0
+        for chunk in chunks:
+            chunk.resident_watch = self._touched
+        self._dirty = {chunk.chunk_id: chunk for chunk in chunks}
+
+    def _count(self, chunk: Chunk) -> tuple[int, int]:
+        held = device_resident_bytes(chunk)
+        if chunk.optim_pool is Pool.DEVICE:
+            state = self._optimizer.get(chunk.chunk_id)
+            if state is None:
+                state = self._optimizer[chunk.chunk_id] = self.optimizer_bytes(chunk)
+            held += state
+        return held, transient_bytes(chunk)
