@@ -6,19 +6,20 @@ backward are the warm-up: a MemoryTracer samples the non-model bytes at each mod
 and the order in which boundaries use chunks is recorded. Before each boundary gathers its
 chunks, the device must have room for them (and, in backward, their gradient buffers) within
 the budget less the non-model bytes traced there; if it has not, reductions still in flight are
-finished and shards resident on the device are sent to host memory, the one used again
-farthest in the future first (during warm-up, when the future is unknown, the least recently
-used first). After a gather, a shard that came from host memory stays on the device when it
-fits.
+finished (only where that makes the room, or where the model state alone passes the budget:
+waiting cannot make room for activations and would serialise the step's reductions) and shards
+resident on the device are sent to host memory, the one used again farthest in the future
+first (during warm-up, when the future is unknown, the least recently used first). A shard
+gathered from host memory is copied to the device for the gather and stays in its pool.
 
 The plan is a forecast, so the budget check after every allocation (a gather, a gradient
-buffer, a prefetch) does the same: over the budget, it finishes the reductions in flight,
-evicts shards, and as a last resort sends optimizer sides back to host memory, then carries on.
-It raises only when the model state still passes the budget with nothing left to move: then the
-chunks gathered and the gradient buffers alone pass it, and "cpu" placement, which keeps only
-that on the device, cannot train either. Non-model memory is planned for but cannot be moved:
-where the working set and the activations together pass the budget, "auto" keeps only the
-working set on the device, as "cpu" does, and trains.
+buffer, a prefetch) does the same: over the budget, it finishes the reductions in flight (on
+the same terms), evicts shards, and as a last resort sends optimizer sides back to host memory,
+then carries on. It raises only when the model state still passes the budget with nothing left
+to move: then the chunks gathered and the gradient buffers alone pass it, and "cpu" placement,
+which keeps only that on the device, cannot train either. Non-model memory is planned for but
+cannot be moved: where the working set and the activations together pass the budget, "auto"
+keeps only the working set on the device, as "cpu" does, and trains.
 
 At the end of warm-up the plan is fixed. A prefetch of the next chunk is planned if one more
 gathered chunk fits beside the largest working set on every rank (agreed over ranks: a
@@ -94,8 +95,10 @@ class AutoPlacer:
         self.working_peak = 0
         # Room the plan keeps free for a prefetch and a chunk kept into backward.
         self.reserved_bytes = 0
-        # Finishes the gradient reductions in flight (set by the model when it overlaps them).
+        # Finishes the gradient reductions in flight (set by the model when it overlaps them),
+        # and the device bytes they hold.
         self.drain: Callable[[], None] = lambda: None
+        self.in_flight_bytes: Callable[[], int] = lambda: 0
         # Sends a chunk's optimizer side back to host memory (set by the manager).
         self.evict_optim: Callable[[Chunk], None] = lambda chunk: None
         self._position = 0
@@ -140,7 +143,7 @@ class AutoPlacer:
         room = self.budget - self.non_model_now()
         if self._device_bytes() + need <= room:
             return
-        self.drain()
+        self._drain_if_worth_it(self._device_bytes() + need - room, need)
         needed = {c.chunk_id for c in chunks}
         excess = self._device_bytes() + need - room
         while excess > 0:
@@ -155,9 +158,7 @@ class AutoPlacer:
         nothing is left to move."""
         self.overruns += 1
         evictions = self.evictions
-        before = self._device_bytes()
-        self.drain()
-        excess -= before - self._device_bytes()
+        excess -= self._drain_if_worth_it(excess, 0)
         position = max(self._position - 1, 0)
         while excess > 0:
             victim = self._victim(set(), position)
@@ -174,6 +175,18 @@ class AutoPlacer:
             # the step. (An overrun with nothing to move is the activations passing the
             # budget beside the working set alone, which no plan changes.)
             self.overruns_since_plan += 1
+
+    def _drain_if_worth_it(self, excess: int, need: int) -> int:
+        """Finish the reductions in flight when that makes the `excess` bytes of room, or
+        when the model state (with `need` more bytes) passes the budget on its own; the bytes
+        it freed. Otherwise the excess is activations that nothing frees: waiting would only
+        take the reductions' overlap with backward away, at every gather and gradient of the
+        step ("cpu" placement, which does not count activations, keeps it)."""
+        before = self._device_bytes()
+        if excess > self.in_flight_bytes() and before + need <= self.budget:
+            return 0
+        self.drain()
+        return before - self._device_bytes()
 
     def _move(self, chunk: Chunk, move: Callable[[Chunk], None]) -> int:
         """Move part of `chunk` to the host; the device bytes that freed."""

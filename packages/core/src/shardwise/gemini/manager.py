@@ -135,11 +135,15 @@ class GeminiManager:
         self.tally.forget_optimizer()
         self._rebind = rebind
 
-    def attach_reducer(self, drain: Callable[[], None]) -> None:
+    def attach_reducer(
+        self, drain: Callable[[], None], in_flight_bytes: Callable[[], int] = lambda: 0
+    ) -> None:
         """Tell the manager how to finish the gradient reductions in flight (each holds a
-        gathered chunk and its gradient buffer), so that "auto" can free them for room."""
+        gathered chunk and its gradient buffer), so that "auto" can free them for room, and
+        how many device bytes they hold."""
         if self.auto is not None:
             self.auto.drain = drain
+            self.auto.in_flight_bytes = in_flight_bytes
 
     @property
     def prefetch_planned(self) -> bool:

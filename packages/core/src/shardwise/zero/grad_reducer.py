@@ -25,6 +25,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
+from shardwise.chunk.accounting import transient_bytes
 from shardwise.chunk.reduction import (
     PendingReduction,
     reduce_across_replicas,
@@ -238,6 +239,11 @@ class GradReducer:
         for chunk in pending.wait(keep_full=False):
             if self._on_reduced is not None:
                 self._on_reduced(chunk)
+
+    def in_flight_bytes(self) -> int:
+        """Device bytes the reductions in flight hold (their chunks' gathered payloads and
+        gradient buffers): what `finish_in_flight` can give back, at most."""
+        return sum(transient_bytes(c) for pending in self._in_flight for c in pending.chunks)
 
     def finish_in_flight(self) -> None:
         """Wait for every reduction in flight now: the memory manager needs the room their
