@@ -46,8 +46,14 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
 def device_resident_bytes(chunk: Chunk) -> int:
     """`resident_bytes_by_pool(chunk)[Pool.DEVICE]`, without building the dict: the memory
     manager asks after every gather and gradient, for every chunk."""
+    return transient_bytes(chunk) + resting_device_bytes(chunk)
+
+
+def resting_device_bytes(chunk: Chunk) -> int:
+    """Device bytes `chunk` holds between steps: its shard and its optimizer side, where their
+    pools are the device (its optimizer's state excluded)."""
     nbytes = storage_bytes
-    held = nbytes(chunk.full) + nbytes(chunk.full_compute) + nbytes(chunk.grad_full)
+    held = 0
     if not chunk.keep_gathered and chunk.payload_pool is Pool.DEVICE:
         held += nbytes(chunk.shard)
     if chunk.optim_pool is Pool.DEVICE:

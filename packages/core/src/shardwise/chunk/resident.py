@@ -12,23 +12,28 @@ a chunk again only when its version moved, or is told of the change at once by
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class Resident(Generic[T]):
-    """A chunk attribute whose assignment bumps the chunk's `resident_version`."""
+    """A chunk attribute whose assignment bumps the chunk's `resident_version`.
+
+    The value lives in the chunk's own `__dict__` under the attribute's name, and the
+    descriptor has no `__get__` at run time: a data descriptor without one lets reads find the
+    instance's value at the speed of a plain attribute (the memory manager reads these after
+    every gather), while assignments still come here."""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self._key = f"_resident_{name}"
+        self._name = name
 
-    def __get__(self, chunk: Any, owner: type | None = None) -> T:
-        value: T = chunk.__dict__[self._key]
-        return value
+    if TYPE_CHECKING:
+
+        def __get__(self, chunk: Any, owner: type | None = None) -> T: ...
 
     def __set__(self, chunk: Any, value: T) -> None:
-        chunk.__dict__[self._key] = value
+        chunk.__dict__[self._name] = value
         resident_changed(chunk)
 
 

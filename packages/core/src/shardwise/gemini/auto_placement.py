@@ -104,6 +104,9 @@ class AutoPlacer:
         self._position = 0
         self._last_use: dict[int, int] = {}
         self._uses: dict[int, list[int]] = {}
+        # Per chunk id: the bytes its gather and its gradient buffer allocate.
+        self._gathered: dict[int, int] = {}
+        self._grad_buffer: dict[int, int] = {}
 
     def begin_step(self) -> None:
         self._position = 0
@@ -111,8 +114,11 @@ class AutoPlacer:
     def non_model_now(self) -> int:
         if not self.warm:
             return self.tracer.sample()
-        position = min(self._position - 1, len(self.non_model) - 1)
-        return self.non_model[max(position, 0)] if self.non_model else 0
+        traced = self.non_model
+        if not traced:
+            return 0
+        position = self._position - 1
+        return traced[min(position, len(traced) - 1)] if position > 0 else traced[0]
 
     def before_gather(self, chunks: list[Chunk], backward: bool) -> None:
         """Make room on the device for `chunks` (see [Note: auto placement])."""
@@ -132,14 +138,13 @@ class AutoPlacer:
         after the allocation."""
         if position is None:
             position = max(self._position - 1, 0)
-        need = sum(gathered_bytes(c) for c in chunks if c.state is ChunkState.SHARDED)
-        if backward:
-            # Their gradient buffers arrive during this backward step.
-            need += sum(
-                c.padded_numel * _reduce_size(c)
-                for c in chunks
-                if c.requires_grad and c.grad_full is None
-            )
+        need = 0
+        for chunk in chunks:
+            if chunk.state is ChunkState.SHARDED:
+                need += self._gathered_bytes(chunk)
+            # In backward their gradient buffers arrive too.
+            if backward and chunk.requires_grad and chunk.grad_full is None:
+                need += self._grad_buffer_bytes(chunk)
         room = self.budget - self.non_model_now()
         if self._device_bytes() + need <= room:
             return
@@ -175,6 +180,20 @@ class AutoPlacer:
             # the step. (An overrun with nothing to move is the activations passing the
             # budget beside the working set alone, which no plan changes.)
             self.overruns_since_plan += 1
+
+    def _gathered_bytes(self, chunk: Chunk) -> int:
+        # Asked before every gather: fixed per chunk, so counted once.
+        nbytes = self._gathered.get(chunk.chunk_id)
+        if nbytes is None:
+            nbytes = self._gathered[chunk.chunk_id] = gathered_bytes(chunk)
+        return nbytes
+
+    def _grad_buffer_bytes(self, chunk: Chunk) -> int:
+        nbytes = self._grad_buffer.get(chunk.chunk_id)
+        if nbytes is None:
+            nbytes = chunk.padded_numel * _reduce_size(chunk)
+            self._grad_buffer[chunk.chunk_id] = nbytes
+        return nbytes
 
     def _drain_if_worth_it(self, excess: int, need: int) -> int:
         """Finish the reductions in flight when that makes the `excess` bytes of room, or

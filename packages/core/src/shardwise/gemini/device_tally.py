@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardwise.chunk import Chunk, ChunkManager, Pool
-from shardwise.chunk.accounting import device_resident_bytes, transient_bytes
+from shardwise.chunk.accounting import resting_device_bytes, transient_bytes
 
 
 class DeviceTally:
@@ -91,10 +91,11 @@ class DeviceTally:
         self._dirty = {chunk.chunk_id: chunk for chunk in chunks}
 
     def _count(self, chunk: Chunk) -> tuple[int, int]:
-        held = device_resident_bytes(chunk)
+        transient = transient_bytes(chunk)
+        held = transient + resting_device_bytes(chunk)
         if chunk.optim_pool is Pool.DEVICE:
             state = self._optimizer.get(chunk.chunk_id)
             if state is None:
                 state = self._optimizer[chunk.chunk_id] = self.optimizer_bytes(chunk)
             held += state
-        return held, transient_bytes(chunk)
+        return held, transient
