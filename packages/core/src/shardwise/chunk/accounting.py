@@ -17,7 +17,7 @@ def storage_bytes(tensor: torch.Tensor | None) -> int:
 def resident_bytes(chunk: Chunk) -> dict[str, int]:
     """Bytes `chunk` holds now, per buffer kind."""
     nbytes = storage_bytes
-    payload = nbytes(chunk.full) + nbytes(chunk.full_compute)
+    payload = nbytes(chunk.full) + nbytes(chunk.full_compute) + nbytes(chunk.secondary)
     payload += 0 if chunk.keep_gathered else nbytes(chunk.shard)
     master = 0 if chunk.master is chunk.shard else nbytes(chunk.master)
     # Stage 1's gradient shard may be a view into its full gradient buffer: counted once.
@@ -31,7 +31,10 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
     it lives in the chunk's `optim_pool`)."""
     nbytes = storage_bytes
     held = {
-        Pool.DEVICE: nbytes(chunk.full) + nbytes(chunk.full_compute) + nbytes(chunk.grad_full),
+        Pool.DEVICE: nbytes(chunk.full)
+        + nbytes(chunk.full_compute)
+        + nbytes(chunk.grad_full)
+        + nbytes(chunk.secondary),
         Pool.HOST: 0,
     }
     if not chunk.keep_gathered:
@@ -74,7 +77,13 @@ def gathered_bytes(chunk: Chunk) -> int:
 
 def transient_bytes(chunk: Chunk) -> int:
     """Device bytes `chunk` holds now that a step allocates and frees: its gathered payload
-    (and compute copy) and its gradient buffer. Every placement needs them at once where the
-    step does; the rest of the model state can wait in host memory."""
+    (and compute copy), its gradient buffer, and its secondary copy (hpZ). Every placement
+    needs them at once where the step does; the rest of the model state can wait in host
+    memory."""
     nbytes = storage_bytes
-    return nbytes(chunk.full) + nbytes(chunk.full_compute) + nbytes(chunk.grad_full)
+    return (
+        nbytes(chunk.full)
+        + nbytes(chunk.full_compute)
+        + nbytes(chunk.grad_full)
+        + nbytes(chunk.secondary)
+    )

@@ -13,10 +13,25 @@
   keeps its payload gathered, as in stages 1 and 2).
 - `master`: fp32 copy of `shard` for the optimizer; the same tensor as `shard` when the payload
   is already fp32, so fp32 training keeps no second copy.
+- `secondary` (ZeRO++ hpZ, stage 3 with `secondary_shard_size`): this rank's slice of the
+  payload within its secondary group, kept from a forward's release for the next gather (see
+  [Note: secondary shards]); None otherwise.
 - `grad_full`: gradients of the whole chunk, in the reduce dtype, filled by gradient hooks (see
   [Note: gradient buffers start uninitialised] in grad_buffer.py) and reduce-scattered into
   `grad_shard` (fp32), which the optimizer reads: at stage 1, with fp32 reduction, this rank's
   own slice of `grad_full` (see share_grad_shard_with_full()).
+
+[Note: secondary shards]
+ZeRO++'s hierarchical partitioning (hpZ): when a forward with gradients on releases a chunk,
+each rank keeps 1/s of the gathered payload (s = `secondary_shard_size`, the ranks of a node,
+say) before freeing the rest, so that the gather backward needs runs inside those s ranks
+(fast links) rather than over every rank. The secondary copy holds exactly the payload's
+values, so gathering from it changes no number; it is valid until the payload changes (the
+step's `publish_master`, a checkpoint's `write_range`), which drop it, and a gather from it
+drops it too, since that gather is backward's. Whether a gather reads the secondary copy
+depends only on the sequence of releases and gathers, which is the same on every rank, so
+every rank picks the same group. Its memory: 1/s of each such chunk, on the device, from
+forward until backward gathers it (ZeRO++'s trade: more memory, less inter-node traffic).
 
 [Note: reducing gradients]
 `grad_full` reaches its owners through `comm.reduce_to_shard` with the chunk's `reduce_method`
@@ -88,6 +103,7 @@ class Chunk(GradSide):
     payload_pool = Resident[Pool]()
     optim_pool = Resident[Pool]()
     grad_layout = Resident[GradLayout]()
+    secondary = Resident[torch.Tensor | None]()
 
     def __init__(
         self,
@@ -159,6 +175,9 @@ class Chunk(GradSide):
         # Hybrid sharding: the same shard's holders in the other shard groups (see [Note:
         # hybrid sharding] in comm/topology.py); the initial broadcast reaches them too.
         self.replicate_group: ProcessGroup | None = None
+        # hpZ: the group gathers from `secondary` run on (see [Note: secondary shards]).
+        self.secondary_group: ProcessGroup | None = None
+        self.secondary = None
 
     # ---- packing ---------------------------------------------------------------------------
 
@@ -245,7 +264,7 @@ class Chunk(GradSide):
             return
         self._check_payload_holds_params()
         self._materialise(self.full)
-        work = self._start_all_gather(self._shard_on_device(), async_op=True)
+        work = self._start_all_gather(*self._gather_source(), async_op=True)
         if work is not None:
             self._pending_gather = (work, self.full)
         else:
@@ -263,7 +282,7 @@ class Chunk(GradSide):
         self._check_payload_holds_params()
         if self._pending_gather is None:
             self._materialise(self.full)
-            self._start_all_gather(self._shard_on_device(), async_op=False)
+            self._start_all_gather(*self._gather_source(), async_op=False)
         else:
             work, _ = self._pending_gather
             work.wait()
@@ -271,13 +290,31 @@ class Chunk(GradSide):
         self._finish_gather()
 
     def _start_all_gather(
-        self, shard: torch.Tensor, *, async_op: bool
+        self,
+        shard: torch.Tensor,
+        group: ProcessGroup | None = None,
+        kind: comm.CommOp = comm.CommOp.ALL_GATHER,
+        *,
+        async_op: bool,
     ) -> torch.distributed.Work | None:
         """Every all-gather of the payload into `full` starts here (see [Note: gather
-        codecs]); the caller decodes once it is complete."""
+        codecs]), over the chunk's group unless `group` says otherwise; the caller decodes
+        once it is complete."""
         return comm.all_gather(
-            self.full, self.codec.encode(shard), self.stats, self.group, async_op=async_op
+            self.full,
+            self.codec.encode(shard),
+            self.stats,
+            self.group if group is None else group,
+            async_op=async_op,
+            kind=kind,
         )
+
+    def _gather_source(self) -> tuple[torch.Tensor, ProcessGroup | None, comm.CommOp]:
+        """What a gather reads: the secondary copy when there is one (see [Note: secondary
+        shards]), else this rank's shard, on the device."""
+        if self.secondary is not None:
+            return self.secondary, self.secondary_group, comm.CommOp.SECONDARY_ALL_GATHER
+        return self._shard_on_device(), self.group, comm.CommOp.ALL_GATHER
 
     def _shard_on_device(self) -> torch.Tensor:
         if self.payload_pool is Pool.DEVICE:
@@ -285,6 +322,7 @@ class Chunk(GradSide):
         return self._move(self.shard, Pool.DEVICE)
 
     def _finish_gather(self) -> None:
+        self.drop_secondary()  # it served backward's gather (see [Note: secondary shards])
         if self.full_compute is not None:
             self._materialise(self.full_compute)
             self.codec.decode(self.full, self.full_compute)
@@ -295,8 +333,9 @@ class Chunk(GradSide):
         for info in self.tensors:
             info.state = TensorState.HOLD
 
-    def release(self) -> None:
-        """Drop the full payload, keeping only this rank's shard."""
+    def release(self, *, keep_secondary: bool = False) -> None:
+        """Drop the full payload, keeping only this rank's shard and, with `keep_secondary`
+        and a secondary group, this rank's slice of it there (see [Note: secondary shards])."""
         if self.keep_gathered:
             raise RuntimeError(f"chunk {self.chunk_id} keeps its payload gathered")
         if self._pending_gather is not None:
@@ -309,6 +348,8 @@ class Chunk(GradSide):
         for info in self.tensors:
             if info.state is TensorState.COMPUTE:
                 raise RuntimeError(f"cannot release chunk {self.chunk_id}: {info.name} is in use")
+        if keep_secondary and self.secondary_group is not None:
+            self._keep_secondary()
         self._free(self.full)
         if self.full_compute is not None:
             self._free(self.full_compute)
@@ -316,6 +357,20 @@ class Chunk(GradSide):
         self.state = ChunkState.SHARDED
         for info in self.tensors:
             info.state = TensorState.FREE
+
+    def _keep_secondary(self) -> None:
+        size = comm.world_size(self.secondary_group)
+        span = self.padded_numel // size
+        begin = comm.rank(self.secondary_group) * span
+        # The 16-bit payload is freed once cast into the compute copy; casting that slice
+        # back gives the payload's values exactly (the cast up was exact).
+        source = self.full if self.full_compute is None else self.full_compute
+        self.secondary = source[begin : begin + span].to(self.dtypes.payload, copy=True)
+
+    def drop_secondary(self) -> None:
+        """Forget the secondary copy (the payload is about to change, or backward is over)."""
+        if self.secondary is not None:
+            self.secondary = None
 
     def _materialise(self, buffer: torch.Tensor) -> None:
         nbytes = buffer.numel() * buffer.element_size()
@@ -351,6 +406,7 @@ class Chunk(GradSide):
         """Copy the updated fp32 master into the payload; refresh the gathered copy if kept, in
         the background with `wait=False` (see [Note: deferred parameter gathers])."""
         self.wait_publish()
+        self.drop_secondary()
         if not self.keep_gathered:
             self.release()  # a gathered copy left from a forward without backward is stale now
         if self.master is not self.shard:
@@ -393,6 +449,7 @@ class Chunk(GradSide):
         """Overwrite elements [begin, begin + numel) of flattened tensor `index` with `values`,
         which must lie inside the part this rank owns (a checkpoint restores just that)."""
         self.wait_publish()
+        self.drop_secondary()
         if not self.keep_gathered:
             self.release()  # its gathered copy would be stale
         info = self.tensors[index]

@@ -139,6 +139,7 @@ class ChunkManager:
             chunk.predivide_factor = self.predivide_factor
             chunk.reduce_method = self.reduce_method
             chunk.replicate_group = self.topology.replicate
+            chunk.secondary_group = self.topology.secondary
             owner.update(dict.fromkeys(layout.members, chunk))
             last[layout.members[-1]] = chunk
             new_chunks.append(chunk)

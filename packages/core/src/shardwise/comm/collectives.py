@@ -40,11 +40,13 @@ def all_gather(
     stats: CommStats,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    kind: CommOp = CommOp.ALL_GATHER,
 ) -> dist.Work | None:
-    """Gather every rank's `shard` into `output` (shard numel x world size), in rank order."""
+    """Gather every rank's `shard` into `output` (shard numel x world size), in rank order,
+    counted as `kind`."""
     n = world_size(group)
     payload = _nbytes(output)
-    stats.record(CommOp.ALL_GATHER, payload, payload * (n - 1) // n)
+    stats.record(kind, payload, payload * (n - 1) // n)
     if n == 1:
         output.copy_(shard)
         return None

@@ -20,6 +20,9 @@ class CommOp(str, Enum):
     REPLICATE_ALL_REDUCE = "replicate_all_reduce"
     """Hybrid sharding: the gradient shards all-reduced, once per step, with the ranks holding
     the same shards in the other shard groups: the only step traffic that crosses groups."""
+    SECONDARY_ALL_GATHER = "secondary_all_gather"
+    """ZeRO++ hpZ: a chunk gathered from the secondary shards kept inside a group of
+    `secondary_shard_size` ranks (one node's fast links), not from the primary shards."""
     CONTROL = "control"
     """Agreements between ranks outside the step: barriers and small pickled Python objects
     (checkpoint tokens and file lists, run ids, error reports); bytes are the pickles'."""

@@ -21,7 +21,7 @@ is still decided over the whole data-parallel group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -40,12 +40,15 @@ class Topology:
         replicate: the ranks holding the same shards as this one in the other shard groups;
             None without hybrid sharding.
         replicas: how many shard groups there are (1 without hybrid sharding).
+        secondary: ZeRO++ hpZ: the ranks this rank keeps secondary shards with, for
+            backward's gathers (see [Note: secondary shards] in chunk/chunk.py); None without.
     """
 
     data_parallel: ProcessGroup | None
     shard: ProcessGroup | None
     replicate: ProcessGroup | None
     replicas: int
+    secondary: ProcessGroup | None = None
 
     @property
     def hybrid(self) -> bool:
@@ -57,7 +60,21 @@ class Topology:
 _BUILT: dict[tuple[int, int], Topology] = {}
 
 
-def topology_for(group: ProcessGroup | None, shard_size: int | None) -> Topology:
+def topology_for(
+    group: ProcessGroup | None, shard_size: int | None, *, secondary_shard_size: int | None = None
+) -> Topology:
+    """The topology of `group` sharded in groups of `shard_size` ranks (None: over all of it)
+    and, with `secondary_shard_size`, the groups hpZ's secondary shards live in (see
+    [Note: secondary shards] in chunk/chunk.py)."""
+    if secondary_shard_size is None:
+        return _shard_topology(group, shard_size)
+    if shard_size is not None:
+        raise ValueError("secondary_shard_size and shard_size cannot be combined")
+    topology = _shard_topology(group, None)
+    return replace(topology, secondary=secondary_group(group, secondary_shard_size))
+
+
+def _shard_topology(group: ProcessGroup | None, shard_size: int | None) -> Topology:
     """The topology of `group` sharded in groups of `shard_size` ranks (None: over all of it).
 
     Building the subgroups is a collective over the default group (every rank creates every
@@ -97,3 +114,35 @@ def topology_for(group: ProcessGroup | None, shard_size: int | None) -> Topology
 def replica_index(topology: Topology) -> int:
     """Which shard group this rank belongs to (0 without hybrid sharding)."""
     return rank(topology.replicate) if topology.replicate is not None else 0
+
+
+# Per default group (by identity) and size: every rank's secondary group.
+_SECONDARY: dict[tuple[int, int], ProcessGroup] = {}
+
+
+def secondary_group(group: ProcessGroup | None, size: int) -> ProcessGroup:
+    """This rank's group of `size` consecutive ranks of the default group (a node's ranks),
+    where hpZ keeps its secondary shards. A collective over the default group the first time
+    a size is asked for (every rank creates every subgroup)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"secondary_shard_size must be a positive int of ranks, got {size!r}")
+    if group is not None and group is not dist.group.WORLD:
+        raise ValueError(
+            "secondary_shard_size splits the default process group; it cannot be combined "
+            "with a process_group of your own"
+        )
+    world = world_size(group)
+    if world % size or size >= world:
+        raise ValueError(
+            f"secondary_shard_size={size} must be a divisor of the {world} ranks smaller than "
+            f"{world} (e.g. the ranks per node); at {world} it would gather over every rank, "
+            f"as without it"
+        )
+    key = (id(dist.group.WORLD), size)
+    built = _SECONDARY.get(key)
+    if built is None:
+        ranks = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
+        built, _ = dist.new_subgroups_by_enumeration(ranks)
+        assert built is not None
+        _SECONDARY[key] = built
+    return built

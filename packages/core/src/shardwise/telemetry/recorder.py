@@ -193,6 +193,8 @@ def enable(
     if topology.hybrid:  # the dashboard's run header lists every key
         config["shard_size"] = comm.world_size(topology.shard)
         config["replicas"] = topology.replicas
+    if topology.secondary is not None:
+        config["secondary_shard_size"] = comm.world_size(topology.secondary)
     recorder.started(config)
     _report_uncaught_exceptions(recorder)
     atexit.register(recorder.finish)

@@ -138,6 +138,10 @@ class ZeroConfig:
         shard_size: hybrid sharding: shard over groups of this many consecutive ranks and
             replicate across the groups (see [Note: hybrid sharding] in comm/topology.py);
             None shards over the whole process group.
+        secondary_shard_size: stage 3, ZeRO++ hpZ: keep a secondary copy of each chunk's
+            payload sharded over groups of this many consecutive ranks (the ranks of a node)
+            from forward to backward, so that backward's all-gathers stay inside a group (see
+            [Note: secondary shards] in chunk/chunk.py); None gathers over every rank.
         gather_units: stage 3: module classes or qualified module names to gather as one
             unit, besides the blocks that hold experts, which are found by themselves (see
             [Note: gather units] in zero/gather_units.py).
@@ -157,6 +161,7 @@ class ZeroConfig:
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     gather_units: tuple[type[torch.nn.Module] | str, ...] = ()
     shard_size: int | None = None
+    secondary_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int):
@@ -205,6 +210,7 @@ class ZeroConfig:
             raise ValueError(f"shard_size must be a positive int of ranks, got {self.shard_size!r}")
         if self.shard_size is not None and self.stage == 0:
             raise ValueError("shard_size applies to stages 1-3; stage 0 shards nothing")
+        self._check_secondary_shard_size()
         if not isinstance(self.gather_units, tuple):
             raise TypeError(
                 f"gather_units must be a tuple of module classes or qualified module names, "
@@ -218,4 +224,23 @@ class ZeroConfig:
         if not isinstance(self.mixed_precision, MixedPrecision):
             raise TypeError(
                 f"mixed_precision must be a MixedPrecision, got {self.mixed_precision!r}"
+            )
+
+    def _check_secondary_shard_size(self) -> None:
+        size = self.secondary_shard_size
+        if size is None:
+            return
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"secondary_shard_size must be a positive int of ranks, got {size!r}")
+        if self.stage != 3:
+            raise ValueError(
+                f"secondary_shard_size (ZeRO++ hpZ) applies to stage 3, where backward gathers "
+                f"parameters; got zero_stage={self.stage}"
+            )
+        if self.shard_size is not None:
+            raise ValueError(
+                "secondary_shard_size and shard_size cannot be combined: hybrid sharding keeps "
+                "every all-gather inside its shard groups already; use shard_size for less "
+                "inter-node traffic at full replication, or secondary_shard_size to keep "
+                "sharding over every rank and gather backward's parameters inside the groups"
             )

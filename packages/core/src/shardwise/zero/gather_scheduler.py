@@ -164,7 +164,7 @@ class GatherScheduler:
                 for chunk_id in chunk_ids
             }
         keep = self._keep_for_backward if self._forward.on_track else frozenset()
-        self.release_all(keep=keep)
+        self.release_all(keep=keep, keep_secondary=torch.is_grad_enabled())
 
     def _needed_first_by_backward(self) -> frozenset[int]:
         # Backward starts with the modules forward ended with: releasing their chunks only to
@@ -220,7 +220,7 @@ class GatherScheduler:
                         and not chunk.in_use
                         and not chunk.keep_gathered
                     ):
-                        chunk.release()
+                        chunk.release(keep_secondary=torch.is_grad_enabled())
             if torch.is_grad_enabled():
                 self._register_pre_backward(output, chunks, visit)
 
@@ -233,7 +233,7 @@ class GatherScheduler:
         for chunk in _unique_chunks(places):
             used = len(self._used_in_pass[chunk.chunk_id])
             if used == len(chunk.tensors) and not chunk.in_use and not chunk.keep_gathered:
-                chunk.release()
+                chunk.release(keep_secondary=torch.is_grad_enabled())
 
     # ---- backward ----------------------------------------------------------------------------
 
@@ -269,6 +269,8 @@ class GatherScheduler:
                 if info.state is TensorState.COMPUTE:
                     chunk.set_hold(index)
         self.release_all()
+        for chunk in self.chunk_manager.chunks:
+            chunk.drop_secondary()  # what backward did not gather (an unused branch)
         if self._gemini is not None and not self._warmed_up:
             self._warmed_up = True
             self._gemini.end_of_warmup()
@@ -296,8 +298,11 @@ class GatherScheduler:
         if not chunk.in_use and not chunk.keep_gathered:
             chunk.release()
 
-    def release_all(self, keep: frozenset[int] = frozenset()) -> None:
-        """Release every gathered (or prefetching) chunk not in use, but those in `keep`."""
+    def release_all(
+        self, keep: frozenset[int] = frozenset(), *, keep_secondary: bool = False
+    ) -> None:
+        """Release every gathered (or prefetching) chunk not in use, but those in `keep`;
+        with `keep_secondary`, each keeps its secondary copy for backward (hpZ)."""
         for chunk in self.chunk_manager.chunks:
             if (
                 (chunk.state is ChunkState.GATHERED or chunk.gather_pending)
@@ -305,7 +310,7 @@ class GatherScheduler:
                 and not chunk.in_use
                 and not chunk.keep_gathered
             ):
-                chunk.release()
+                chunk.release(keep_secondary=keep_secondary)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -51,6 +51,7 @@ _GEMINI_CONFIG_KEYS = (
     "param_init_fn",
     "gather_units",
     "shard_size",
+    "secondary_shard_size",
 )
 
 
@@ -118,6 +119,7 @@ class GeminiDDP(ZeroModel):
             chunk_size_numel=chunk_manager.chunk_size_numel,
             process_group=chunk_manager.topology.data_parallel,
             shard_size=_shard_size(chunk_manager),
+            secondary_shard_size=_secondary_shard_size(chunk_manager),
             gradient_reduction=chunk_manager.reduce_method.value,
             prefetch=prefetch,
             overlap_communication=gemini_manager.policy.allows_overlapped_reduction,
@@ -187,7 +189,8 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
     ZeroConfig); param_init_fn (initialises each module of a model built on the meta device;
     see ZeroConfig); gather_units (module classes or qualified names gathered as one block
     besides the blocks holding experts; see ZeroConfig); shard_size (hybrid sharding over
-    groups of that many ranks; see ZeroConfig).
+    groups of that many ranks; see ZeroConfig); secondary_shard_size (ZeRO++ hpZ: backward
+    gathers inside groups of that many ranks; see ZeroConfig).
     """
     config = dict(gemini_config)
     unknown = sorted(set(config) - set(_GEMINI_CONFIG_KEYS))
@@ -241,6 +244,7 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
         param_init_fn=config.get("param_init_fn"),
         gather_units=_gather_units(config.get("gather_units", ())),
         shard_size=config.get("shard_size"),
+        secondary_shard_size=config.get("secondary_shard_size"),
     )
     chunk_manager = chunk_manager_for(zero_config, CommStats())
     chunk_manager.chunk_size_reason = reason
@@ -253,6 +257,11 @@ def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -
 def _shard_size(chunk_manager: ChunkManager) -> int | None:
     topology = chunk_manager.topology
     return comm.world_size(topology.shard) if topology.hybrid else None
+
+
+def _secondary_shard_size(chunk_manager: ChunkManager) -> int | None:
+    secondary = chunk_manager.topology.secondary
+    return comm.world_size(secondary) if secondary is not None else None
 
 
 def _gather_units(value: object) -> tuple[Any, ...]:

@@ -382,7 +382,9 @@ class ZeroModel(nn.Module):
 def chunk_manager_for(config: ZeroConfig, stats: CommStats) -> ChunkManager:
     """An empty chunk manager as `config` says: chunk size, device, dtypes, group, reduction
     method, and whether chunks keep their payload gathered (stages 1 and 2)."""
-    topology = topology_for(config.process_group, config.shard_size)
+    topology = topology_for(
+        config.process_group, config.shard_size, secondary_shard_size=config.secondary_shard_size
+    )
     return ChunkManager(
         chunk_size_numel=config.chunk_size_numel,
         device=config.device,
