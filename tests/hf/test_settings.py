@@ -109,3 +109,11 @@ def test_shard_size_reaches_the_engine_at_every_stage() -> None:
         settings = resolve(CallbackOptions(zero_stage=stage, shard_size=2), _args())
         assert settings.gemini_config["shard_size"] == 2
     assert "shard_size" not in resolve(CallbackOptions(), _args()).gemini_config
+
+
+def test_secondary_shard_size_reaches_the_engine_at_stage_3_only() -> None:
+    settings = resolve(CallbackOptions(zero_stage=3, secondary_shard_size=2), _args())
+    assert settings.gemini_config["secondary_shard_size"] == 2
+    assert "secondary_shard_size" not in resolve(CallbackOptions(), _args()).gemini_config
+    with pytest.raises(ValueError, match="only stage 3 does"):
+        resolve(CallbackOptions(zero_stage=2, secondary_shard_size=2), _args())

@@ -136,6 +136,8 @@ class FitResult:
     state: dict[str, torch.Tensor]
     val_losses: list[float] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    # The engine's collective counts, where the strategy wrapped the module in one.
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
@@ -179,4 +181,6 @@ def fit(
         warnings.simplefilter("ignore")
         run.fit(module, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in run.callback_metrics.items()}
-    return FitResult(module.losses, full_state(run, module), module.val_losses, metrics)
+    stats = getattr(run.strategy.model, "comm_stats", None)
+    comm = stats.snapshot() if stats is not None else {}
+    return FitResult(module.losses, full_state(run, module), module.val_losses, metrics, comm)

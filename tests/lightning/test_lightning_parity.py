@@ -41,6 +41,11 @@ EXACT_CASES: dict[str, Any] = {
     # gradients are all-reduced across the two groups, as DDP does.
     "gemini_hybrid": lambda: GeminiStrategy(placement_policy="cuda", chunk_size=500, shard_size=1),
     "fsdp_hybrid": lambda: FullyShardedStrategy(min_num_params=700, shard_size=1),
+    # hpZ with secondary groups of one rank: each rank keeps its whole copy of every chunk
+    # from forward to backward, which then gathers nothing over both ranks.
+    "gemini_hpz": lambda: GeminiStrategy(
+        placement_policy="cuda", chunk_size=500, secondary_shard_size=1
+    ),
 }
 
 
@@ -91,6 +96,10 @@ def test_fit_matches_ddp_fp32() -> None:
             else:
                 assert ours.losses == ddp.losses, (rank, name)
                 assert _max_diff(ours.state, ddp.state) == 0.0, (rank, name)
+    # hpZ's backward gathers came from the secondary copies (over one rank: no bytes sent).
+    for results in per_rank:
+        assert results["gemini_hpz"][1].comm["secondary_all_gather"]["calls"] > 0
+        assert results["gemini_small_chunks"][1].comm["secondary_all_gather"]["calls"] == 0
     # The runs trained: later epochs' loss below the first steps'.
     losses = per_rank[0]["registered_gemini"][1].losses
     assert sum(losses[-4:]) < sum(losses[:4])

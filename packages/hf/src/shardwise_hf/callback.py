@@ -57,6 +57,10 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         device_budget_bytes: the device memory the "auto" placement may fill with model state.
         shard_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g.
             the devices of one node) and replicate across the groups; None shards over all.
+        secondary_shard_size: ZeRO++ hpZ: keep a secondary copy of each chunk sharded over
+            groups of this many consecutive ranks from forward to backward, whose gathers then
+            stay inside a group; 1 keeps each rank's whole copy (no gather in backward); None:
+            backward gathers over every rank.
         initial_scale, growth_interval, hysteresis, min_scale, max_scale: the dynamic loss
             scale used with fp16.
     """
@@ -70,6 +74,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         precision: str = "auto",
         device_budget_bytes: int | None = None,
         shard_size: int | None = None,
+        secondary_shard_size: int | None = None,
         initial_scale: float = 2**16,
         growth_interval: int = 1000,
         hysteresis: int = 2,
@@ -83,6 +88,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             precision=precision,
             device_budget_bytes=device_budget_bytes,
             shard_size=shard_size,
+            secondary_shard_size=secondary_shard_size,
             loss_scale=LossScaleConfig(
                 initial_scale=initial_scale,
                 growth_interval=growth_interval,

@@ -30,6 +30,7 @@ class CallbackOptions:
     device_budget_bytes: int | None = None
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     shard_size: int | None = None
+    secondary_shard_size: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,6 +135,11 @@ def resolve(options: CallbackOptions, args: Any, trainer: Any = None) -> EngineS
             f"placement_policy / device_budget_bytes place stage-3 chunks; at zero_stage={stage} "
             f"leave them unset or use zero_stage=3"
         )
+    if stage in (1, 2) and options.secondary_shard_size is not None:
+        problems.append(
+            f"secondary_shard_size (ZeRO++ hpZ) keeps parameters for backward's gathers, which "
+            f"only stage 3 does; at zero_stage={stage} leave it unset or use zero_stage=3"
+        )
     args_precision = _precision_of(args)
     precision = options.precision if options.precision != "auto" else args_precision
     if (
@@ -166,6 +172,8 @@ def resolve(options: CallbackOptions, args: Any, trainer: Any = None) -> EngineS
     }
     if options.shard_size is not None:
         gemini_config["shard_size"] = options.shard_size
+    if options.secondary_shard_size is not None:
+        gemini_config["secondary_shard_size"] = options.secondary_shard_size
     if stage == 3:
         gemini_config["placement_policy"] = policy
         gemini_config["chunk_size_numel"] = chunk

@@ -83,6 +83,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         shard_size: int | None = None,
+        secondary_shard_size: int | None = None,
     ) -> None:
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(
@@ -108,6 +109,9 @@ class ShardwiseStrategyBase(DDPStrategy):
             raise ValueError(f"shard_size must be a positive int of ranks, got {shard_size!r}")
         # Hybrid sharding (see [Note: hybrid sharding] in shardwise/comm/topology.py).
         self._shard_size = shard_size
+        # ZeRO++ hpZ (see [Note: secondary shards] in shardwise/chunk/chunk.py); the engine
+        # validates it against the world size when it wraps the module.
+        self._secondary_shard_size = secondary_shard_size
         self.state_dict_type = cast(StateDictType, state_dict_type)
         # Per optimizer parameter group, its parameters' names in group order: how torch
         # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
@@ -211,6 +215,8 @@ class ShardwiseStrategyBase(DDPStrategy):
         config = self.gemini_config(self.root_device)
         if self._shard_size is not None:
             config["shard_size"] = self._shard_size
+        if self._secondary_shard_size is not None:
+            config["secondary_shard_size"] = self._secondary_shard_size
         self._zero_model = zero_model_wrapper(model, zero_stage=3, gemini_config=config)
         self._engines[id(model)] = self._zero_model
         return self._zero_model

@@ -51,6 +51,10 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             0 that `LightningModule.load_from_checkpoint` and other strategies read).
         shard_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g.
             the devices of one node) and replicate across the groups; None shards over all.
+        secondary_shard_size: ZeRO++ hpZ: keep a secondary copy of each chunk sharded over
+            groups of this many consecutive ranks from forward to backward, whose gathers then
+            stay inside a group; 1 keeps each rank's whole copy (no gather in backward); None:
+            backward gathers over every rank.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: str = "sharded",
         shard_size: int | None = None,
+        secondary_shard_size: int | None = None,
     ) -> None:
         for name, value in (
             ("cpu_offload", cpu_offload),
@@ -139,6 +144,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             timeout=timeout,
             state_dict_type=state_dict_type,
             shard_size=shard_size,
+            secondary_shard_size=secondary_shard_size,
         )
         self.cpu_offload = cpu_offload
         self.fp32_reduce_scatter = fp32_reduce_scatter

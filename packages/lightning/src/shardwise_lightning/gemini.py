@@ -56,6 +56,10 @@ class GeminiStrategy(ShardwiseStrategyBase):
             0 that `LightningModule.load_from_checkpoint` and other strategies read).
         shard_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g.
             the devices of one node) and replicate across the groups; None shards over all.
+        secondary_shard_size: ZeRO++ hpZ: keep a secondary copy of each chunk sharded over
+            groups of this many consecutive ranks from forward to backward, whose gathers then
+            stay inside a group; 1 keeps each rank's whole copy (no gather in backward); None:
+            backward gathers over every rank.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class GeminiStrategy(ShardwiseStrategyBase):
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: str = "sharded",
         shard_size: int | None = None,
+        secondary_shard_size: int | None = None,
     ) -> None:
         for name, value in (
             ("use_chunk", use_chunk),
@@ -145,6 +150,7 @@ class GeminiStrategy(ShardwiseStrategyBase):
             timeout=timeout,
             state_dict_type=state_dict_type,
             shard_size=shard_size,
+            secondary_shard_size=secondary_shard_size,
         )
         self._placement = placement
         self._force_outputs_fp32 = force_outputs_fp32
