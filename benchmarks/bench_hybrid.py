@@ -1,10 +1,11 @@
-"""Hybrid sharding (2 shard groups of 2 ranks) against full sharding over 4 ranks.
+"""Hybrid sharding (2 shard groups of 2 ranks) and hpZ against full sharding over 4 ranks.
 
     python benchmarks/bench_hybrid.py [--steps 3] [--rounds 10]
 
 Four forked gloo ranks on the CPU, one thread each, train the GPT of shardwise.testing (fp32,
-AdamW fused) in four configurations: stage 3 and stage 2, each with `shard_size=2` (hybrid)
-and without it (sharded over all 4 ranks). Every configuration trains its own copy of the
+AdamW fused) in five configurations: stage 3 and stage 2, each with `shard_size=2` (hybrid)
+and without it (sharded over all 4 ranks), and stage 3 sharded over all 4 with hpZ's
+secondary shards over 2 (`secondary_shard_size=2`). Every configuration trains its own copy of the
 model (same seed, same batches) in the one process group; they take turns of one untimed step
 then `--steps` timed ones, `--rounds` times, the order rotating each round, so drift in the
 machine's speed hits them alike. Stage 3 uses a fixed chunk size (CHUNK_SIZE_NUMEL) in both
@@ -54,6 +55,8 @@ CHUNK_SIZE_NUMEL = 2**17
 # over every rank but is under a kilobyte (reported in a column of its own).
 WITHIN = (CommOp.ALL_GATHER, CommOp.REDUCE_SCATTER, CommOp.ALL_REDUCE)
 ACROSS = CommOp.REPLICATE_ALL_REDUCE
+# hpZ's gathers from secondary shards, inside groups of SHARD_SIZE ranks (a node's links).
+IN_NODE = CommOp.SECONDARY_ALL_GATHER
 
 
 @dataclass(frozen=True)
@@ -62,16 +65,27 @@ class Layout:
 
     stage: int
     shard_size: int | None
+    # ZeRO++ hpZ: backward's gathers inside groups of this many ranks (see [Note: secondary
+    # shards] in shardwise/chunk/chunk.py).
+    secondary_shard_size: int | None = None
 
     @property
     def name(self) -> str:
         groups = (
             f"hybrid {WORLD // self.shard_size}x{self.shard_size}" if self.shard_size else "full"
         )
+        if self.secondary_shard_size:
+            groups += f", hpZ {self.secondary_shard_size}"
         return f"stage {self.stage}, {groups}"
 
 
-LAYOUTS = (Layout(3, None), Layout(3, SHARD_SIZE), Layout(2, None), Layout(2, SHARD_SIZE))
+LAYOUTS = (
+    Layout(3, None),
+    Layout(3, SHARD_SIZE),
+    Layout(3, None, SHARD_SIZE),
+    Layout(2, None),
+    Layout(2, SHARD_SIZE),
+)
 
 
 @dataclass
@@ -94,6 +108,8 @@ def build(layout: Layout, model_config: GPTConfig, chunk_size_numel: int) -> Run
     config: dict[str, Any] = {"device": torch.device("cpu")}
     if layout.shard_size is not None:
         config["shard_size"] = layout.shard_size
+    if layout.secondary_shard_size is not None:
+        config["secondary_shard_size"] = layout.secondary_shard_size
     if layout.stage == 3:
         config["chunk_size_numel"] = chunk_size_numel
     wrapped = zero_model_wrapper(model, layout.stage, config)
@@ -154,7 +170,8 @@ def summarise(run: Run) -> dict[str, Any]:
         "within": [sum(s[k.value] for k in WITHIN) for s in run.sent],
         "all_reduce": [s[CommOp.ALL_REDUCE.value] for s in run.sent],
         "across": [s[ACROSS.value] for s in run.sent],
-        "total": [sum(s[k.value] for k in (*WITHIN, ACROSS)) for s in run.sent],
+        "in_node": [s[IN_NODE.value] for s in run.sent],
+        "total": [sum(s[k.value] for k in (*WITHIN, ACROSS, IN_NODE)) for s in run.sent],
         "analysis": analysed_cross_bytes(run),
         "chunks": sum(1 for _ in run.model.chunk_manager.trainable_chunks()),
         "loss": run.loss,
@@ -191,8 +208,9 @@ def table(results: list[list[dict[str, Any]]]) -> list[str]:
     """Markdown rows from every rank's summaries: rank 0's times, bytes per step and rank."""
     rows = [
         "| configuration | median ms/step | vs full | within groups B/step | of which all-reduce"
-        " | across groups B/step | total B/step | analysis | measured - analysis | final loss |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        " | across groups B/step | hpZ in node B/step | total B/step | analysis"
+        " | measured - analysis | final loss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     full_ms: dict[int, float] = {}  # LAYOUTS lists each stage's full sharding first
     for index, summary in enumerate(results[0]):
@@ -203,7 +221,8 @@ def table(results: list[list[dict[str, Any]]]) -> list[str]:
         rows.append(
             f"| {summary['name']} | {ms:.1f} | {ms / full_ms[summary['stage']]:.2f}"
             f" | {_bytes(seen(per_rank, 'within'))} | {_bytes(seen(per_rank, 'all_reduce'))}"
-            f" | {_bytes(across)} | {_bytes(seen(per_rank, 'total'))}"
+            f" | {_bytes(across)} | {_bytes(seen(per_rank, 'in_node'))}"
+            f" | {_bytes(seen(per_rank, 'total'))}"
             f" | {_number(summary['analysis'])}"
             f" | {_difference(across, summary['analysis'])} | {summary['loss']:.6f} |"
         )
@@ -246,15 +265,15 @@ def report(results: list[list[dict[str, Any]]], steps: int, rounds: int) -> list
     chunks = {s["name"]: s["chunks"] for s in results[0]}
     agreement = max(b for rank in results for s in rank for b in s["all_reduce"])
     return [
-        "## Hybrid sharding (2 groups of 2) against full sharding over 4 ranks",
+        "## Hybrid sharding (2 groups of 2) and hpZ against full sharding over 4 ranks",
         "",
         f"`python benchmarks/bench_hybrid.py --steps {steps} --rounds {rounds}` (CPU, gloo, 4"
         f" forked ranks of one thread on 2 cores, torch {torch.__version__}; GPT with"
         f" {GPT(MODEL).num_parameters():,} parameters: n_layer {MODEL.n_layer}, n_embd"
         f" {MODEL.n_embd}, vocab {MODEL.vocab_size}, seq {SEQ_LEN}, {BATCH_PER_RANK} sequences"
         " per rank; fp32, AdamW fused). Stage 3 with chunk_size_numel"
-        f" {CHUNK_SIZE_NUMEL:,} in both layouts ({chunks['stage 3, full']} trainable chunks);"
-        f" stage 2 with the default bucket size ({chunks['stage 2, full']} chunk). The four"
+        f" {CHUNK_SIZE_NUMEL:,} in every layout ({chunks['stage 3, full']} trainable chunks);"
+        f" stage 2 with the default bucket size ({chunks['stage 2, full']} chunk). The five"
         f" configurations take turns of 1 untimed + {steps} timed steps, {rounds} rounds,"
         " the order rotating, each training its own copy of the model in one process group.",
         "",
@@ -263,7 +282,9 @@ def report(results: list[list[dict[str, Any]]], steps: int, rounds: int) -> list
         " the same on every rank and every timed step unless a range is shown. Within groups:"
         " all-gather + reduce-scatter + all-reduce kinds; across groups: `replicate_all_reduce`."
         " Analysis: 2 (R - 1) / R x the rank's fp32 gradient shard (the sum of `shard_numel * 4`"
-        " over trainable chunks), R = 2 groups; zero with one group.",
+        " over trainable chunks), R = 2 groups; zero with one group. hpZ in node:"
+        " `secondary_all_gather`, backward's gathers from the secondary shards kept over 2"
+        ' ranks (one "node"); its other collectives run over all 4 ranks, as full sharding\'s.',
         "",
         *table(results),
         "",
@@ -276,7 +297,10 @@ def report(results: list[list[dict[str, Any]]], steps: int, rounds: int) -> list
         " only each rank's gradient shard across. At stage 2 a rank sends as many bytes in"
         " total either way (2 (N - 1) / N of the model's fp32 bytes, N = 4): hybrid changes"
         " where they travel, not how many there are; at stage 3, whose gathers outnumber its"
-        " reductions, the total falls too.",
+        " reductions, the total falls too. hpZ keeps full sharding's memory and gradient"
+        " traffic and moves backward's gathers inside the node, where each sends half a chunk"
+        " instead of three quarters over all 4 ranks; it pays with half of each chunk held on"
+        " every rank from forward to backward (its loss is full sharding's, bit for bit).",
     ]
 
 

@@ -38,3 +38,9 @@ def test_cross_group_bytes_match_the_analysis() -> None:
                 assert summary["analysis"] > 0
             else:
                 assert summary["across"] == [0, 0]
+        # hpZ: backward's gathers moved into the 2-rank groups, the rest as full sharding.
+        by_name = {summary["name"]: summary for summary in per_rank}
+        full, hpz = by_name["stage 3, full"], by_name["stage 3, full, hpZ 2"]
+        assert all(b > 0 for b in hpz["in_node"]) and full["in_node"] == [0, 0]
+        assert max(hpz["within"]) < min(full["within"])
+        assert hpz["loss"] == full["loss"]
