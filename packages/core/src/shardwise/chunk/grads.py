@@ -70,9 +70,10 @@ class GradSide(PoolMoves):
         return self.num_grads_ready == self.num_trainable
 
     def exposed_grad(self, index: int) -> torch.Tensor | None:
-        """What `.grad` of tensor `index` shows after its gradient reached the chunk: at stage
-        1 its local, unreduced gradient, a view into the whole gradient buffer (no copy), as
-        DDP users read `.grad` after backward; elsewhere None (the chunk holds it)."""
+        """What `.grad` of tensor `index` shows after its gradient reached the chunk: a view
+        into the whole gradient buffer (no copy), holding at stage 1 its local, unreduced
+        gradient and at stage 0 the sum so far (averaged once backward ends), as DDP users
+        read `.grad`; elsewhere None (the chunk holds it)."""
         if not self.exposes_grads:
             return None
         assert self.grad_full is not None
@@ -83,6 +84,8 @@ class GradSide(PoolMoves):
         """The gradient buffer, ready to reduce-scatter (pre-divided when asked). A chunk whose
         parameters got no gradient on this rank contributes zeros, so every rank issues the
         same collectives."""
+        if self.grad_layout is GradLayout.WHOLE:
+            return self._take_param_grads()
         if self.grad_full is None:
             self.grad_full = torch.zeros(
                 self.padded_numel, dtype=self.dtypes.reduce, device=self.device
@@ -94,7 +97,11 @@ class GradSide(PoolMoves):
 
     def accept_reduced(self, reduced: torch.Tensor, *, keep_full: bool) -> None:
         """Take this rank's reduce-scattered slice: finish the average over ranks, add it to
-        `grad_shard`, and free (or zero, with `keep_full`) the gradient buffer."""
+        `grad_shard`, and free (or zero, with `keep_full`) the gradient buffer. At stage 0 the
+        buffer was averaged in place and stays, whatever `keep_full` says: `.grad` views it."""
+        if self.grad_layout is GradLayout.WHOLE:
+            self.end_pass_without_reduce()
+            return
         post = self.world_size / self.predivide_factor
         if post != 1.0:
             reduced.div_(post)
@@ -129,6 +136,53 @@ class GradSide(PoolMoves):
         else:
             self.grad_full = None
         self.end_pass_without_reduce()
+
+    def keep_whole_grads(self) -> None:
+        """Stage 0, whose shard is the whole chunk (a shard group of this rank alone): keep
+        the gradients in one persistent buffer, in the parameters' dtype, that `.grad` of
+        every tensor views, and no optimizer side (see `GradLayout.WHOLE`)."""
+        if not self.requires_grad:
+            return
+        assert self.world_size == 1 and self.keep_gathered, "stage 0 keeps whole chunks"
+        assert self.dtypes.reduce == self.dtypes.compute, "`.grad` has its parameter's dtype"
+        self.grad_full = torch.zeros(
+            self.padded_numel, dtype=self.dtypes.reduce, device=self.device
+        )
+        self.grad_layout = GradLayout.WHOLE
+        self.exposes_grads = True
+        # The user's optimizer steps the parameters in place: no master copy, no shard.
+        nothing = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.grad_shard = nothing
+        if self.master is not self.shard:
+            self.master = nothing
+
+    def _take_param_grads(self) -> torch.Tensor:
+        # A tensor no gradient reached in this pass contributes what its `.grad` holds, as it
+        # does to DDP's bucket: zeros once zero_grad() set it to None, the value a user
+        # assigned, or (still the view) the sum of the passes before.
+        assert self.grad_full is not None
+        for info in self.tensors:
+            if info.state is TensorState.READY_FOR_REDUCE:
+                continue
+            target = self.grad_full[info.offset : info.offset + info.numel]
+            grad = info.param.grad
+            if grad is None:
+                target.zero_()
+            elif grad.data_ptr() != target.data_ptr():
+                target.copy_(grad.reshape(-1))
+        return self.grad_full
+
+    def expose_reached_grads(self, reached: list[bool]) -> None:
+        """Stage 0, once the average is done: `.grad` of each tensor that some rank's gradient
+        reached (`reached`, one flag per tensor, in order) views its part of the buffer; the
+        others keep None, as DDP leaves a parameter no rank used."""
+        assert self.grad_full is not None
+        for info, flag in zip(self.tensors, reached, strict=True):
+            if not flag:
+                continue
+            view = self.grad_full[info.offset : info.offset + info.numel].view(info.shape)
+            if info.param.grad is None or info.param.grad.data_ptr() != view.data_ptr():
+                info.param.grad = view
 
     def end_pass_without_reduce(self) -> None:
         """Close a backward pass whose gradients stay unreduced in `grad_full` (no_sync, or
@@ -207,6 +261,8 @@ class GradSide(PoolMoves):
             self.grad_state = GradState.OPEN
         elif self.grad_layout is GradLayout.OWN_BUFFER:
             self.grad_state = GradState.STALE
+        elif self.grad_layout is GradLayout.WHOLE:
+            self._hide_grads()  # the next reduction zeroes what no gradient reaches then
         # IN_PAYLOAD: what the payload holds goes back to parameters at the step (end_step).
 
     def _hide_grads(self) -> None:

@@ -12,6 +12,16 @@ Under hybrid sharding the shard groups' gradient shards are then averaged across
 `reduce_across_replicas`, once before the step reads them (and before `full_grads()`), not
 after every reduction: every rank reaches that point alike whatever its memory manager did
 during backward, and gradients accumulated over several backward passes cross the groups once.
+
+[Note: stage 0]
+ColoDDP shards nothing: its shard group is this rank alone and every other rank is a replica
+(`replicated()` in comm/topology.py), so there is nothing to reduce inside the group and a
+chunk's reduction is its average across the replicas: the whole gradient buffer is divided by
+their count and all-reduced in place (`GradLayout.WHOLE`), the chunk playing a DDP bucket's
+part. Unlike hybrid sharding's, this average runs during backward, each chunk launched as soon
+as it is complete in the fixed order of [Note: why chunks are reduced in a fixed order]: the
+user's own optimizer reads `.grad` when backward returns, and there is no step of ours to
+defer it to.
 """
 
 from __future__ import annotations
@@ -30,32 +40,33 @@ class PendingReduction:
     """A reduction launched by `start_reduction`, not yet accepted by its chunks."""
 
     def __init__(
-        self, chunks: Sequence[Chunk], work: comm.Waitable | None, reduced: torch.Tensor
+        self,
+        chunks: Sequence[Chunk],
+        works: Sequence[comm.Waitable | None],
+        reduced: Sequence[torch.Tensor],
     ) -> None:
         self.chunks = list(chunks)
-        self._work = work
-        self._reduced = reduced
+        self._works = [work for work in works if work is not None]
+        self._reduced = list(reduced)  # each chunk's slice, valid once the works are done
 
     def wait(self, *, keep_full: bool) -> list[Chunk]:
-        """Wait for the collective and hand each chunk its slice; the chunks, in order."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        offset = 0
-        for chunk in self.chunks:
-            chunk.accept_reduced(
-                self._reduced[offset : offset + chunk.shard_numel], keep_full=keep_full
-            )
-            offset += chunk.shard_numel
+        """Wait for the collectives and hand each chunk its slice; the chunks, in order."""
+        while self._works:
+            self._works.pop(0).wait()
+        for chunk, reduced in zip(self.chunks, self._reduced, strict=True):
+            chunk.accept_reduced(reduced, keep_full=keep_full)
         return self.chunks
 
 
 def start_reduction(chunks: Sequence[Chunk], *, async_op: bool = True) -> PendingReduction:
-    """Launch the reduction of `chunks`' gradients (one collective for all of them). They must
-    share the group, the reduction method and the reduction dtype, as one manager's do."""
+    """Launch the reduction of `chunks`' gradients (one collective for all of them; at stage 0
+    one each, see [Note: stage 0]). They must share the group, the reduction method and the
+    reduction dtype, as one manager's do."""
     if not chunks:
         raise ValueError("nothing to reduce: start_reduction needs at least one chunk")
     first = chunks[0]
+    if first.grad_layout is GradLayout.WHOLE:
+        return _start_average_of_replicas(chunks, async_op=async_op)
     if len(chunks) == 1:
         full = first.prepare_reduce()
     else:
@@ -64,7 +75,27 @@ def start_reduction(chunks: Sequence[Chunk], *, async_op: bool = True) -> Pendin
     work, reduced = comm.reduce_to_shard(
         full, first.reduce_method, first.stats, first.group, async_op=async_op
     )
-    return PendingReduction(chunks, work, reduced)
+    slices = reduced.split([c.shard_numel for c in chunks])
+    return PendingReduction(chunks, [work], slices)
+
+
+def _start_average_of_replicas(chunks: Sequence[Chunk], *, async_op: bool) -> PendingReduction:
+    """Stage 0: each chunk's whole gradient buffer all-reduced in place across its replicas,
+    one collective per chunk (see [Note: stage 0])."""
+    works: list[comm.Waitable | None] = []
+    buffers = []
+    for chunk in chunks:
+        assert chunk.grad_layout is GradLayout.WHOLE, "a bucket mixes stage 0 with sharding"
+        buffer = chunk.prepare_reduce()
+        buffers.append(buffer)
+        if chunk.replicate_group is None:  # a single rank: nothing to average
+            continue
+        replicas = comm.world_size(chunk.replicate_group)
+        if replicas > 1:
+            # Divided before the sum, as DDP does (exactly, for a power-of-two count).
+            buffer.div_(replicas)
+        works.append(comm.all_reduce(buffer, chunk.stats, chunk.replicate_group, async_op=async_op))
+    return PendingReduction(chunks, works, buffers)
 
 
 def reduce_now(chunks: Sequence[Chunk], *, keep_full: bool) -> None:
@@ -78,7 +109,8 @@ def reduce_across_replicas(chunk_manager: ChunkManager) -> None:
     of [Note: hybrid sharding] counts). Values already equal on every replica stay as they are,
     so a second call before new gradients changes nothing but rounding."""
     topology = chunk_manager.topology
-    chunks = list(chunk_manager.trainable_chunks())
+    # Stage 0's chunks were averaged across the replicas in backward (see [Note: stage 0]).
+    chunks = [c for c in chunk_manager.trainable_chunks() if c.grad_layout is not GradLayout.WHOLE]
     if topology.replicate is None or not chunks:
         return
     if any(c.grad_layout is GradLayout.IN_PAYLOAD for c in chunks):

@@ -47,6 +47,13 @@ class GradLayout(Enum):
     IN_PAYLOAD = "in_payload"
     """`reuse_fp16_shard`: the 16-bit payload shard holds the reduced gradient between
     backward and step, the fp32 master restoring the parameters at the step."""
+    WHOLE = "whole"
+    """Stage 0 (`ColoDDP`: a shard group of this rank alone, every other rank a replica): no
+    shard; the whole gradient buffer, in the parameters' dtype, is averaged across the
+    replicas in place after each backward and `.grad` of every tensor views it, as DDP's
+    `gradient_as_bucket_view`; later passes add onto it as they add onto `.grad`. No
+    `grad_shard`: the user's optimizer reads `.grad` (see [Note: stage 0] in
+    chunk/reduction.py)."""
 
 
 class GradState(Enum):

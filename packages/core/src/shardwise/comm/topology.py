@@ -17,6 +17,11 @@ reductions when its own rank needs room.
 
 What every rank must agree on (passes, steps, which tensors got gradients, the gradient norm)
 is still decided over the whole data-parallel group.
+
+A shard size of 1 is stage 0's topology (`replicated`): each rank is a shard group of its own,
+holding the whole model, and every other rank a replica. ColoDDP averages its gradients across
+the replicas during backward rather than before a step (see [Note: stage 0] in
+chunk/reduction.py).
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ def _shard_topology(group: ProcessGroup | None, shard_size: int | None) -> Topol
 
     Building the subgroups is a collective over the default group (every rank creates every
     subgroup); a topology is built once per size and reused by every model that asks again.
+    A shard size of 1 needs no subgroup but each rank's own (see `replicated`), so it works
+    with any `group`.
     """
     if shard_size is None:
         return Topology(data_parallel=group, shard=group, replicate=None, replicas=1)
@@ -92,6 +99,8 @@ def _shard_topology(group: ProcessGroup | None, shard_size: int | None) -> Topol
         )
     if shard_size == world:
         return Topology(data_parallel=group, shard=group, replicate=None, replicas=1)
+    if shard_size == 1:
+        return replicated(group)
     if group is not None and group is not dist.group.WORLD:
         raise ValueError(
             "shard_size splits the default process group; with a process_group of your own, "
@@ -109,6 +118,34 @@ def _shard_topology(group: ProcessGroup | None, shard_size: int | None) -> Topol
     built = Topology(data_parallel=group, shard=shard, replicate=replicate, replicas=replicas)
     _BUILT[key] = built
     return built
+
+
+def replicated(group: ProcessGroup | None) -> Topology:
+    """Stage 0's topology: every rank of `group` (None: the default group) holds the whole
+    model, as a shard group of its own, and the whole of `group` are its replicas. `group`
+    may be any process group: the one-rank group is made by this rank alone, the others
+    taking no part."""
+    world = world_size(group)
+    if world == 1:
+        return Topology(data_parallel=group, shard=group, replicate=None, replicas=1)
+    # The default group by name: None would read as "no replicas" (see Topology.hybrid).
+    replicate = group if group is not None else dist.group.WORLD
+    assert replicate is not None
+    return Topology(data_parallel=group, shard=_own_group(), replicate=replicate, replicas=world)
+
+
+# Per default group (by identity), this rank's one-rank group.
+_OWN: dict[int, ProcessGroup] = {}
+
+
+def _own_group() -> ProcessGroup:
+    key = id(dist.group.WORLD)
+    own = _OWN.get(key)
+    if own is None:
+        own = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        assert own is not None
+        _OWN[key] = own
+    return own
 
 
 def replica_index(topology: Topology) -> int:

@@ -1,5 +1,6 @@
-"""ColoDDP: plain data parallelism (every rank holds the whole model), gradients all-reduced
-in buckets at the end of backward."""
+"""ColoDDP: plain data parallelism (every rank holds the whole model) as the chunk engine's
+stage 0: chunks as DDP's buckets, averaged across ranks during backward, `.grad` viewing them.
+"""
 
 from __future__ import annotations
 
@@ -8,31 +9,44 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, ReduceOp
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
+from shardwise.chunk import Chunk, ChunkDtypes, ChunkManager
 from shardwise.comm import CommStats
+from shardwise.comm.topology import replicated
+from shardwise.zero.grad_reducer import GradReducer
 from shardwise.zero.ignore import is_ignored, mark_ignored
+from shardwise.zero.model import _WRAPPED_MARK
 
 
 class ColoDDP(nn.Module):
-    """Replicated data parallelism with bucketed gradient all-reduce.
+    """Replicated data parallelism on the chunk engine, with torch DDP's semantics.
 
-    Parameters are broadcast from rank 0 at wrap time. After each backward, gradients are
-    averaged over ranks in buckets of about `bucket_cap_mb`; a parameter that got no gradient
-    on some rank contributes zeros there (so ranks never disagree on the collectives), and ends
-    with a gradient on every rank. Call `model.backward(loss)` or plain `loss.backward()`.
+    The parameters are packed into chunks of about `bucket_cap_mb`, each a DDP bucket, kept
+    whole on every rank (stage 0: a shard group of one rank, every other rank a replica; see
+    [Note: stage 0] in chunk/reduction.py); packing starts every rank from rank 0's values,
+    and buffers are broadcast from rank 0 too. During backward each chunk is averaged over the
+    ranks in one all-reduce as soon as its gradients are complete, in the same order on every
+    rank, and `.grad` of each parameter is a view into its chunk's gradient buffer (DDP's
+    `gradient_as_bucket_view`). As DDP with `find_unused_parameters=True`: a parameter used on
+    some ranks only gets the average, the others contributing zeros; one no rank used keeps
+    `.grad` None; backward passes without `zero_grad()` between add up. Step a plain torch
+    optimizer over `model.parameters()`. Call `model.backward(loss)` or `loss.backward()`.
     `state_dict()`, `load_state_dict()`, `named_parameters()` and `named_buffers()` speak the
     inner module's names (no `module.` prefix), as ColossalAI's ColoDDP does, so a state dict
     moves between the wrapped and the plain model unchanged.
 
     Args:
-        module: the model.
+        module: the model; its parameters (not those `set_params_to_ignore` marked) become
+            views into chunks and must share one floating dtype and one device.
         process_group: the data-parallel group; None means the default group.
-        bucket_cap_mb: bucket size in MiB.
-        rebuild_bucket: after the first backward, order the buckets as gradients became ready
-            then (so the first buckets reduced are the first ones complete).
+        bucket_cap_mb: chunk capacity in MiB (a larger parameter gets a chunk of its own).
+        rebuild_bucket: after the first backward, reduce the chunks in the order they
+            completed there (rank 0's), so the first reduced are the first complete; with
+            False they keep reverse packing order. Which parameters share a chunk is fixed at
+            wrap time (parameter order, which backward meets in reverse).
     """
 
     def __init__(
@@ -44,32 +58,52 @@ class ColoDDP(nn.Module):
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if isinstance(module, ColoDDP):
-            raise ValueError("nested ColoDDP is not supported: wrap the inner module once")
+        if any(getattr(m, _WRAPPED_MARK, False) for m in module.modules()):
+            raise ValueError(
+                f"{type(module).__name__} is or holds a module already wrapped by shardwise: "
+                f"its parameters are views into chunks already. Wrap the plain module once"
+            )
         if (
             isinstance(bucket_cap_mb, bool)
             or not isinstance(bucket_cap_mb, (int, float))
             or bucket_cap_mb <= 0
         ):
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
+        comm.check_launched_group(process_group)
+        named = [(name, p) for name, p in module.named_parameters() if not is_ignored(p)]
+        dtype, device = _dtype_and_device(named)
         super().__init__()
         comm.destroy_default_group_at_exit()  # see [Note: gloo at exit] in comm/lifecycle.py
+        object.__setattr__(module, _WRAPPED_MARK, True)
         self.module = module
         self.process_group = process_group
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.rebuild_bucket = rebuild_bucket
         self.comm_stats = CommStats()
-        self._params = [p for p in dict.fromkeys(module.parameters()) if not is_ignored(p)]
-        self._ready_order: list[nn.Parameter] = []
-        self._buckets = self._make_buckets(self._params)
-        self._rebuilt = not rebuild_bucket
-        self._queued = False
+        self.chunk_manager = ChunkManager(
+            chunk_size_numel=max(1, self.bucket_cap_bytes // dtype.itemsize),
+            device=device,
+            dtypes=ChunkDtypes(dtype, dtype, dtype),
+            stats=self.comm_stats,
+            keep_gathered=True,
+            topology=replicated(process_group),
+        )
+        # Closing each chunk broadcasts rank 0's values into it.
+        self.chunk_manager.register(named)
+        self._chunks = list(self.chunk_manager.trainable_chunks())
+        for chunk in self._chunks:
+            chunk.keep_whole_grads()
         with torch.no_grad():
-            for tensor in [*self._params, *module.buffers()]:
-                comm.broadcast(tensor.data, 0, self.comm_stats, process_group)
-        for param in self._params:
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._on_grad)
+            for buffer in module.buffers():
+                comm.broadcast(buffer.data, 0, self.comm_stats, process_group)
+        self._num_reduced = 0
+        self.reducer = GradReducer(
+            self.chunk_manager,
+            reduce_in_backward=True,
+            overlap=True,  # every chunk's all-reduce runs while backward goes on
+            on_reduced=self._chunk_reduced,
+            learn_order=rebuild_bucket,
+        )
 
     @staticmethod
     def set_params_to_ignore(params_to_ignore: Iterable[torch.Tensor]) -> None:
@@ -82,59 +116,26 @@ class ColoDDP(nn.Module):
         """
         mark_ignored(params_to_ignore)
 
-    def _make_buckets(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-        buckets: list[list[nn.Parameter]] = [[]]
-        size = 0
-        for param in params:
-            if not param.requires_grad:
-                continue
-            nbytes = param.numel() * param.element_size()
-            if buckets[-1] and size + nbytes > self.bucket_cap_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(param)
-            size += nbytes
-        return [bucket for bucket in buckets if bucket]
+    def _chunk_reduced(self, chunk: Chunk) -> None:
+        # Every chunk is reduced after every backward, the last once all gradients are in.
+        self._num_reduced += 1
+        if self._num_reduced == len(self._chunks):
+            self._num_reduced = 0
+            self._expose_reached_grads()
 
-    def _on_grad(self, param: nn.Parameter) -> None:
-        if not self._rebuilt:
-            self._ready_order.append(param)
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_all)
-
-    def _reduce_all(self) -> None:
-        self._queued = False
-        world = comm.world_size(self.process_group)
-        for bucket in self._buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = torch._utils._flatten_dense_tensors(grads)
-            comm.all_reduce(flat, self.comm_stats, self.process_group)
-            if world > 1:
-                flat.div_(world)
-            for param, reduced in zip(
-                bucket, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
-            ):
-                if param.grad is None:
-                    param.grad = reduced
-                else:
-                    param.grad.copy_(reduced)
-        if not self._rebuilt:
-            self._rebuild_buckets()
-
-    def _rebuild_buckets(self) -> None:
-        # Readiness order can differ between ranks (a branch used on one rank only), and
-        # buckets must be the same everywhere: rank 0's order is broadcast.
-        trainable = [p for p in self._params if p.requires_grad]
-        position = {id(p): i for i, p in enumerate(trainable)}
-        ready = [position[id(p)] for p in dict.fromkeys(self._ready_order)]
-        rest = [i for i in range(len(trainable)) if i not in set(ready)]
-        # On the parameters' device: NCCL only moves device tensors.
-        order = torch.tensor(ready + rest, dtype=torch.int64, device=trainable[0].device)
-        comm.broadcast(order, 0, self.comm_stats, self.process_group)
-        self._buckets = self._make_buckets([trainable[i] for i in order.tolist()])
-        self._rebuilt = True
-        self._ready_order.clear()
+    def _expose_reached_grads(self) -> None:
+        """Give `.grad` to every parameter some rank's gradient reached, as DDP with
+        `find_unused_parameters=True` does after exchanging its map of used parameters: one
+        all-reduce of a flag per tensor. A `.grad` already set counts as reached: it holds the
+        sum of earlier passes, and every rank holds it after the last backward."""
+        local = [info.param.grad is not None for chunk in self._chunks for info in chunk.tensors]
+        flags = torch.tensor(local, dtype=torch.int32, device=self.chunk_manager.device)
+        comm.all_reduce(flags, self.comm_stats, self.process_group, op=ReduceOp.MAX)
+        reached = flags.bool().tolist()
+        offset = 0
+        for chunk in self._chunks:
+            chunk.expose_reached_grads(reached[offset : offset + len(chunk.tensors)])
+            offset += len(chunk.tensors)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -152,11 +153,11 @@ class ColoDDP(nn.Module):
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> _IncompatibleKeys:
-        """Load a state dict with the inner module's names; every rank loads the same one.
-        Returns (missing_keys, unexpected_keys)."""
-        result: _IncompatibleKeys = self.module.load_state_dict(
-            state_dict, strict=strict, assign=assign
-        )
+        """Load a state dict with the inner module's names into the chunks (in place); every
+        rank loads the same one. Returns (missing_keys, unexpected_keys)."""
+        if assign:
+            raise ValueError("assign=True cannot be honoured: parameters are views of chunks")
+        result: _IncompatibleKeys = self.module.load_state_dict(state_dict, strict=strict)
         return result
 
     def named_parameters(
@@ -172,3 +173,22 @@ class ColoDDP(nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss`; gradients are averaged over ranks when it returns."""
         loss.backward()
+
+    def extra_repr(self) -> str:
+        manager = self.chunk_manager
+        return f"chunks={len(manager.chunks)}, bucket_cap_bytes={self.bucket_cap_bytes}"
+
+
+def _dtype_and_device(named: list[tuple[str, nn.Parameter]]) -> tuple[torch.dtype, torch.device]:
+    """The one floating dtype and device the parameters share (a chunk holds one dtype)."""
+    if not named:
+        return torch.float32, torch.device("cpu")
+    kinds = {(p.dtype, p.device) for _, p in named}
+    if len(kinds) > 1 or not named[0][1].is_floating_point():
+        seen = ", ".join(sorted(f"{dtype} on {device}" for dtype, device in kinds))
+        raise ValueError(
+            f"ColoDDP packs parameters into chunks of one floating dtype on one device, got "
+            f"{seen}: cast or move the module first, or leave the odd ones out with "
+            f"ColoDDP.set_params_to_ignore"
+        )
+    return named[0][1].dtype, named[0][1].device

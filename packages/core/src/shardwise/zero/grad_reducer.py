@@ -58,6 +58,8 @@ class GradReducer:
         units: stage 3's gather units: a chunk holding tensors of a unit is complete once
             the unit's backward is done on this rank, whichever of them got gradients here
             (see [Note: gather units]).
+        learn_order: after the first synchronised backward, reduce in the order chunks
+            completed there (rank 0's); otherwise keep the initial (or suggested) order.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class GradReducer:
         on_reduced: Callable[[Chunk], None] | None = None,
         after_grad: Callable[[str], None] | None = None,
         units: UnitMap | None = None,
+        learn_order: bool = True,
     ) -> None:
         self.chunk_manager = chunk_manager
         self.reduce_in_backward = reduce_in_backward
@@ -85,6 +88,7 @@ class GradReducer:
         self._after_grad = after_grad
         # Descending chunk id: see [Note: why chunks are reduced in a fixed order].
         self._order = sorted(chunk_manager.trainable_chunks(), key=lambda c: -c.chunk_id)
+        self._learn_order = learn_order
         self._order_settled = False
         self._completed: list[int] = []
         self._next = 0
@@ -262,7 +266,7 @@ class GradReducer:
                 self._finish(pending)
             self._in_flight.clear()
             self._replicas_differ = self._hybrid
-            if not self._order_settled:
+            if not self._order_settled and self._learn_order:
                 self._settle_order()
         else:
             for chunk in self._order:
