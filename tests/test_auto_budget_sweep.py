@@ -172,7 +172,7 @@ def test_a_step_past_the_plan_evicts_carries_on_and_plans_again() -> None:
 
 
 def _waits_at_the_working_set() -> dict[str, int]:
-    """"auto" at the budget "cpu" placement peaks at: activations pass it beside the working
+    """ "auto" at the budget "cpu" placement peaks at: activations pass it beside the working
     set at many gathers. Counts the steps' overruns and the waits for reductions in flight."""
     rank = dist.get_rank()
     cpu = _train({"placement_policy": "cpu"}, 2)
