@@ -20,6 +20,7 @@ benchmarks/RESULTS.md (between the auto-placement markers).
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import statistics
 import time
@@ -91,6 +92,7 @@ class _Trainer:
     def result(self) -> dict[str, Any]:
         return {
             "ms": 1000 * statistics.median(self.times),
+            "times": self.times,
             "moved": self.moved,
             "peak": self.gemini.peak_device_bytes,
         }
@@ -113,9 +115,15 @@ def _interleaved(policies: dict[str, dict[str, Any]], rounds: int) -> dict[str, 
     live = {name: t for name, t in trainers.items() if t is not None}
     failed: set[str] = set()
     names = list(live)
+    # Each round another order: every permutation in turn where there are few placements (so
+    # each follows each other as often, and a step's cost of the caches the previous one left
+    # evens out), otherwise the order rotates.
+    if len(names) <= 3:
+        orders = [list(order) for order in itertools.permutations(names)]
+    else:
+        orders = [names[shift:] + names[:shift] for shift in range(len(names))]
     for turn in range(rounds):
-        # The order rotates each round: no placement always follows the same one.
-        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+        for name in orders[turn % len(orders)]:
             trainer = live[name]
             if name in failed:
                 continue
@@ -151,11 +159,19 @@ def _sweep(rounds: int) -> list[dict[str, Any]]:
         best = min(results.items(), key=lambda item: item[1]["ms"], default=None)
         head_to_head = None
         if auto is not None and best is not None:
-            pair = {"auto": policies["auto"], best[0]: policies[best[0]]}
-            head_to_head = _interleaved(pair, 2 * rounds)
+            # The best split twice: its second copy against the first is the comparison's
+            # noise floor (an A/A control).
+            trio = {
+                "auto": policies["auto"],
+                best[0]: policies[best[0]],
+                "again": policies[best[0]],
+            }
+            head_to_head = _interleaved(trio, 6 * rounds)
+        fewest = min((r["moved"] for r in results.values()), default=None)
         rows.append(
             {
                 "budget": budget,
+                "fewest_moved": fewest,
                 "auto": auto,
                 "static": best,
                 "confirmed": head_to_head,
@@ -164,19 +180,25 @@ def _sweep(rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _paired(top: dict[str, Any], bottom: dict[str, Any]) -> float:
+    """The median over rounds of one step's time over the other's in the same round: the
+    drift of the machine cancels within a round."""
+    return statistics.median(a / b for a, b in zip(top["times"], bottom["times"], strict=True))
+
+
 def _table_row(row: dict[str, Any]) -> str:
     budget = f"{row['budget'] / 1024:.0f}"
     auto, static, confirmed = row["auto"], row["static"], row["confirmed"]
     if auto is None or static is None:
-        return f"| {budget} | {'fails' if auto is None else '-'} | none fits | - | - | - | - |"
+        return f"| {budget} | {'fails' if auto is None else '-'} | - | none fits | - | - | - | - |"
     name, chosen = static
-    selection = f"{auto['ms']:.1f} / {chosen['ms']:.1f}"
-    mine, again = confirmed.get("auto"), confirmed.get(name)
-    if mine is None or again is None:
-        return f"| {budget} | {auto['moved']} | {name} | {chosen['moved']} | {selection} | - | - |"
+    first = f"| {budget} | {auto['moved']} | {row['fewest_moved']} | {name} | {chosen['moved']} |"
+    mine, again, control = (confirmed.get(k) for k in ("auto", name, "again"))
+    if mine is None or again is None or control is None:
+        return f"{first} - | - | - |"
     return (
-        f"| {budget} | {auto['moved']} | {name} | {chosen['moved']} | {selection} |"
-        f" {mine['ms']:.1f} / {again['ms']:.1f} | {mine['ms'] / again['ms']:.2f} |"
+        f"{first} {mine['ms']:.1f} / {again['ms']:.1f} | {_paired(mine, again):.2f}"
+        f" | {_paired(control, again):.2f} |"
     )
 
 
@@ -195,15 +217,19 @@ def main() -> None:
         " every static split (offload_param_frac x offload_optim_frac in {0, 0.5, 1}) that"
         " trains within it take one step each per round, in an order that rotates each round,"
         f" {args.rounds} rounds after a warm-up step; the split with the lowest median is the"
-        " best static split. Confirmation: auto and that split, built afresh, alternate for"
-        f" {2 * args.rounds} rounds; the ratio is theirs (the selection's least-of-nine median"
-        " is biased low). Rank 0's medians, and the bytes moved host<->device in the last step."
-        " The static splits' budget check counts model state only; auto's also leaves room for"
-        " the activations it traced, which a real device must hold too.",
+        " best static split (the least of nine noisy medians is biased low, so it is timed"
+        " again). Confirmation: auto, that split, and a second copy of that split, built"
+        f" afresh, take turns for {6 * args.rounds} rounds, in each of the six orders alike."
+        " Auto / best static is the median"
+        " over rounds of auto's step over the split's in the same round; the copy's ratio to"
+        " the split, measured alike, is the noise floor of that comparison (1.00 would be no"
+        " noise). Rank 0's times, and the bytes moved host<->device in the last step. The"
+        " static splits' budget check counts model state only; auto's also leaves room for the"
+        " activations it traced, which a real device must hold too.",
         "",
-        "| budget (KiB) | auto bytes moved | best static | static bytes | selection: auto /"
-        " static ms | confirmation: auto / static ms | auto / best static |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| budget (KiB) | auto bytes moved | fewest bytes of a static split | best static"
+        " | its bytes | confirmation ms: auto / static | auto / best static | same split twice |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         lines.append(_table_row(row))

@@ -1,7 +1,7 @@
 """The engines the benchmarks compare, built over one model: torch's and shardwise's.
 
-An engine is named as the results name it: `ddp`, `fsdp1`, `fsdp2`, `zero1`, `zero2`,
-`zero3-cuda`, `zero3-cpu`, with suffixes `+sync` (stages 1-2: `overlap_param_gather=False`,
+An engine is named as the results name it: `ddp`, `fsdp1`, `fsdp2`, `colo` (shardwise's
+ColoDDP, stage 0, its defaults), `zero1`, `zero2`, `zero3-cuda`, `zero3-cpu`, with suffixes `+sync` (stages 1-2: `overlap_param_gather=False`,
 the all-gather of updated parameters waited in the step instead of overlapping the next
 forward, the default), `+defaults` (stage 3: no chunk_size_numel, the searched
 size a user gets), `+telemetry` (stream telemetry to a file) and `-rs`, `-a2a`,
@@ -26,6 +26,7 @@ Counters = Callable[[], dict[str, float]]
 
 TORCH_ENGINES = ("ddp", "fsdp1", "fsdp2")
 ZERO_ENGINES = ("zero1", "zero2", "zero3")
+COLO_ENGINE = "colo"
 # Engine-name suffixes of the gradient_reduction methods ("auto" is all-to-all on gloo).
 REDUCTION_SUFFIX = {"auto": "", "reduce_scatter": "-rs", "all_to_all": "-a2a", "all_reduce": "-ar"}
 
@@ -80,8 +81,9 @@ class EngineSpec:
         defaults = name.endswith("+defaults")
         name = name.removesuffix("+defaults")
         engine, _, placement = name.partition("-")
-        if engine not in TORCH_ENGINES + ZERO_ENGINES:
-            raise ValueError(f"unknown engine {engine!r}; one of {TORCH_ENGINES + ZERO_ENGINES}")
+        known = (*TORCH_ENGINES, COLO_ENGINE, *ZERO_ENGINES)
+        if engine not in known:
+            raise ValueError(f"unknown engine {engine!r}; one of {known}")
         spec = cls(engine, placement or "cuda", param_gather, reduction, telemetry, defaults)
         if spec.name != original:
             raise ValueError(f"cannot parse engine name {original!r} (read as {spec.name!r})")
@@ -107,6 +109,11 @@ def build(spec: EngineSpec, model: GPT, chunk_mib: float = 8.0) -> tuple[Step, C
     """The engine's step function over `model`, and a function returning its counters."""
     if spec.engine == "ddp":
         return torch_step(torch.nn.parallel.DistributedDataParallel(model)), dict
+    if spec.engine == COLO_ENGINE:
+        from shardwise import ColoDDP
+
+        colo = ColoDDP(model)
+        return torch_step(colo), lambda: {"sent_bytes": colo.comm_stats.sent_bytes()}
     if spec.engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy

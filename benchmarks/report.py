@@ -19,6 +19,7 @@ STEP_RATIOS = [
     ("stage 3", "zero3-cpu", "fsdp2", ""),
     ("stage 3", "zero3-cuda+defaults", "fsdp2", ""),
     ("stage 3", "zero3-cuda", "fsdp1", ""),
+    ("variants", "colo", "ddp", ""),
     ("variants", "zero1", "ddp", ""),
     ("variants", "zero2-rs", "ddp", ""),
     ("variants", "zero2-ar", "ddp", ""),

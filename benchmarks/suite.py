@@ -35,11 +35,11 @@ AB_GROUPS = {
     "stage 2": ["ddp", "zero2", "zero2+sync"],
     # "+defaults": the chunk size a user gets without setting one, beside the tuned one.
     "stage 3": ["fsdp2", "zero3-cuda", "zero3-cuda+defaults", "fsdp1", "zero3-cpu"],
-    "variants": ["ddp", "zero1", "zero2-rs", "zero2-ar", "fsdp2", "zero3-cuda-rs"],
+    "variants": ["ddp", "colo", "zero1", "zero2-rs", "zero2-ar", "fsdp2", "zero3-cuda-rs"],
 }
 # Run alone, for traffic, memory and telemetry's cost.
 ALONE_ENGINES = [
-    "ddp", "zero1", "zero2", "zero2+sync", "fsdp1", "fsdp2", "zero3-cuda",
+    "ddp", "colo", "zero1", "zero2", "zero2+sync", "fsdp1", "fsdp2", "zero3-cuda",
     "zero3-cuda+telemetry", "zero3-cpu", "zero2-rs", "zero3-cuda-rs", "zero2-ar",
 ]  # fmt: skip
 # Blocks of RESULTS.md that other benchmarks write (between these markers) survive a rewrite.
