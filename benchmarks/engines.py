@@ -1,11 +1,12 @@
 """The engines the benchmarks compare, built over one model: torch's and shardwise's.
 
 An engine is named as the results name it: `ddp`, `fsdp1`, `fsdp2`, `colo` (shardwise's
-ColoDDP, stage 0, its defaults), `zero1`, `zero2`, `zero3-cuda`, `zero3-cpu`, with suffixes `+sync` (stages 1-2: `overlap_param_gather=False`,
-the all-gather of updated parameters waited in the step instead of overlapping the next
-forward, the default), `+defaults` (stage 3: no chunk_size_numel, the searched
-size a user gets), `+telemetry` (stream telemetry to a file) and `-rs`, `-a2a`,
-`-ar` (shardwise's gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce).
+ColoDDP, stage 0, its defaults), `zero1`, `zero2`, `zero3-cuda`, `zero3-cpu`, with suffixes
+`+sync` (stages 1-2: `overlap_param_gather=False`, the all-gather of updated parameters waited
+in the step instead of overlapping the next forward, the default), `+defaults` (stage 3: no
+chunk_size_numel, the searched size a user gets), `+telemetry` (stream telemetry to a file) and
+`-rs`, `-a2a`, `-ar` (shardwise's gradient_reduction: gloo's reduce-scatter, all-to-all, all-
+reduce).
 """
 
 from __future__ import annotations
