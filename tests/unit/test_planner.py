@@ -120,3 +120,35 @@ def test_hybrid_sharding_shards_over_the_group_and_sends_one_shard_across() -> N
     assert "'shard_size': 8" in tight.wrapper_call()
     with pytest.raises(ValueError, match="shard_size must be a positive int dividing"):
         plan(spec, world_size=16, shard_size=3, **common)
+
+
+def test_hpz_moves_backward_gathers_into_the_node_and_holds_a_slice_of_every_chunk() -> None:
+    spec = ModelSpec(num_params=8_000_000, largest_tensor_numel=1_000)
+    common = {"device_memory_bytes": 10**12, "host_memory_bytes": 10**12}
+    full = plan(spec, world_size=16, chunk_size_numel=1_000_000, **common)
+    hpz = plan(spec, world_size=16, chunk_size_numel=1_000_000, secondary_shard_size=8, **common)
+    before, after = full.options[-1], hpz.options[-1]  # stage 3, the same placement
+    assert after.stage == 3 and before.name == after.name
+    # Backward's fp32 gathers: 7/8 of the parameters inside the node instead of 15/16 over all.
+    assert after.in_node_bytes_per_step == 4 * 7 / 8 * spec.num_params
+    assert after.comm_bytes_per_step == pytest.approx(
+        before.comm_bytes_per_step - 4 * 15 / 16 * spec.num_params + 4 * 7 / 8 * spec.num_params
+    )
+    # Memory: an eighth of every chunk's fp32 payload, from forward to backward.
+    assert after.working_bytes == before.working_bytes + 4 * hpz.psi_padded / 8
+    assert all(o.in_node_bytes_per_step == 0 for o in hpz.options if o.stage < 3)
+    assert "in node (hpZ)" in hpz.table()
+    assert hpz.recommended is not None and hpz.recommended.stage == 0  # DDP fits here
+    # Where only stage 3 fits, the recommended wrapper call carries the group size.
+    tight = plan(
+        spec, world_size=16, secondary_shard_size=8, chunk_size_numel=1_000_000,
+        device_memory_bytes=38_000_000, host_memory_bytes=10**12,
+    )  # fmt: skip
+    assert tight.zero_stage == 3
+    assert tight.gemini_config["secondary_shard_size"] == 8
+    assert "'secondary_shard_size': 8" in tight.wrapper_call()
+    for bad, message in ((3, "dividing"), (16, "smaller"), (0, "positive")):
+        with pytest.raises(ValueError, match=message):
+            plan(spec, world_size=16, secondary_shard_size=bad, **common)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        plan(spec, world_size=16, secondary_shard_size=8, shard_size=8, **common)

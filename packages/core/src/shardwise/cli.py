@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument(
         "--shard-size", type=int, help="hybrid sharding: ranks per shard group (e.g. per node)"
     )
+    planner.add_argument(
+        "--secondary-shard-size",
+        type=int,
+        help="stage 3, ZeRO++ hpZ: ranks per group backward gathers in (e.g. per node)",
+    )
     planner.add_argument("--json", action="store_true", help="machine-readable output")
     merger = commands.add_parser(
         "consolidate",
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_size_numel=args.chunk_size,
             activation_bytes=args.activation_memory,
             shard_size=args.shard_size,
+            secondary_shard_size=args.secondary_shard_size,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -73,6 +73,8 @@ class PlanOption:
     fits: bool
     cross_group_bytes_per_step: float = 0.0
     """Hybrid sharding: of `comm_bytes_per_step`, what crosses shard groups."""
+    in_node_bytes_per_step: float = 0.0
+    """hpZ (stage 3): of `comm_bytes_per_step`, backward's gathers inside the secondary groups."""
 
     @property
     def name(self) -> str:
@@ -96,6 +98,8 @@ class Plan:
     trains wherever "cpu" does, so one figure serves both."""
     shard_size: int | None = None
     """Hybrid sharding's group size (None: sharded over all ranks)."""
+    secondary_shard_size: int | None = None
+    """hpZ's group size for backward's gathers at stage 3 (None: without hpZ)."""
     chunk_size_reason: str = ""
     """What chose `chunk_size_numel`: the search's reason, as the wrappers log it."""
 
@@ -116,6 +120,8 @@ class Plan:
             "chunk_size_numel": self.chunk_size_numel,
             **hybrid,
         }
+        if self.secondary_shard_size is not None:
+            config["secondary_shard_size"] = self.secondary_shard_size
         if self.recommended.placement == "auto":
             config["device_budget_bytes"] = self.device_memory_bytes
         return config
@@ -143,6 +149,7 @@ class Plan:
             {
                 "world_size": self.world_size,
                 "shard_size": self.shard_size,
+                "secondary_shard_size": self.secondary_shard_size,
                 "num_params": self.spec.num_params,
                 "psi_padded": self.psi_padded,
                 "chunk_size_numel": self.chunk_size_numel,
@@ -164,16 +171,20 @@ class Plan:
 
     def table(self) -> str:
         hybrid = self.shard_size is not None
+        hpz = self.secondary_shard_size is not None
         rows = [
             "| configuration | device GB | host GB | ZeRO paper GB | sent GB/step "
             + ("| across groups GB/step " if hybrid else "")
+            + ("| of which in node (hpZ) GB/step " if hpz else "")
             + "| host<->device GB/step | fits |",
             "| --- | ---: | ---: | ---: | ---: | "
             + ("---: | " if hybrid else "")
+            + ("---: | " if hpz else "")
             + "---: | :---: |",
         ]
         for option in self.options:
             across = f"{_gb(option.cross_group_bytes_per_step)} | " if hybrid else ""
+            across += f"{_gb(option.in_node_bytes_per_step)} | " if hpz else ""
             rows.append(
                 f"| {option.name} | {_gb(option.device.total + option.working_bytes)} | "
                 f"{_gb(option.host.total)} | {_gb(option.zero_paper_bytes)} | "
@@ -208,6 +219,7 @@ def plan(
     chunk_size_numel: int | None = None,
     activation_bytes: int = 0,
     shard_size: int | None = None,
+    secondary_shard_size: int | None = None,
 ) -> Plan:
     """Memory per rank and traffic per step for stages 0-3 and the stage-3 placements, and the
     recommended configuration (see [Note: which configuration is recommended]).
@@ -223,6 +235,9 @@ def plan(
         shard_size: hybrid sharding: stages 1-3 shard over groups of this many ranks and
             replicate across the groups; each rank's reduced gradient shard is all-reduced
             across groups once per step (see [Note: hybrid sharding] in comm/topology.py).
+        secondary_shard_size: hpZ at stage 3: backward gathers inside groups of this many
+            ranks, from secondary shards every rank holds from forward to backward (see
+            [Note: secondary shards] in chunk/chunk.py); counted in the working memory.
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.from_module(model)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -241,6 +256,7 @@ def plan(
             f"shard_size must be a positive int dividing world_size={world_size}, "
             f"got {shard_size!r}"
         )
+    _check_secondary_shard_size(secondary_shard_size, world_size, shard_size)
     # The ranks one shard is spread over, and the replicas of each shard.
     shards = shard_size or world_size
     replicas = world_size // shards
@@ -263,6 +279,8 @@ def plan(
         working = 0.0
         if stage == 3:
             working = 2 * chunk * (sizes["param"] + sizes["compute"] + sizes["reduce"])
+            if secondary_shard_size is not None:  # every chunk's slice, forward to backward
+                working += psi_padded * sizes["param"] / secondary_shard_size
         zero = StateBytes(params=0, grads=0, optimizer=0, master=0)
         device, host = (zero, state) if placement == "cpu" else (state, zero)
         if placement == "auto":
@@ -277,6 +295,12 @@ def plan(
             3: sizes["reduce"] + 2 * sizes["param"],
         }
         comm = per_element[stage] * wire
+        in_node = 0.0
+        if stage == 3 and secondary_shard_size is not None:
+            # Backward's gathers run over the secondary groups instead of over all n ranks.
+            s = secondary_shard_size
+            in_node = sizes["param"] * (s - 1) / s * spec.num_params
+            comm += in_node - sizes["param"] * wire
         # The reduced gradient shard, all-reduced across the groups (a ring: 2 (R - 1) / R).
         across = 0.0
         if stage > 0 and replicas > 1:
@@ -296,7 +320,7 @@ def plan(
                     grad_bytes=sizes["param"], k=k_paper,
                 ),
                 comm_bytes_per_step=comm, host_device_bytes_per_step=moved, fits=fits,
-                cross_group_bytes_per_step=across,
+                cross_group_bytes_per_step=across, in_node_bytes_per_step=in_node,
             )
         )  # fmt: skip
     recommended = next((option for option in options if option.fits), None)
@@ -311,8 +335,27 @@ def plan(
         device_memory_bytes=device_memory_bytes,
         smallest_budget_bytes=int(gathered + activation_bytes),
         shard_size=shard_size if replicas > 1 else None,
+        secondary_shard_size=secondary_shard_size,
         chunk_size_reason=chunk_reason,
     )
+
+
+def _check_secondary_shard_size(size: int | None, world_size: int, shard_size: int | None) -> None:
+    if size is None:
+        return
+    if (
+        isinstance(size, bool)
+        or not isinstance(size, int)
+        or size < 1
+        or world_size % size
+        or size >= world_size
+    ):
+        raise ValueError(
+            f"secondary_shard_size must be a positive int dividing world_size={world_size} and "
+            f"smaller than it, got {size!r}"
+        )
+    if shard_size is not None:
+        raise ValueError("secondary_shard_size and shard_size cannot be combined")
 
 
 def _bytes(dtype: torch.dtype) -> int:
