@@ -118,10 +118,8 @@ class Chunk(GradSide):
         requires_grad: bool,
     ) -> None:
         self.chunk_id = chunk_id
-        # Bumped whenever a buffer is replaced, resized or moved (see [Note: resident
-        # version] in chunk/resident.py).
-        self.resident_version = 0
-        # Told of every such change (the memory manager's running totals), when set.
+        # Told whenever a buffer is replaced, resized or moved (see [Note: resident changes]
+        # in chunk/resident.py): the memory manager's running totals, when set.
         self.resident_watch: Callable[[Chunk], None] | None = None
         self.capacity_numel = capacity_numel
         self.dtypes = dtypes

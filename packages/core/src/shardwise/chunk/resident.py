@@ -1,13 +1,13 @@
 """Attributes of a chunk whose change alters what it holds where.
 
-[Note: resident version]
+[Note: resident changes]
 The memory manager checks the device's bytes after every gather and gradient copy; counting
 every chunk's buffers each time cost most of a step under "auto" on a model of many chunks.
 So the attributes that decide a chunk's resident bytes (its buffers, their pools, its gradient
-layout) are `Resident` descriptors: assigning one bumps the chunk's `resident_version`, as
-does resizing a buffer's storage (`Chunk._materialise`, `Chunk._free`), and the manager counts
-a chunk again only when its version moved, or is told of the change at once by
-`resident_watch` (see [Note: device tally] in gemini/device_tally.py).
+layout) are `Resident` descriptors: assigning one calls `resident_changed`, as does resizing a
+buffer's storage (`Chunk._materialise`, `Chunk._free`), which tells the chunk's
+`resident_watch` (the manager's running totals, see [Note: device tally] in
+gemini/device_tally.py), so that only chunks that changed are counted again.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 
 class Resident(Generic[T]):
-    """A chunk attribute whose assignment bumps the chunk's `resident_version`.
+    """A chunk attribute whose assignment is a resident change (see the module note).
 
     The value lives in the chunk's own `__dict__` under the attribute's name, and the
     descriptor has no `__get__` at run time: a data descriptor without one lets reads find the
@@ -38,8 +38,7 @@ class Resident(Generic[T]):
 
 
 def resident_changed(chunk: Any) -> None:
-    """Bump `chunk`'s resident version and tell its watcher, if it has one yet."""
-    chunk.resident_version += 1
+    """Tell `chunk`'s watcher, if it has one yet, that what it holds where changed."""
     watch = chunk.__dict__.get("resident_watch")
     if watch is not None:
         watch(chunk)

@@ -2,9 +2,9 @@
 
 [Note: device tally]
 The memory manager checks the device's bytes after every gather and gradient copy. Summing
-every chunk each time cost a fifth of a step on a model of 40 small chunks (3800 chunk counts
-per step under "auto"). Instead each chunk reports a change of its buffers (see [Note:
-resident version] in chunk/resident.py) to this tally, which recounts only the chunks that
+every chunk each time made 3,800 chunk counts per step under "auto" on a model of 40 small
+chunks. Instead each chunk reports a change of its buffers (see [Note:
+resident changes] in chunk/resident.py) to this tally, which recounts only the chunks that
 changed since the last question and keeps the totals. A chunk's optimizer state (in its optim
 pool) only grows within a step and moves only by the manager, so its count is kept until the
 manager says it may have changed (`forget_optimizer`).
