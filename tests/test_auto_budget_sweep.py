@@ -138,12 +138,12 @@ def _overrun_then_replan() -> list[dict[str, Any]]:
         return {"state": wrapped.state_dict(only_rank_0=False), "history": history}
 
     reference = train({"placement_policy": "cuda"})
-    # Budgets in halves of the fp32 parameters' bytes, from below the working set to above
+    # Budgets in quarters of the fp32 parameters' bytes, from below the working set to above
     # what the model state and the held gradients take together.
     params = sum(v.numel() * v.element_size() for v in reference["state"].values())
     runs = []
-    for halves in range(1, 9):
-        budget = params * halves // 2
+    for quarters in range(2, 17):
+        budget = params * quarters // 4
         try:
             run = train({"placement_policy": "auto", "device_budget_bytes": budget})
         except DeviceBudgetExceeded:

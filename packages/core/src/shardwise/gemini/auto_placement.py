@@ -293,9 +293,16 @@ class AutoPlacer:
         # A prefetch is planned against the working set alone, as "cpu" placement's is:
         # activations cannot move, so leaving room for them would only turn it off there.
         self.prefetch = working + largest <= self.budget
-        # Room for a prefetched chunk and one kept gathered from forward into backward,
-        # reserved at every budget so that what stays on the device only grows with it.
-        self.reserved_bytes = 2 * largest
+        # Room for a prefetched chunk and one kept gathered from forward into backward, and
+        # for the gradient buffer a backward prefetch brings on (the warm-up, which does not
+        # prefetch, never held it: without it backward's prefetch would wait for the
+        # reduction in flight to make room), reserved at every budget so that what stays on
+        # the device only grows with it.
+        largest_grads = max(
+            (self._grad_buffer_bytes(c) for c in chunks if c.requires_grad and not c.keep_gathered),
+            default=0,
+        )
+        self.reserved_bytes = 2 * largest + largest_grads
         room = self.budget - floor - self.reserved_bytes
         # Shards first: each saves its gathers' copies for as many bytes of device memory as
         # it takes. The most used first; a chunk no step gathers saves nothing.
