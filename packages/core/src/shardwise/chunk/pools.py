@@ -75,10 +75,17 @@ class PoolMoves:
 
     def move_optim(self, pool: Pool) -> None:
         """Move the fp32 master and gradient shard to `pool`; the optimizer must then re-point
-        its views (ZeroOptimizer.rebind_chunk) and move its state."""
+        its views (ZeroOptimizer.rebind_chunk) and move its state. An fp32 master that lands
+        beside its shard becomes the shard itself."""
         if pool is self.optim_pool or not self.requires_grad:
             self.optim_pool = pool
             return
-        self.master = self._move(self.master, pool, torch.float32)
+        if self.dtypes.payload == torch.float32 and pool is self.payload_pool:
+            # An fp32 shard in the same pool is the master again, as place() makes it: no
+            # second copy to hold, nor to copy into the shard after every step.
+            self.shard.copy_(self._move(self.master, pool))
+            self.master = self.shard
+        else:
+            self.master = self._move(self.master, pool, torch.float32)
         self.grad_shard = self._move(self.grad_shard, pool)
         self.optim_pool = pool

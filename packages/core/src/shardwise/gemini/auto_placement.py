@@ -46,6 +46,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 
+import torch
+
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, Pool
 from shardwise.chunk.accounting import gathered_bytes
 from shardwise.gemini.tracer import MemoryTracer
@@ -102,6 +104,8 @@ class AutoPlacer:
         # Sends a chunk's optimizer side back to host memory (set by the manager).
         self.evict_optim: Callable[[Chunk], None] = lambda chunk: None
         self._position = 0
+        # After warm-up: the traced non-model bytes at the current position of the step.
+        self._planned_non_model = 0
         self._last_use: dict[int, int] = {}
         self._uses: dict[int, list[int]] = {}
         # Per chunk id: the bytes its gather and its gradient buffer allocate.
@@ -110,22 +114,23 @@ class AutoPlacer:
 
     def begin_step(self) -> None:
         self._position = 0
+        self._planned_non_model = self.non_model[0] if self.non_model else 0
 
     def non_model_now(self) -> int:
-        if not self.warm:
-            return self.tracer.sample()
-        traced = self.non_model
-        if not traced:
-            return 0
-        position = self._position - 1
-        return traced[min(position, len(traced) - 1)] if position > 0 else traced[0]
+        """The non-model bytes on the device now: sampled during warm-up, then those traced at
+        the same point of the warm-up step (asked at every check: kept, not looked up)."""
+        return self._planned_non_model if self.warm else self.tracer.sample()
 
     def before_gather(self, chunks: list[Chunk], backward: bool) -> None:
         """Make room on the device for `chunks` (see [Note: auto placement])."""
         position = self._position
         self._position += 1
         ids = tuple(c.chunk_id for c in chunks)
-        if not self.warm:
+        if self.warm:
+            traced = self.non_model
+            if traced:
+                self._planned_non_model = traced[min(position, len(traced) - 1)]
+        else:
             self.timeline.append(ids)
             self.non_model.append(self.tracer.sample())
         for chunk_id in ids:
@@ -344,8 +349,9 @@ class AutoPlacer:
 
 
 def _side_bytes(chunk: Chunk, optim_bytes: Callable[[Chunk], int]) -> int:
-    """Device bytes `chunk`'s optimizer side takes there: the fp32 master and gradient shard,
-    and the optimizer's state (Adam's two moments when it has none yet)."""
+    """Device bytes `chunk`'s optimizer side takes there beside its shard: the fp32 master
+    (none when the shard is fp32), the gradient shard, and the optimizer's state (Adam's two
+    moments when it has none yet)."""
     grad = chunk.grad_shard.numel() * chunk.grad_shard.element_size()
     begin, end = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
     # The optimizer keeps state for this rank's slices of the tensors, not for the padding.
@@ -354,7 +360,9 @@ def _side_bytes(chunk: Chunk, optim_bytes: Callable[[Chunk], int]) -> int:
         for t in chunk.tensors
         if t.param.requires_grad
     )
-    return chunk.master.numel() * 4 + grad + (optim_bytes(chunk) or owned * 8)
+    # An fp32 master beside its shard on the device is the shard itself (Chunk.move_optim).
+    master = 0 if chunk.dtypes.payload == torch.float32 else chunk.master.numel() * 4
+    return master + grad + (optim_bytes(chunk) or owned * 8)
 
 
 def _reduce_size(chunk: Chunk) -> int:

@@ -230,13 +230,13 @@ class GeminiManager:
         self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
         if self.auto is not None:
             self.auto.observe(self.tally.transient_bytes())
-            budget = self.auto.budget
-            excess = device + self.auto.non_model_now() - budget
+            non_model = self.auto.non_model_now()
+            excess = device + non_model - self.auto.budget
             if excess > 0:
                 self.auto.relieve(excess)
                 device = self.tally.device_bytes()
             self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
-            self.peak_device_bytes = max(self.peak_device_bytes, device + self.auto_non_model())
+            self.peak_device_bytes = max(self.peak_device_bytes, device + non_model)
         else:
             self.peak_device_bytes = max(self.peak_device_bytes, device)
         if self.device_budget_bytes is not None and device > self.device_budget_bytes:
@@ -255,9 +255,6 @@ class GeminiManager:
                 f"of {self.device_budget_bytes} by {short}; use placement_policy='cpu', raise "
                 f"the static offload fractions, use smaller chunks, or raise device_budget_bytes"
             )
-
-    def auto_non_model(self) -> int:
-        return 0 if self.auto is None else self.auto.non_model_now()
 
     def bytes_moved(self) -> dict[str, int]:
         """Bytes copied host->device and device->host since the chunks were placed."""
