@@ -183,3 +183,36 @@ class OkResponse:
 
     def read(self) -> bytes:
         return b"{}"
+
+
+# A small net with a branch a forward may skip, and this rank's rows of a step's global batch:
+# the models of the hybrid sharding and hpZ tests.
+BRANCH_WIDTH = 24
+ROWS_PER_RANK = 4
+
+
+class BranchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        width = BRANCH_WIDTH
+        self.inp = nn.Linear(width, 2 * width)
+        self.mid = nn.Linear(2 * width, 2 * width)
+        self.branch = nn.Linear(2 * width, 2 * width)
+        self.out = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.mid(h))
+        if use_branch:
+            h = h + self.branch(h)
+        return self.out(h)
+
+
+def branch_net_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of step `step`'s global batch for `BranchNet`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(10 + step)
+    x = torch.randn(world * ROWS_PER_RANK, BRANCH_WIDTH, generator=generator)
+    y = torch.randn(world * ROWS_PER_RANK, BRANCH_WIDTH, generator=generator)
+    part = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    return x[part], y[part]

@@ -21,53 +21,26 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo  # imported once here, not in every rank that builds DDP
-import torch.distributed as dist
-from torch import nn
+from helpers import BranchNet, branch_net_batch
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
 from shardwise.comm import CommOp
 from shardwise.testing import run_ranks
 
-WIDTH = 24
 STEPS = 4
-ROWS_PER_RANK = 4
 MAX_NORM = 0.5
 CHUNK = 1500
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(WIDTH, 2 * WIDTH)
-        self.mid = nn.Linear(2 * WIDTH, 2 * WIDTH)
-        self.branch = nn.Linear(2 * WIDTH, 2 * WIDTH)
-        self.out = nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
-        h = torch.relu(self.inp(x))
-        h = torch.relu(self.mid(h))
-        if use_branch:  # every rank alike, on even steps: stage 3 gathers are collectives
-            h = h + self.branch(h)
-        return self.out(h)
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    generator = torch.Generator().manual_seed(10 + step)
-    x = torch.randn(world * ROWS_PER_RANK, WIDTH, generator=generator)
-    y = torch.randn(world * ROWS_PER_RANK, WIDTH, generator=generator)
-    part = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    return x[part], y[part]
+# The branch runs on every rank alike, on even steps: stage 3's gathers are collectives.
 
 
 def _plain() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = Net()
+    model = BranchNet()
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = branch_net_batch(step)
         optimizer.zero_grad()
         (ddp(x, step % 2 == 0) - y).pow(2).mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -77,7 +50,7 @@ def _plain() -> dict[str, torch.Tensor]:
 
 def _sharded(secondary: int | None, **config: Any) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Net()
+    model = BranchNet()
     wrapped = zero_model_wrapper(
         model,
         3,
@@ -96,7 +69,7 @@ def _sharded(secondary: int | None, **config: Any) -> dict[str, Any]:
     stats = wrapped.comm_stats
     losses, gathers, held_after_forward = [], [], []
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = branch_net_batch(step)
         before = stats.snapshot()
         optimizer.zero_grad()
         loss = (wrapped(x, step % 2 == 0) - y).pow(2).mean()
@@ -122,7 +95,7 @@ def _sharded(secondary: int | None, **config: Any) -> dict[str, Any]:
         )
     left = [c.chunk_id for c in wrapped.chunk_manager.chunks if c.secondary is not None]
     with torch.no_grad():
-        wrapped(*_batch(0)[:1], True)  # an evaluation forward keeps no secondary copy
+        wrapped(*branch_net_batch(0)[:1], True)  # an evaluation forward keeps no secondary copy
     kept_in_eval = [c.chunk_id for c in wrapped.chunk_manager.chunks if c.secondary is not None]
     return {
         "losses": losses,
@@ -206,7 +179,7 @@ def _refusals() -> list[str]:
         (3, {"secondary_shard_size": 0}),
     ):
         try:
-            zero_model_wrapper(Net(), stage, {"device": torch.device("cpu"), **config})
+            zero_model_wrapper(BranchNet(), stage, {"device": torch.device("cpu"), **config})
         except ValueError as error:
             messages.append(str(error))
         else:

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch._dynamo  # imported once here, not in every rank that builds DDP
 import torch.distributed as dist
-from torch import nn
+from helpers import BranchNet, branch_net_batch
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
@@ -31,35 +31,8 @@ from shardwise.checkpoint import load, save
 from shardwise.comm import CommOp
 from shardwise.testing import run_ranks
 
-WIDTH = 24
 STEPS = 5
-ROWS_PER_RANK = 4
 MAX_NORM = 0.5
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(WIDTH, 2 * WIDTH)
-        self.mid = nn.Linear(2 * WIDTH, 2 * WIDTH)
-        self.branch = nn.Linear(2 * WIDTH, 2 * WIDTH)
-        self.out = nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
-        h = torch.relu(self.inp(x))
-        h = torch.relu(self.mid(h))
-        if use_branch:
-            h = h + self.branch(h)
-        return self.out(h)
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    generator = torch.Generator().manual_seed(10 + step)
-    x = torch.randn(world * ROWS_PER_RANK, WIDTH, generator=generator)
-    y = torch.randn(world * ROWS_PER_RANK, WIDTH, generator=generator)
-    part = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    return x[part], y[part]
 
 
 def _use_branch(stage: int, step: int) -> bool:
@@ -70,11 +43,11 @@ def _use_branch(stage: int, step: int) -> bool:
 
 def _plain(stage: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = Net()
+    model = BranchNet()
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = branch_net_batch(step)
         optimizer.zero_grad()
         (ddp(x, _use_branch(stage, step)) - y).pow(2).mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -86,7 +59,7 @@ def _hybrid(
     stage: int, shard_size: int | None, chunk: int = 1500, **placement: Any
 ) -> tuple[Any, Any]:
     torch.manual_seed(0)
-    model = Net()
+    model = BranchNet()
     config: dict[str, Any] = {
         "device": torch.device("cpu"),
         "shard_size": shard_size,
@@ -109,7 +82,7 @@ def _train(stage: int) -> dict[str, Any]:
     wrapped, optimizer = _hybrid(stage, shard_size=2)
     crossing = []
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = branch_net_batch(step)
         before = wrapped.comm_stats.sent_bytes(CommOp.REPLICATE_ALL_REDUCE)
         optimizer.zero_grad()
         optimizer.backward((wrapped(x, _use_branch(stage, step)) - y).pow(2).mean())
@@ -140,7 +113,7 @@ def test_two_groups_of_two_match_ddp_and_send_one_shard_across(stage: int) -> No
 def _accumulating(stage: int) -> dict[str, Any]:
     """Two micro-batches per step: the gradient shards cross the groups once per step."""
     torch.manual_seed(0)
-    model = Net()
+    model = BranchNet()
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     plain_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     wrapped, optimizer = _hybrid(stage, shard_size=2)
@@ -150,7 +123,7 @@ def _accumulating(stage: int) -> dict[str, Any]:
         optimizer.zero_grad()
         before = wrapped.comm_stats.sent_bytes(CommOp.REPLICATE_ALL_REDUCE)
         for micro in range(2):
-            x, y = _batch(2 * step + micro)
+            x, y = branch_net_batch(2 * step + micro)
             ((ddp(x, True) - y).pow(2).mean() / 2).backward()
             optimizer.backward((wrapped(x, True) - y).pow(2).mean() / 2)
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -179,7 +152,7 @@ def _auto_placement() -> dict[str, Any]:
     reference = _plain(3)
     wrapped, optimizer = _hybrid(3, 2, placement_policy="auto", device_budget_bytes=80_000)
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = branch_net_batch(step)
         optimizer.zero_grad()
         optimizer.backward((wrapped(x, _use_branch(3, step)) - y).pow(2).mean())
         optimizer.step()
@@ -200,7 +173,7 @@ def test_auto_placement_with_shard_groups_matches_ddp() -> None:
 def _save_hybrid_load_elsewhere(directory: Path) -> dict[str, Any]:
     wrapped, optimizer = _hybrid(3, shard_size=2)
     for step in range(2):
-        x, y = _batch(step)
+        x, y = branch_net_batch(step)
         optimizer.zero_grad()
         optimizer.backward((wrapped(x, True) - y).pow(2).mean())
         optimizer.step()
