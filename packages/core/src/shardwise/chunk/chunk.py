@@ -360,8 +360,9 @@ class Chunk(GradSide):
         size = comm.world_size(self.secondary_group)
         span = self.padded_numel // size
         begin = comm.rank(self.secondary_group) * span
-        # The 16-bit payload is freed once cast into the compute copy; casting that slice
-        # back gives the payload's values exactly (the cast up was exact).
+        # A payload cast into a compute copy is freed after the cast; that slice of the copy,
+        # cast back to the payload dtype, decodes into the same compute values again (for a
+        # 16-bit payload computed in fp32 it is the payload itself: the cast up was exact).
         source = self.full if self.full_compute is None else self.full_compute
         self.secondary = source[begin : begin + span].to(self.dtypes.payload, copy=True)
 
