@@ -23,6 +23,7 @@ import torch
 import torch._dynamo  # imported once here, not in every rank that builds DDP
 from helpers import BranchNet, branch_net_batch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
 from shardwise.comm import CommOp
@@ -194,3 +195,55 @@ def test_secondary_shard_size_is_refused_where_it_cannot_be_honoured() -> None:
     assert "must be a divisor" in messages[2]
     assert "smaller than" in messages[3]
     assert "positive int" in messages[4]
+
+
+class CheckpointedNet(BranchNet):
+    """BranchNet with its middle layer under non-reentrant activation checkpointing: backward
+    runs that layer's forward again, gathering its chunk inside backward."""
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.relu(checkpoint(self.mid, h, use_reentrant=False))
+        if use_branch:
+            h = h + self.branch(h)
+        return self.out(h)
+
+
+def _accumulated(secondary: int | None) -> dict[str, Any]:
+    """Two micro-batches per step (both forwards, then both backwards, as an interleaved
+    schedule runs them), the middle layer checkpointed."""
+    torch.manual_seed(0)
+    model = CheckpointedNet()
+    config = {"device": torch.device("cpu"), "chunk_size_numel": CHUNK}
+    wrapped = zero_model_wrapper(model, 3, {**config, "secondary_shard_size": secondary})
+    optimizer = zero_optim_wrapper(
+        wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    )
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        first, second = branch_net_batch(2 * step), branch_net_batch(2 * step + 1)
+        loss_a = (wrapped(first[0], True) - first[1]).pow(2).mean() / 2
+        loss_b = (wrapped(second[0], False) - second[1]).pow(2).mean() / 2
+        optimizer.backward(loss_b)
+        optimizer.backward(loss_a)
+        optimizer.step()
+        losses.append(float(loss_a + loss_b))
+    secondary_gathers = wrapped.comm_stats.calls(CommOp.SECONDARY_ALL_GATHER)
+    return {
+        "losses": losses,
+        "state": wrapped.state_dict(only_rank_0=False),
+        "secondary_gathers": secondary_gathers,
+    }
+
+
+def test_hpz_under_activation_checkpointing_and_interleaved_micro_batches() -> None:
+    def both() -> dict[str, Any]:
+        return {"without": _accumulated(None), "with": _accumulated(2)}
+
+    for rank, result in enumerate(run_ranks(both, 4, timeout_s=240)):
+        without, hpz = result["without"], result["with"]
+        assert hpz["secondary_gathers"] > 0 and without["secondary_gathers"] == 0
+        assert hpz["losses"] == without["losses"], rank
+        for key, value in without["state"].items():
+            assert torch.equal(hpz["state"][key], value), (rank, key)

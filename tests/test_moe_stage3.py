@@ -174,6 +174,21 @@ def test_ranks_routing_apart_match_ddp(world: int) -> None:
             assert result["diff"] < 1e-5, result["diff"]
 
 
+@pytest.mark.parametrize("world, secondary", [(2, 1), (4, 2)])
+def test_hpz_with_ranks_routing_apart_matches_ddp(world: int, secondary: int) -> None:
+    # hpZ keeps each expert block's slices from forward to backward, whose gathers then run in
+    # the secondary groups: every rank gathers the whole unit, so the groups stay in step.
+    config = {**SMALL_CHUNKS, "secondary_shard_size": secondary}
+    results = run_ranks(_compare, world, config, timeout_s=300)
+    assert _ranks_differed(results)
+    for result in results:
+        if world == 2:
+            assert result["diff"] == 0.0
+            assert result["losses"] == result["plain_losses"]
+        else:
+            assert result["diff"] < 1e-5, result["diff"]
+
+
 def test_every_placement_with_overlap_and_buckets() -> None:
     configs = [
         {**SMALL_CHUNKS, "placement_policy": "cpu"},
