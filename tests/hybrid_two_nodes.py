@@ -1,7 +1,8 @@
 """Runs on two torchrun agents as two nodes of two ranks (c10d rendezvous, gloo): hybrid
 sharding at stage 3 with `shard_size` the ranks per node, against DDP over the same 4 ranks;
 a checkpoint saved at that layout and loaded into full sharding over all 4 ranks at stage 2;
-writes what rank 0 saw as JSON.
+hpZ (`secondary_shard_size` the ranks per node) against the same DDP run; writes what rank 0
+saw as JSON.
 
     torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \
         --rdzv-id=ID tests/hybrid_two_nodes.py OUT_DIR
@@ -26,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
 from shardwise.checkpoint import load, save
+from shardwise.comm import CommOp
 
 WIDTH = 24
 STEPS = 4
@@ -83,10 +85,14 @@ def plain(steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, t
     return losses, at_steps, model.state_dict()
 
 
-def wrapped(stage: int, shard_size: int | None, chunk: int) -> tuple[Any, Any]:
+def wrapped(
+    stage: int, shard_size: int | None, chunk: int, secondary_shard_size: int | None = None
+) -> tuple[Any, Any]:
     torch.manual_seed(0)
     model = Net()
     config: dict[str, Any] = {"device": torch.device("cpu"), "shard_size": shard_size}
+    if secondary_shard_size is not None:
+        config["secondary_shard_size"] = secondary_shard_size
     if stage == 3:
         config["chunk_size_numel"] = chunk
     engine = zero_model_wrapper(model, stage, config)
@@ -152,7 +158,20 @@ def main() -> None:
     after_hybrid = engine.state_dict(only_rank_0=False)
     after_loaded = other.state_dict(only_rank_0=False)
 
+    # hpZ: sharded over all 4 ranks, backward's gathers inside each node.
+    hpz, hpz_optimizer = wrapped(3, shard_size=None, chunk=1000, secondary_shard_size=per_node)
+    secondary = hpz.chunk_manager.topology.secondary
+    secondary_groups: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(secondary_groups, dist.get_process_group_ranks(secondary))
+    hpz_losses = [train_step(hpz, hpz_optimizer, step) for step in range(STEPS)]
+    hpz_final = hpz.state_dict(only_rank_0=False)
+
     seen = {
+        "hpz_secondary_groups": secondary_groups,
+        "hpz_chunk_world": sorted({c.world_size for c in hpz.chunk_manager.chunks}),
+        "hpz_secondary_gathers": hpz.comm_stats.calls(CommOp.SECONDARY_ALL_GATHER),
+        "hpz_losses": hpz_losses,
+        "hpz_diff": max_diff(hpz_final, plain_final),
         "world_size": dist.get_world_size(),
         "placements": placements,
         "shard_groups": shard_groups,

@@ -167,3 +167,19 @@ def test_checkpoint_loads_into_full_sharding_at_stage_2(launched: dict[str, Any]
     hybrid, loaded, plain = launched["next_losses"]
     assert hybrid == loaded  # the loss of the reloaded weights, computed before the step
     assert abs(hybrid - plain) <= 1e-6 * abs(plain)
+
+
+def test_hpz_gathers_backward_inside_each_node_and_trains_as_ddp(launched: dict[str, Any]) -> None:
+    nodes: dict[int, list[int]] = {}
+    for placement in launched["placements"]:
+        nodes.setdefault(placement["agent_pid"], []).append(placement["rank"])
+    # Every rank's secondary group is its node's ranks; the chunks are sharded over all 4.
+    for placement, group in zip(
+        launched["placements"], launched["hpz_secondary_groups"], strict=True
+    ):
+        assert sorted(group) == sorted(nodes[placement["agent_pid"]])
+    assert launched["hpz_chunk_world"] == [4]
+    assert launched["hpz_secondary_gathers"] > 0
+    # Stage 3 over 4 ranks sums each gradient in another order than DDP's all-reduce.
+    assert launched["hpz_diff"] < 1e-6, launched["hpz_diff"]
+    assert launched["hpz_losses"][0] == launched["plain_losses"][0]
