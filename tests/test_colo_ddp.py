@@ -348,3 +348,67 @@ def test_a_process_group_of_its_own() -> None:
     _check(results, exact=True)
     checksums = [[result["checksum"] for result in rank_results] for rank_results in results]
     assert checksums[0] == checksums[1] != checksums[2] == checksums[3]
+
+
+def _no_sync_run(colo: bool) -> dict[str, Any]:
+    """Steps of three micro-batches, the first two under `no_sync()` (DDP's pattern for
+    gradient accumulation); the branch runs on some ranks in some micro-batches only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    plain = Branchy()
+    if colo:
+        model: Any = ColoDDP(plain, bucket_cap_mb=SEVERAL_CHUNKS_MB)
+    else:
+        model = DistributedDataParallel(plain, find_unused_parameters=True)
+    optimizer = OPTIMIZERS["adamw_fused"]([p for p in plain.parameters() if p.requires_grad])
+    local_grads, averaged_grads, quiet = [], [], []
+    for step in range(3):
+        optimizer.zero_grad()
+        for micro in range(3):
+            x, target = _batch(step, micro, rank, world)
+            branch = (step + micro + rank) % 3 == 0
+            if micro < 2:
+                # Forward and backward inside, as DDP needs (it decides in forward).
+                before = model.comm_stats.snapshot() if colo else None
+                with model.no_sync():
+                    ((model(x, branch) - target).pow(2).mean() / 3).backward()
+                if colo:
+                    quiet.append(model.comm_stats.snapshot() == before)
+                local_grads.append(
+                    {
+                        n: None if p.grad is None else p.grad.clone()
+                        for n, p in plain.named_parameters()
+                    }
+                )
+            else:
+                ((model(x, branch) - target).pow(2).mean() / 3).backward()
+        averaged_grads.append(
+            {n: None if p.grad is None else p.grad.clone() for n, p in plain.named_parameters()}
+        )
+        optimizer.step()
+    return {
+        "local": local_grads,
+        "averaged": averaged_grads,
+        "quiet": quiet,
+        "params": _copy(plain.state_dict()),
+    }
+
+
+def _same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> bool:
+    return all(
+        (a[k] is None) == (b[k] is None) and (a[k] is None or torch.equal(a[k], b[k]))  # type: ignore[arg-type]
+        for k in a
+    )
+
+
+def test_no_sync_accumulates_locally_as_ddp_does() -> None:
+    def both() -> dict[str, Any]:
+        return {"ddp": _no_sync_run(colo=False), "colo": _no_sync_run(colo=True)}
+
+    for result in run_ranks(both, 2):
+        ddp, colo = result["ddp"], result["colo"]
+        assert colo["quiet"] and all(colo["quiet"])  # no collective inside no_sync()
+        assert all(_same(a, b) for a, b in zip(colo["local"], ddp["local"], strict=True))
+        assert all(_same(a, b) for a, b in zip(colo["averaged"], ddp["averaged"], strict=True))
+        for key, value in ddp["params"].items():
+            assert torch.equal(colo["params"][key], value), key

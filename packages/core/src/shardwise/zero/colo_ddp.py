@@ -5,6 +5,7 @@ stage 0: chunks as DDP's buckets, averaged across ranks during backward, `.grad`
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -118,6 +119,9 @@ class ColoDDP(nn.Module):
 
     def _chunk_reduced(self, chunk: Chunk) -> None:
         # Every chunk is reduced after every backward, the last once all gradients are in.
+        # Under no_sync() the reducer reports complete chunks too, unreduced: nothing to do.
+        if not self.reducer.require_sync:
+            return
         self._num_reduced += 1
         if self._num_reduced == len(self._chunks):
             self._num_reduced = 0
@@ -169,6 +173,19 @@ class ColoDDP(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, unaveraged, in the backward passes run inside, as
+        DDP's `no_sync()`: no collective runs there and `.grad` holds this rank's own sum; the
+        next backward outside averages everything accumulated since `zero_grad()`. Run the
+        forward inside too, as DDP needs (here the backward alone decides)."""
+        previous = self.reducer.require_sync
+        self.reducer.require_sync = False
+        try:
+            yield
+        finally:
+            self.reducer.require_sync = previous
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss`; gradients are averaged over ranks when it returns."""
