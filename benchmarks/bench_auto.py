@@ -1,20 +1,25 @@
 """The "auto" placement against the best "static" split at each device budget of a sweep.
 
     python benchmarks/bench_auto.py [--rounds 16] [--world 2]
+    python benchmarks/bench_auto.py --device cuda --world 1 --dim 1024 --hidden 4096 \
+        --blocks 8 --chunk 4194304 --batch 8192      (one GPU: placement then moves real bytes)
 
-A 6-block MLP at stage 3 (chunks of 4096 elements, fp32, AdamW) on forked gloo ranks. The sweep
-runs from the working set ("cpu" placement's peak) to the whole model state in 8 budgets. At
-each, in two runs:
+A small MLP at stage 3 (by default 6 blocks, chunks of 4096 elements, fp32, AdamW) on forked
+gloo ranks. The sweep runs from the working set ("cpu" placement's peak) to the whole model
+state in 8 budgets. At each, in two runs:
 1. selection: "auto" and every static split of a small grid (offload_param_frac,
    offload_optim_frac in 0, 0.5, 1) that trains within the budget take one step each per round,
    in an order that rotates each round, for `--rounds` rounds after one warm-up step; the split
    with the lowest median step is the best static split;
-2. confirmation: "auto" and that split, freshly built, alternate for twice as many rounds, and
-   their medians there give the ratio. The least of nine noisy medians sits below its split's
+2. confirmation: "auto", that split and a second copy of it, freshly built, take turns for six
+   times as many rounds in each of the six orders alike; auto's ratio to the split is the
+   median of their per-round ratios, and the copy's ratio to the split, measured alike, is the
+   noise floor of that comparison. The least of nine noisy medians sits below its split's
    typical value (the winner's curse); timing it again apart from its selection removes that
-   bias from the comparison.
-Reports rank 0's medians and bytes moved host<->device per step, and writes its block of
-benchmarks/RESULTS.md (between the auto-placement markers).
+   bias.
+Reports rank 0's times and bytes moved host<->device per step, and writes its block of
+benchmarks/RESULTS.md (between the auto-placement markers; a CUDA run writes a block of its
+own).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import argparse
 import itertools
 import re
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +43,6 @@ from shardwise.gemini import DeviceBudgetExceeded
 from shardwise.testing import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-BEGIN, END = "<!-- auto-placement:begin -->", "<!-- auto-placement:end -->"
 GRID = [0.0, 0.5, 1.0]
 READING = (
     "On a CPU host both pools are the same memory, so placement changes the step time by no"
@@ -48,8 +54,20 @@ READING = (
 )
 
 
+@dataclass(frozen=True)
+class Setup:
+    """The benchmarked model and where it computes (the defaults: the CPU run of RESULTS)."""
+
+    device: str = "cpu"
+    dim: int = 64
+    hidden: int = 256
+    blocks: int = 6
+    chunk_size_numel: int = 4096
+    batch: int = 64
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int = 64, hidden: int = 256) -> None:
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
@@ -58,9 +76,9 @@ class Block(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, setup: Setup) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(6))
+        self.blocks = nn.ModuleList(Block(setup.dim, setup.hidden) for _ in range(setup.blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -71,10 +89,12 @@ class MLP(nn.Module):
 class _Trainer:
     """One placement's copy of the model, stepped a turn at a time."""
 
-    def __init__(self, policy: dict[str, Any]) -> None:
+    def __init__(self, policy: dict[str, Any], setup: Setup) -> None:
         torch.manual_seed(0)
-        model = MLP()
-        config = {"device": torch.device("cpu"), "chunk_size_numel": 4096, **policy}
+        model = MLP(setup)
+        self.setup = setup
+        self.device = torch.device(setup.device)
+        config = {"device": self.device, "chunk_size_numel": setup.chunk_size_numel, **policy}
         self.wrapped = zero_model_wrapper(model, 3, config)
         self.optimizer = zero_optim_wrapper(
             self.wrapped, torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -87,15 +107,24 @@ class _Trainer:
         self.moved = 0
 
     def step(self, timed: bool) -> None:
-        x = torch.randn(64, 64, generator=self.generator).chunk(dist.get_world_size())
+        setup = self.setup
+        x = torch.randn(setup.batch, setup.dim, generator=self.generator)
+        x = x.chunk(dist.get_world_size())[dist.get_rank()].to(self.device)
         before = sum(self.gemini.bytes_moved().values())
+        self._synchronize()
         start = time.perf_counter()
         self.optimizer.zero_grad()
-        self.optimizer.backward(self.wrapped(x[dist.get_rank()]))
+        self.optimizer.backward(self.wrapped(x))
         self.optimizer.step()
+        self._synchronize()
         if timed:
             self.times.append(time.perf_counter() - start)
             self.moved = sum(self.gemini.bytes_moved().values()) - before
+
+    def _synchronize(self) -> None:
+        # CUDA runs asynchronously: a step's time is measured to its last kernel.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def result(self) -> dict[str, Any]:
         return {
@@ -108,20 +137,22 @@ class _Trainer:
         }
 
 
-def _trainer(policy: dict[str, Any]) -> _Trainer | None:
+def _trainer(policy: dict[str, Any], setup: Setup) -> _Trainer | None:
     """A trainer past its warm-up step, or None where the placement does not fit."""
     try:
-        trainer = _Trainer(policy)
+        trainer = _Trainer(policy, setup)
         trainer.step(timed=False)
     except DeviceBudgetExceeded:
         return None
     return trainer
 
 
-def _interleaved(policies: dict[str, dict[str, Any]], rounds: int) -> dict[str, dict[str, Any]]:
+def _interleaved(
+    policies: dict[str, dict[str, Any]], rounds: int, setup: Setup
+) -> dict[str, dict[str, Any]]:
     """Every placement that fits takes one step per round, in turn, so that the machine's
     drift hits them alike; each one's median step and the bytes its last step moved."""
-    trainers = {name: _trainer(policy) for name, policy in policies.items()}
+    trainers = {name: _trainer(policy, setup) for name, policy in policies.items()}
     live = {name: t for name, t in trainers.items() if t is not None}
     failed: set[str] = set()
     names = list(live)
@@ -144,9 +175,9 @@ def _interleaved(policies: dict[str, dict[str, Any]], rounds: int) -> dict[str, 
     return {name: t.result() for name, t in live.items() if name not in failed and t.times}
 
 
-def _sweep(rounds: int) -> list[dict[str, Any]]:
-    cpu = _trainer({"placement_policy": "cpu"})
-    cuda = _trainer({"placement_policy": "cuda"})
+def _sweep(rounds: int, setup: Setup) -> list[dict[str, Any]]:
+    cpu = _trainer({"placement_policy": "cpu"}, setup)
+    cuda = _trainer({"placement_policy": "cuda"}, setup)
     assert cpu is not None and cuda is not None
     for reference in (cpu, cuda):
         reference.step(timed=False)  # the first step creates the optimizer state
@@ -164,7 +195,7 @@ def _sweep(rounds: int) -> list[dict[str, Any]]:
                     "offload_param_frac": param,
                     "offload_optim_frac": optim,
                 }
-        results = _interleaved(policies, rounds)
+        results = _interleaved(policies, rounds, setup)
         auto = results.pop("auto", None)
         best = min(results.items(), key=lambda item: item[1]["ms"], default=None)
         head_to_head = None
@@ -176,7 +207,7 @@ def _sweep(rounds: int) -> list[dict[str, Any]]:
                 best[0]: policies[best[0]],
                 "again": policies[best[0]],
             }
-            head_to_head = _interleaved(trio, 6 * rounds)
+            head_to_head = _interleaved(trio, 6 * rounds, setup)
         fewest = min((r["moved"] for r in results.values()), default=None)
         # The splits a real device holds: their model-state peak and the activations' peak
         # within the budget (an upper bound of their peak together).
@@ -226,29 +257,45 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=16, help="timed steps per placement")
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help='"cpu", or "cuda" (one GPU: --world 1)')
+    parser.add_argument("--dim", type=int, default=Setup.dim)
+    parser.add_argument("--hidden", type=int, default=Setup.hidden)
+    parser.add_argument("--blocks", type=int, default=Setup.blocks)
+    parser.add_argument("--chunk", type=int, default=Setup.chunk_size_numel, help="elements")
+    parser.add_argument("--batch", type=int, default=Setup.batch, help="global batch")
     args = parser.parse_args()
-    rows = run_ranks(_sweep, args.world, args.rounds, timeout_s=900)[0]
+    if args.device == "cuda" and args.world != 1:
+        parser.error("--device cuda runs one rank per GPU over gloo: pass --world 1")
+    setup = Setup(args.device, args.dim, args.hidden, args.blocks, args.chunk, args.batch)
+    rows = run_ranks(_sweep, args.world, args.rounds, setup, timeout_s=900)[0]
+    # One block per device kind: a CUDA run leaves the CPU run's table in place.
+    name = "auto-placement" if setup.device == "cpu" else f"auto-placement-{setup.device}"
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    command = " ".join(["python benchmarks/bench_auto.py", *sys.argv[1:]])
+    model = (
+        f"{setup.blocks}-block MLP (dim {setup.dim}, hidden {setup.hidden}), batch"
+        f" {setup.batch}, stage 3, chunks of {setup.chunk_size_numel}, fp32"
+    )
+    where = "CPU, gloo" if setup.device == "cpu" else f"{_device_name(setup.device)}, gloo"
     lines = [
-        BEGIN,
-        "## Auto placement against the best static split, per device budget",
+        begin,
+        f"## Auto placement against the best static split, per device budget ({setup.device})",
         "",
-        f"`python benchmarks/bench_auto.py --rounds {args.rounds} --world {args.world}` (CPU,"
-        " gloo, 6-block MLP, stage 3, chunks of 4096, fp32). Selection: at each budget auto and"
-        " every static split (offload_param_frac x offload_optim_frac in {0, 0.5, 1}) that"
-        " trains within it take one step each per round, in an order that rotates each round,"
-        f" {args.rounds} rounds after a warm-up step; the split with the lowest median is the"
-        " best static split (the least of nine noisy medians is biased low, so it is timed"
-        " again). Confirmation: auto, that split, and a second copy of that split, built"
+        f"`{command}` ({where}, {args.world} rank(s), {model}). Selection: at each budget auto"
+        " and every static split (offload_param_frac x offload_optim_frac in {0, 0.5, 1})"
+        " that trains within it take one step each per round, in an order that rotates each"
+        f" round, {args.rounds} rounds after a warm-up step; the split with the lowest median"
+        " is the best static split (the least of nine noisy medians is biased low, so it is"
+        " timed again). Confirmation: auto, that split, and a second copy of that split, built"
         f" afresh, take turns for {6 * args.rounds} rounds, in each of the six orders alike."
-        " Auto / best static is the median"
-        " over rounds of auto's step over the split's in the same round; the copy's ratio to"
-        " the split, measured alike, is the noise floor of that comparison (1.00 would be no"
-        " noise). Rank 0's times, and the bytes moved host<->device in the last step. The"
-        " static splits' budget check counts model state only; auto's also leaves room for the"
-        " activations it traced, which a real device must hold too: the fourth column counts"
-        " only the splits whose model-state peak and the activations' peak (auto's trace, the"
-        " same under every placement) sum within the budget, an upper bound of what they hold"
-        " at once.",
+        " Auto / best static is the median over rounds of auto's step over the split's in the"
+        " same round; the copy's ratio to the split, measured alike, is the noise floor of"
+        " that comparison (1.00 would be no noise). Rank 0's times, and the bytes moved"
+        " host<->device in the last step. The static splits' budget check counts model state"
+        " only; auto's also leaves room for the activations it traced, which a real device"
+        " must hold too: the fourth column counts only the splits whose model-state peak and"
+        " the activations' peak (auto's trace, the same under every placement) sum within the"
+        " budget, an upper bound of what they hold at once.",
         "",
         "| budget (KiB) | auto bytes moved | fewest bytes of a static split | of one that also"
         " holds the activations | best static | its bytes | confirmation ms: auto / static"
@@ -258,12 +305,18 @@ def main() -> None:
     for row in rows:
         lines.append(_table_row(row))
         print(lines[-1])
-    lines += ["", READING, END]
+    if setup.device == "cpu":
+        lines += ["", READING]
+    lines.append(end)
     block = "\n".join(lines) + "\n"
     text = RESULTS.read_text() if RESULTS.exists() else ""
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
-    text = pattern.sub(block, text) if pattern.search(text) else text + "\n" + block
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text + "\n" + block
     RESULTS.write_text(text)
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else device
 
 
 if __name__ == "__main__":
