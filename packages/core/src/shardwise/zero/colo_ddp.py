@@ -180,12 +180,8 @@ class ColoDDP(nn.Module):
         DDP's `no_sync()`: no collective runs there and `.grad` holds this rank's own sum; the
         next backward outside averages everything accumulated since `zero_grad()`. Run the
         forward inside too, as DDP needs (here the backward alone decides)."""
-        previous = self.reducer.require_sync
-        self.reducer.require_sync = False
-        try:
+        with self.reducer.unsynced():
             yield
-        finally:
-            self.reducer.require_sync = previous
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss`; gradients are averaged over ranks when it returns."""

@@ -18,7 +18,8 @@ becomes the order in which chunks actually completed there, rank 0's, broadcast 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -243,6 +244,17 @@ class GradReducer:
         for chunk in pending.wait(keep_full=False):
             if self._on_reduced is not None:
                 self._on_reduced(chunk)
+
+    @contextmanager
+    def unsynced(self) -> Iterator[None]:
+        """Leave every reduction of the backward passes run inside to the next synchronised
+        one (the wrappers' `no_sync()`)."""
+        previous = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
 
     def in_flight_bytes(self) -> int:
         """Device bytes the reductions in flight hold (their chunks' gathered payloads and

@@ -321,12 +321,8 @@ class ZeroModel(nn.Module):
         reduction, i.e. stage 3 then holds the unsharded gradient of the model on the device,
         as stage 2 always does between reductions; calling backward several times outside
         no_sync accumulates in the shards instead, at one reduction per pass."""
-        previous = self.reducer.require_sync
-        self.reducer.require_sync = False
-        try:
+        with self.reducer.unsynced():
             yield
-        finally:
-            self.reducer.require_sync = previous
 
     # ---- state -------------------------------------------------------------------------------
 
