@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import GPT, GPTConfig, gpt_batch
@@ -216,3 +217,22 @@ def branch_net_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.randn(world * ROWS_PER_RANK, BRANCH_WIDTH, generator=generator)
     part = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
     return x[part], y[part]
+
+
+def branch_net_ddp(
+    steps: int, use_branch: Callable[[int], bool], max_norm: float
+) -> dict[str, torch.Tensor]:
+    """The plain loop a user runs without shardwise on `BranchNet`: DDP with
+    `find_unused_parameters=True`, `zero_grad()`, `backward()`, `clip_grad_norm_`, AdamW; the
+    weights after `steps` steps."""
+    torch.manual_seed(0)
+    model = BranchNet()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(steps):
+        x, y = branch_net_batch(step)
+        optimizer.zero_grad()
+        (ddp(x, use_branch(step)) - y).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+    return model.state_dict()

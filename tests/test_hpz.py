@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo  # imported once here, not in every rank that builds DDP
-from helpers import BranchNet, branch_net_batch
-from torch.nn.parallel import DistributedDataParallel
+from helpers import BranchNet, branch_net_batch, branch_net_ddp
 from torch.utils.checkpoint import checkpoint
 
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
@@ -36,17 +35,7 @@ CHUNK = 1500
 
 
 def _plain() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = BranchNet()
-    ddp = DistributedDataParallel(model, find_unused_parameters=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for step in range(STEPS):
-        x, y = branch_net_batch(step)
-        optimizer.zero_grad()
-        (ddp(x, step % 2 == 0) - y).pow(2).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-    return model.state_dict()
+    return branch_net_ddp(STEPS, lambda step: step % 2 == 0, MAX_NORM)
 
 
 def _sharded(secondary: int | None, **config: Any) -> dict[str, Any]:

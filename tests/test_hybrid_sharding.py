@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch._dynamo  # imported once here, not in every rank that builds DDP
 import torch.distributed as dist
-from helpers import BranchNet, branch_net_batch
+from helpers import BranchNet, branch_net_batch, branch_net_ddp
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
@@ -42,17 +42,7 @@ def _use_branch(stage: int, step: int) -> bool:
 
 
 def _plain(stage: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = BranchNet()
-    ddp = DistributedDataParallel(model, find_unused_parameters=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for step in range(STEPS):
-        x, y = branch_net_batch(step)
-        optimizer.zero_grad()
-        (ddp(x, _use_branch(stage, step)) - y).pow(2).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-    return model.state_dict()
+    return branch_net_ddp(STEPS, lambda step: _use_branch(stage, step), MAX_NORM)
 
 
 def _hybrid(
