@@ -269,8 +269,9 @@ class GatherScheduler:
                 if info.state is TensorState.COMPUTE:
                     chunk.set_hold(index)
         self.release_all()
-        for chunk in self.chunk_manager.chunks:
-            chunk.drop_secondary()  # what backward did not gather (an unused branch)
+        if self.chunk_manager.topology.secondary is not None:  # hpZ
+            for chunk in self.chunk_manager.chunks:
+                chunk.drop_secondary()  # what backward did not gather (an unused branch)
         if self._gemini is not None and not self._warmed_up:
             self._warmed_up = True
             self._gemini.end_of_warmup()
