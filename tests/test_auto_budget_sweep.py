@@ -17,16 +17,19 @@ from shardwise.gemini import DeviceBudgetExceeded
 from shardwise.testing import run_ranks
 
 FP16 = MixedPrecision(param_dtype=torch.float16, compute_dtype=torch.float32)
+FP32 = MixedPrecision()
 STEPS = 3  # the warm-up, then two planned steps
 NUM_BUDGETS = 8
 
 
-def _train(policy: dict[str, Any], world: int) -> dict[str, Any]:
+def _train(
+    policy: dict[str, Any], world: int, mixed_precision: MixedPrecision = FP16
+) -> dict[str, Any]:
     rank = dist.get_rank()
     config = {
         "device": torch.device("cpu"),
         "chunk_size_numel": CHUNK_NUMEL,
-        "mixed_precision": FP16,
+        "mixed_precision": mixed_precision,
         **policy,
     }
     model = make_model()
@@ -218,3 +221,59 @@ def test_auto_keeps_reductions_overlapped_where_only_activations_pass_the_budget
         assert counts["over_budget"] == 0, counts  # the model state alone stays within
         assert counts["overruns"] > 0, counts  # the activations do pass the budget
         assert counts["drains"] < counts["overruns"] // 2, counts
+
+
+def _waits_where_the_activations_fit() -> dict[str, int]:
+    """ "auto" at the budget "cpu" placement peaks at plus the activations' traced peak: the
+    working set and the activations fit side by side, so nothing needs a wait. Counts the
+    steps' overruns and the waits for reductions in flight. In fp32: a 16-bit payload's
+    gather briefly holds it beside its compute copy, which auto plans for and the budget
+    checks after the gather do not see."""
+    rank = dist.get_rank()
+    cpu = _train({"placement_policy": "cpu"}, 2, FP32)
+    probe = _train({"placement_policy": "auto", "device_budget_bytes": 1 << 40}, 2, FP32)
+    budget = cpu["peak"] + probe["non_model"]
+    config = {
+        "device": torch.device("cpu"),
+        "chunk_size_numel": CHUNK_NUMEL,
+        "placement_policy": "auto",
+        "device_budget_bytes": budget,
+    }
+    model = make_model()
+    wrapped = zero_model_wrapper(model, 3, config)
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    gemini = wrapped.gemini_manager
+    assert gemini is not None and gemini.auto is not None
+    auto = gemini.auto
+    drain, drains = auto.drain, 0
+
+    def counted() -> None:
+        nonlocal drains
+        drains += 1
+        drain()
+
+    auto.drain = counted
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        optimizer.backward(wrapped(*batch_slice(step, 0, rank, 2)))
+        optimizer.step()
+        if step == 0:  # after the warm-up
+            drains, overruns = 0, auto.overruns
+    return {
+        "drains": drains,
+        "overruns": auto.overruns - overruns,
+        "prefetch": int(auto.prefetch),
+        "model_over_budget": int(gemini.peak_model_device_bytes > budget),
+    }
+
+
+def test_auto_waits_for_no_reduction_where_the_working_set_and_activations_fit() -> None:
+    # A chunk's reduction in flight leaves when the next one starts, as soon as the module's
+    # first gradient chunk completes. Planning a backward gather as if the module's gradient
+    # buffers all arrived beside it made "auto" wait for the reduction at every module
+    # there, serialising the reductions that "cpu" placement keeps overlapped in the same
+    # memory.
+    for counts in run_ranks(_waits_where_the_activations_fit, 2):
+        assert counts["prefetch"] == 1, counts
+        assert counts["model_over_budget"] == 0, counts
+        assert counts["drains"] == 0, counts

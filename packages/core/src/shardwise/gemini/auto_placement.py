@@ -4,13 +4,15 @@
 Every chunk starts with its shard and its optimizer side in host memory. The first forward and
 backward are the warm-up: a MemoryTracer samples the non-model bytes at each module boundary
 and the order in which boundaries use chunks is recorded. Before each boundary gathers its
-chunks, the device must have room for them (and, in backward, their gradient buffers) within
-the budget less the non-model bytes traced there; if it has not, reductions still in flight are
-finished (only where that makes the room, or where the model state alone passes the budget:
-waiting cannot make room for activations and would serialise the step's reductions) and shards
-resident on the device are sent to host memory, the one used again farthest in the future
-first (during warm-up, when the future is unknown, the least recently used first). A shard
-gathered from host memory is copied to the device for the gather and stays in its pool.
+chunks, the device must have room for them (what a prefetch has not allocated yet and, in
+backward, their gradient buffers, less the reduction in flight that the next reduction's start
+frees) within the budget less the non-model bytes traced there; if it has not, reductions
+still in flight are finished (only where that makes the room, or where the model state alone
+passes the budget: waiting cannot make room for activations and would serialise the step's
+reductions) and shards resident on the device are sent to host memory, the one used again
+farthest in the future first (during warm-up, when the future is unknown, the least recently
+used first). A shard gathered from host memory is copied to the device for the gather and
+stays in its pool.
 
 The plan is a forecast, so the budget check after every allocation (a gather, a gradient
 buffer, a prefetch) does the same: over the budget, it finishes the reductions in flight (on
@@ -49,7 +51,7 @@ from collections.abc import Callable
 import torch
 
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, Pool
-from shardwise.chunk.accounting import gathered_bytes
+from shardwise.chunk.accounting import gathered_bytes, storage_bytes
 from shardwise.gemini.tracer import MemoryTracer
 
 
@@ -101,6 +103,8 @@ class AutoPlacer:
         # and the device bytes they hold.
         self.drain: Callable[[], None] = lambda: None
         self.in_flight_bytes: Callable[[], int] = lambda: 0
+        # The part of those the next reduction's start waits for, and so frees.
+        self.retiring_bytes: Callable[[], int] = lambda: 0
         # Sends a chunk's optimizer side back to host memory (set by the manager).
         self.evict_optim: Callable[[Chunk], None] = lambda chunk: None
         self._position = 0
@@ -135,21 +139,31 @@ class AutoPlacer:
             self.non_model.append(self.tracer.sample())
         for chunk_id in ids:
             self._last_use[chunk_id] = position
-        self.make_room(chunks, backward, position)
+        # In backward the gradient buffers of the chunks gathered for a module arrive with
+        # its gradients, right after the gather.
+        self.make_room(chunks, with_grads=backward, position=position)
 
-    def make_room(self, chunks: list[Chunk], backward: bool, position: int | None = None) -> None:
+    def make_room(self, chunks: list[Chunk], with_grads: bool, position: int | None = None) -> None:
         """Finish reductions in flight and evict shards until `chunks` fit beside the device's
-        model state and the non-model bytes planned here; leave the rest to the budget check
-        after the allocation."""
+        model state and the non-model bytes planned here (with their gradient buffers, when
+        those arrive before anything is freed); leave the rest to the budget check after the
+        allocation."""
         if position is None:
             position = max(self._position - 1, 0)
-        need = 0
+        gathers = grads = 0
         for chunk in chunks:
             if chunk.state is ChunkState.SHARDED:
-                need += self._gathered_bytes(chunk)
-            # In backward their gradient buffers arrive too.
-            if backward and chunk.requires_grad and chunk.grad_full is None:
-                need += self._grad_buffer_bytes(chunk)
+                # A prefetched chunk already holds its payload buffer, counted on the device:
+                # its gather adds only what is not allocated yet (a compute copy).
+                held = storage_bytes(chunk.full) + storage_bytes(chunk.full_compute)
+                gathers += self._gathered_bytes(chunk) - held
+            if with_grads and chunk.requires_grad and chunk.grad_full is None:
+                grads += self._grad_buffer_bytes(chunk)
+        # The reduction in flight leaves when the next one starts, as soon as one of these
+        # chunks completes: the rest of their gradient buffers take its room. (A first buffer
+        # that arrives before it has left is caught by the budget check at that gradient,
+        # which waits for the reduction then, as its start would a moment later.)
+        need = gathers + max(0, grads - self.retiring_bytes()) if grads else gathers
         room = self.budget - self.non_model_now()
         if self._device_bytes() + need <= room:
             return

@@ -136,14 +136,18 @@ class GeminiManager:
         self._rebind = rebind
 
     def attach_reducer(
-        self, drain: Callable[[], None], in_flight_bytes: Callable[[], int] = lambda: 0
+        self,
+        drain: Callable[[], None],
+        in_flight_bytes: Callable[[], int] = lambda: 0,
+        retiring_bytes: Callable[[], int] = lambda: 0,
     ) -> None:
         """Tell the manager how to finish the gradient reductions in flight (each holds a
-        gathered chunk and its gradient buffer), so that "auto" can free them for room, and
-        how many device bytes they hold."""
+        gathered chunk and its gradient buffer), so that "auto" can free them for room, how
+        many device bytes they hold, and how many of those the next reduction's start frees."""
         if self.auto is not None:
             self.auto.drain = drain
             self.auto.in_flight_bytes = in_flight_bytes
+            self.auto.retiring_bytes = retiring_bytes
 
     @property
     def prefetch_planned(self) -> bool:
@@ -153,7 +157,13 @@ class GeminiManager:
 
     def before_prefetch(self, chunks: list[Chunk], backward: bool) -> None:
         if self.auto is not None:
-            self.auto.make_room(chunks, backward)
+            # Room for the gather alone: a chunk prefetched in backward gets its gradient
+            # buffer only when the module before it has run backward, by which time the
+            # reduction in flight has usually finished; the budget check at that gradient
+            # waits for it only if it has not. Counting the buffer here would wait for the
+            # reduction at every backward prefetch, and serialise them, where "cpu"
+            # placement keeps them overlapped in the same memory.
+            self.auto.make_room(chunks, with_grads=False)
 
     # ---- calls from the gather schedule (stage 3) --------------------------------------------
 

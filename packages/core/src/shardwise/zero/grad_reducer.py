@@ -261,6 +261,15 @@ class GradReducer:
         gradient buffers): what `finish_in_flight` can give back, at most."""
         return sum(transient_bytes(c) for pending in self._in_flight for c in pending.chunks)
 
+    def retiring_bytes(self) -> int:
+        """Device bytes of the reductions in flight that the next reduction's start waits for
+        (beyond `max_in_flight`): they leave the device by the time a chunk's gradient
+        completes, with no wait of their own."""
+        if self.max_in_flight is None:
+            return 0
+        retiring = self._in_flight[: max(0, len(self._in_flight) + 1 - self.max_in_flight)]
+        return sum(transient_bytes(c) for pending in retiring for c in pending.chunks)
+
     def finish_in_flight(self) -> None:
         """Wait for every reduction in flight now: the memory manager needs the room their
         gathered chunks and gradient buffers hold. Only waits: no rank issues a collective

@@ -170,7 +170,11 @@ class ZeroModel(nn.Module):
             units=units,
         )
         if gemini is not None:
-            gemini.attach_reducer(self.reducer.finish_in_flight, self.reducer.in_flight_bytes)
+            gemini.attach_reducer(
+                self.reducer.finish_in_flight,
+                self.reducer.in_flight_bytes,
+                self.reducer.retiring_bytes,
+            )
         # See [Note: the inner module works on its own]. The pre-hook goes first and the post
         # hook last, around the scheduler's own hooks on a root that owns parameters.
         self._root_hooks = [
