@@ -56,6 +56,8 @@ def _train(
         "device": gemini.memory_by_pool()["device"],
         "non_model": max(auto.non_model) if auto is not None else 0,
         "prefetch": auto.prefetch if auto is not None else None,
+        "plan_holds": auto.plan_holds if auto is not None else None,
+        "overruns": auto.overruns_since_plan if auto is not None else 0,
         # The plan's floor (working set and activations) and the room it keeps free.
         "planned": auto.warmup_peak + auto.reserved_bytes if auto is not None else 0,
     }
@@ -107,6 +109,13 @@ def test_auto_trains_at_every_budget_bit_identical_to_cuda(world: int) -> None:
         assert moved[-1] == 0, (rank, moved)
         assert moved[0] > 0, (rank, moved)
         assert result["runs"][-1]["prefetch"] is True
+        # Once the budget holds the warm-up's peak and the plan's reserve, steps skip making
+        # room before their gathers (the plan holds): from some budget up, never below it,
+        # and no step since the plan passed it.
+        holds = [run["plan_holds"] for run in result["runs"]]
+        assert holds[0] is False and holds[-1] is True, holds
+        assert holds == sorted(holds), holds
+        assert all(run["overruns"] == 0 for run in result["runs"] if run["plan_holds"])
         # Below the working set no placement fits, and the error names the least budget.
         assert "cannot fit" in result["below"] and "at least" in result["below"]
 

@@ -36,6 +36,11 @@ to host memory and the updated parameters' trip back: shards come first, as they
 bytes for each byte of device memory. Ties go to the higher chunk id: nothing depends on set or
 dict iteration order.
 
+Where the warm-up's peak and that reserved room fit within the budget, the plan keeps what
+it places on the device within what is left, so a step that repeats the warm-up needs no room
+made before its gathers: they skip that forecast (its cost per gather is the whole of auto's
+overhead over a static split there), and the budget checks after each allocation stand guard.
+
 A step that makes room by evicting what the plan kept on the device (it allocated more than the
 warm-up did: gradients held whole under `no_sync`, a larger batch) sets a flag that rides in
 the step's gradient-norm all-reduce; after a step where any rank set it, every rank sends its
@@ -99,6 +104,10 @@ class AutoPlacer:
         self.working_peak = 0
         # Room the plan keeps free for a prefetch and a chunk kept into backward.
         self.reserved_bytes = 0
+        # The plan keeps the warm-up's peak and that room within the budget, so steps that
+        # repeat the warm-up need no room made before their gathers (see [Note: auto
+        # placement]).
+        self.plan_holds = False
         # Finishes the gradient reductions in flight (set by the model when it overlaps them),
         # and the device bytes they hold.
         self.drain: Callable[[], None] = lambda: None
@@ -129,16 +138,16 @@ class AutoPlacer:
         """Make room on the device for `chunks` (see [Note: auto placement])."""
         position = self._position
         self._position += 1
-        ids = tuple(c.chunk_id for c in chunks)
         if self.warm:
             traced = self.non_model
             if traced:
                 self._planned_non_model = traced[min(position, len(traced) - 1)]
         else:
+            ids = tuple(c.chunk_id for c in chunks)
             self.timeline.append(ids)
             self.non_model.append(self.tracer.sample())
-        for chunk_id in ids:
-            self._last_use[chunk_id] = position
+            for chunk_id in ids:
+                self._last_use[chunk_id] = position
         # In backward the gradient buffers of the chunks gathered for a module arrive with
         # its gradients, right after the gather.
         self.make_room(chunks, with_grads=backward, position=position)
@@ -148,6 +157,8 @@ class AutoPlacer:
         model state and the non-model bytes planned here (with their gradient buffers, when
         those arrive before anything is freed); leave the rest to the budget check after the
         allocation."""
+        if self.plan_holds:
+            return
         if position is None:
             position = max(self._position - 1, 0)
         gathers = grads = 0
@@ -181,6 +192,9 @@ class AutoPlacer:
         reductions in flight, evict shards, then optimizer sides, until it is back within or
         nothing is left to move."""
         self.overruns += 1
+        # The step passed what the plan foresaw: make room before each gather again, until
+        # a new plan says it holds.
+        self.plan_holds = False
         evictions = self.evictions
         excess -= self._drain_if_worth_it(excess, 0)
         position = max(self._position - 1, 0)
@@ -323,6 +337,7 @@ class AutoPlacer:
         )
         self.reserved_bytes = 2 * largest + largest_grads
         room = self.budget - floor - self.reserved_bytes
+        self.plan_holds = room >= 0
         # Shards first: each saves its gathers' copies for as many bytes of device memory as
         # it takes. The most used first; a chunk no step gathers saves nothing.
         used = sorted(
