@@ -94,16 +94,16 @@ class Chunk(GradSide):
             their own, with no gradient or master buffers).
     """
 
-    full = Resident[torch.Tensor]()
-    full_compute = Resident[torch.Tensor | None]()
+    full = Resident[torch.Tensor](transient=True)
+    full_compute = Resident[torch.Tensor | None](transient=True)
     shard = Resident[torch.Tensor]()
     master = Resident[torch.Tensor]()
-    grad_full = Resident[torch.Tensor | None]()
+    grad_full = Resident[torch.Tensor | None](transient=True)
     grad_shard = Resident[torch.Tensor]()
     payload_pool = Resident[Pool]()
     optim_pool = Resident[Pool]()
     grad_layout = Resident[GradLayout]()
-    secondary = Resident[torch.Tensor | None]()
+    secondary = Resident[torch.Tensor | None](transient=True)
 
     def __init__(
         self,
@@ -120,7 +120,7 @@ class Chunk(GradSide):
         self.chunk_id = chunk_id
         # Told whenever a buffer is replaced, resized or moved (see [Note: resident changes]
         # in chunk/resident.py): the memory manager's running totals, when set.
-        self.resident_watch: Callable[[Chunk], None] | None = None
+        self.resident_watch: Callable[[Chunk, bool], None] | None = None
         self.capacity_numel = capacity_numel
         self.dtypes = dtypes
         self.device = device
@@ -372,14 +372,18 @@ class Chunk(GradSide):
             self.secondary = None
 
     def _materialise(self, buffer: torch.Tensor) -> None:
+        # Only the gathered payload and its compute copy are resized in place (see [Note:
+        # resident changes]).
+        assert buffer is self.full or buffer is self.full_compute
         nbytes = buffer.numel() * buffer.element_size()
         if buffer.untyped_storage().size() != nbytes:
             buffer.untyped_storage().resize_(nbytes)
-            resident_changed(self)
+            resident_changed(self, transient=True)
 
     def _free(self, buffer: torch.Tensor) -> None:
+        assert buffer is self.full or buffer is self.full_compute
         buffer.untyped_storage().resize_(0)
-        resident_changed(self)
+        resident_changed(self, transient=True)
 
     # ---- tensor states ---------------------------------------------------------------------
 

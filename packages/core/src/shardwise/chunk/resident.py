@@ -7,7 +7,11 @@ So the attributes that decide a chunk's resident bytes (its buffers, their pools
 layout) are `Resident` descriptors: assigning one calls `resident_changed`, as does resizing a
 buffer's storage (`Chunk._materialise`, `Chunk._free`), which tells the chunk's
 `resident_watch` (the manager's running totals, see [Note: device tally] in
-gemini/device_tally.py), so that only chunks that changed are counted again.
+gemini/device_tally.py), so that only chunks that changed are counted again. A change says
+whether it was transient: one of the buffers a step allocates and frees (the gathered payload
+and its compute copy, the gradient buffer, the secondary copy; the only buffers whose storage
+is ever resized in place). The buffers a chunk keeps between steps change only by assignment,
+a few times a run, so their count is kept until one does.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ class Resident(Generic[T]):
     instance's value at the speed of a plain attribute (the memory manager reads these after
     every gather), while assignments still come here."""
 
+    def __init__(self, *, transient: bool = False) -> None:
+        self._transient = transient
+
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
 
@@ -34,11 +41,12 @@ class Resident(Generic[T]):
 
     def __set__(self, chunk: Any, value: T) -> None:
         chunk.__dict__[self._name] = value
-        resident_changed(chunk)
+        resident_changed(chunk, transient=self._transient)
 
 
-def resident_changed(chunk: Any) -> None:
-    """Tell `chunk`'s watcher, if it has one yet, that what it holds where changed."""
+def resident_changed(chunk: Any, *, transient: bool) -> None:
+    """Tell `chunk`'s watcher, if it has one yet, that what it holds where changed (only its
+    transient buffers, or not; see the module note)."""
     watch = chunk.__dict__.get("resident_watch")
     if watch is not None:
-        watch(chunk)
+        watch(chunk, transient)

@@ -5,9 +5,13 @@ The memory manager checks the device's bytes after every gather and gradient cop
 every chunk each time made 3,800 chunk counts per step under "auto" on a model of 40 small
 chunks. Instead each chunk reports a change of its buffers (see [Note:
 resident changes] in chunk/resident.py) to this tally, which recounts only the chunks that
-changed since the last question and keeps the totals. A chunk's optimizer state (in its optim
-pool) only grows within a step and moves only by the manager, so its count is kept until the
-manager says it may have changed (`forget_optimizer`).
+changed since the last question and keeps the totals. Of a changed chunk it recounts only the
+transient buffers when only those changed: the buffers it keeps between steps (shard, master,
+gradient shard) change only by assignment, and counting them at every gather made a placement
+that keeps them on the device cost more bookkeeping per step than one that keeps them in host
+memory. A chunk's optimizer state (in its optim pool) only grows within a step and moves only
+by the manager, so its count is kept until the manager says it may have changed
+(`forget_optimizer`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class DeviceTally:
         # Per chunk id: (its model-state device bytes, their transient part) when last counted.
         self._counted: dict[int, tuple[int, int]] = {}
         self._optimizer: dict[int, int] = {}
+        # Per chunk id: the device bytes it keeps between steps (optimizer state included).
+        self._resting: dict[int, int] = {}
         self._dirty: dict[int, Chunk] = {}
         self._model = 0
         self._transient = 0
@@ -61,10 +67,13 @@ class DeviceTally:
         chunks = self.chunk_manager.chunks if chunk is None else [chunk]
         for each in chunks:
             self._optimizer.pop(each.chunk_id, None)
+            self._resting.pop(each.chunk_id, None)
             self._dirty[each.chunk_id] = each
 
-    def _touched(self, chunk: Chunk) -> None:
+    def _touched(self, chunk: Chunk, transient: bool) -> None:
         self._dirty[chunk.chunk_id] = chunk
+        if not transient:
+            self._resting.pop(chunk.chunk_id, None)
 
     def _settle(self) -> None:
         chunks = self.chunk_manager.chunks
@@ -85,6 +94,7 @@ class DeviceTally:
         self._watched = list(chunks)
         self._counted.clear()
         self._optimizer.clear()
+        self._resting.clear()
         self._model = self._transient = 0
         for chunk in chunks:
             chunk.resident_watch = self._touched
@@ -92,10 +102,16 @@ class DeviceTally:
 
     def _count(self, chunk: Chunk) -> tuple[int, int]:
         transient = transient_bytes(chunk)
-        held = transient + resting_device_bytes(chunk)
+        resting = self._resting.get(chunk.chunk_id)
+        if resting is None:
+            resting = self._resting[chunk.chunk_id] = self._count_resting(chunk)
+        return transient + resting, transient
+
+    def _count_resting(self, chunk: Chunk) -> int:
+        held = resting_device_bytes(chunk)
         if chunk.optim_pool is Pool.DEVICE:
             state = self._optimizer.get(chunk.chunk_id)
             if state is None:
                 state = self._optimizer[chunk.chunk_id] = self.optimizer_bytes(chunk)
             held += state
-        return held, transient
+        return held
