@@ -1,6 +1,6 @@
 """The "auto" placement against the best "static" split at each device budget of a sweep.
 
-    python benchmarks/bench_auto.py [--rounds 16] [--world 2]
+    python benchmarks/bench_auto.py [--rounds 16] [--world 2] [--copies 6]
     python benchmarks/bench_auto.py --device cuda --world 1 --dim 1024 --hidden 4096 \
         --blocks 8 --chunk 4194304 --batch 8192      (one GPU: placement then moves real bytes)
 
@@ -11,12 +11,16 @@ state in 8 budgets. At each, in two runs:
    offload_optim_frac in 0, 0.5, 1) that trains within the budget take one step each per round,
    in an order that rotates each round, for `--rounds` rounds after one warm-up step; the split
    with the lowest median step is the best static split;
-2. confirmation: "auto", that split and a second copy of it, freshly built, take turns for six
-   times as many rounds in each of the six orders alike; auto's ratio to the split is the
-   median of their per-round ratios, and the copy's ratio to the split, measured alike, is the
-   noise floor of that comparison. The least of nine noisy medians sits below its split's
-   typical value (the winner's curse); timing it again apart from its selection removes that
-   bias.
+2. confirmation: fresh copies of "auto" and of that split (`--copies` each, every one built
+   anew) take one step each per round, in a shuffled order (seeded), for three times as many
+   rounds. A copy's step time carries an effect of its build (where its buffers landed) that
+   no number of rounds averages out, so each side's time is the mean of its copies' medians,
+   and auto / split is their ratio; the ratio of one half of the split's copies to the other
+   half, measured alike, is the noise floor of that comparison. The least of nine noisy
+   medians sits below its split's typical value (the winner's curse); timing fresh copies
+   apart from the selection removes that bias.
+Auto's own cost is timed too: the time its copies spend before each gather and prefetch (the
+planning and evictions that "static" does not do), per step.
 Reports rank 0's times and bytes moved host<->device per step, and writes its block of
 benchmarks/RESULTS.md (between the auto-placement markers; a CUDA run writes a block of its
 own).
@@ -25,7 +29,7 @@ own).
 from __future__ import annotations
 
 import argparse
-import itertools
+import random
 import re
 import statistics
 import sys
@@ -46,11 +50,15 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 GRID = [0.0, 0.5, 1.0]
 READING = (
     "On a CPU host both pools are the same memory, so placement changes the step time by no"
-    " more than two copies of one split, timed alike, differ (the last column): this run "
-    "can show auto keeping pace with the best split, not beating it. The byte columns are "
-    "what placement changes here; auto moves more than the fewest-bytes static split where "
-    "it keeps room for the traced activations and for backward's prefetch, which a static "
-    "split's budget check ignores."
+    " more than two sets of copies of one split, timed alike, differ (the noise floor): this"
+    " run can show auto keeping pace with the best split, not beating it. The byte columns"
+    " are what placement changes here; auto moves more than the fewest-bytes static split"
+    " where it keeps room for the traced activations and for backward's prefetch, which a"
+    " static split's budget check ignores. Auto's planning is the cost of deciding: where its"
+    " plan holds the warm-up's peak it makes no room before gathers and costs under a tenth"
+    " of a millisecond per step; at the working set, where the activations do"
+    " not fit beside it, it waits for reductions in flight at the gathers where that makes"
+    " room for them (no static split holds the activations there: fourth column)."
 )
 
 
@@ -104,7 +112,21 @@ class _Trainer:
         self.gemini = gemini
         self.generator = torch.Generator().manual_seed(1)
         self.times: list[float] = []
+        self.plan_times: list[float] = []
         self.moved = 0
+        # Time spent in auto's planning before gathers and prefetches ("static" does none).
+        self.planning = 0.0
+        if gemini.auto is not None:
+            for hook in ("before_gather", "before_prefetch"):
+                setattr(gemini, hook, self._timed(getattr(gemini, hook)))
+
+    def _timed(self, hook: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            hook(*args, **kwargs)
+            self.planning += time.perf_counter() - start
+
+        return timed
 
     def step(self, timed: bool) -> None:
         setup = self.setup
@@ -112,6 +134,7 @@ class _Trainer:
         x = x.chunk(dist.get_world_size())[dist.get_rank()].to(self.device)
         before = sum(self.gemini.bytes_moved().values())
         self._synchronize()
+        planning = self.planning
         start = time.perf_counter()
         self.optimizer.zero_grad()
         self.optimizer.backward(self.wrapped(x))
@@ -119,6 +142,7 @@ class _Trainer:
         self._synchronize()
         if timed:
             self.times.append(time.perf_counter() - start)
+            self.plan_times.append(self.planning - planning)
             self.moved = sum(self.gemini.bytes_moved().values()) - before
 
     def _synchronize(self) -> None:
@@ -130,6 +154,7 @@ class _Trainer:
         return {
             "ms": 1000 * statistics.median(self.times),
             "times": self.times,
+            "planning_ms": 1000 * statistics.median(self.plan_times),
             "moved": self.moved,
             "peak": self.gemini.peak_device_bytes,
             # The activations' peak auto traced (the same under every placement).
@@ -148,23 +173,21 @@ def _trainer(policy: dict[str, Any], setup: Setup) -> _Trainer | None:
 
 
 def _interleaved(
-    policies: dict[str, dict[str, Any]], rounds: int, setup: Setup
+    policies: dict[str, dict[str, Any]], rounds: int, setup: Setup, shuffled: bool = False
 ) -> dict[str, dict[str, Any]]:
     """Every placement that fits takes one step per round, in turn, so that the machine's
-    drift hits them alike; each one's median step and the bytes its last step moved."""
+    drift hits them alike; each one's median step and the bytes its last step moved. The
+    order rotates each round, or is shuffled (seeded: every rank and run alike)."""
     trainers = {name: _trainer(policy, setup) for name, policy in policies.items()}
     live = {name: t for name, t in trainers.items() if t is not None}
     failed: set[str] = set()
     names = list(live)
-    # Each round another order: every permutation in turn where there are few placements (so
-    # each follows each other as often, and a step's cost of the caches the previous one left
-    # evens out), otherwise the order rotates.
-    if len(names) <= 3:
-        orders = [list(order) for order in itertools.permutations(names)]
-    else:
-        orders = [names[shift:] + names[:shift] for shift in range(len(names))]
+    shuffle = random.Random(0).shuffle
     for turn in range(rounds):
-        for name in orders[turn % len(orders)]:
+        order = names[turn % len(names) :] + names[: turn % len(names)]
+        if shuffled:
+            shuffle(order)
+        for name in order:
             trainer = live[name]
             if name in failed:
                 continue
@@ -175,7 +198,33 @@ def _interleaved(
     return {name: t.result() for name, t in live.items() if name not in failed and t.times}
 
 
-def _sweep(rounds: int, setup: Setup) -> list[dict[str, Any]]:
+def _confirmation(
+    auto: dict[str, Any], split: dict[str, Any], copies: int, rounds: int, setup: Setup
+) -> dict[str, Any] | None:
+    """Fresh copies of auto and of the split, interleaved: each side's mean of its copies'
+    medians, their ratio, and the ratio of one half of the split's copies to the other (the
+    noise floor); None where a copy failed."""
+    # Built in turns, so that neither side's copies all land where the heap stood at one
+    # time.
+    policies = {}
+    for i in range(copies):
+        policies |= {f"auto {i}": auto, f"split {i}": split}
+    results = _interleaved(policies, rounds, setup, shuffled=True)
+    if len(results) < len(policies):
+        return None
+    mine = [results[f"auto {i}"]["ms"] for i in range(copies)]
+    theirs = [results[f"split {i}"]["ms"] for i in range(copies)]
+    half = copies // 2
+    return {
+        "auto_ms": statistics.mean(mine),
+        "split_ms": statistics.mean(theirs),
+        "ratio": statistics.mean(mine) / statistics.mean(theirs),
+        "floor": statistics.mean(theirs[:half]) / statistics.mean(theirs[half:]),
+        "planning_ms": statistics.mean(results[f"auto {i}"]["planning_ms"] for i in range(copies)),
+    }
+
+
+def _sweep(rounds: int, copies: int, setup: Setup) -> list[dict[str, Any]]:
     cpu = _trainer({"placement_policy": "cpu"}, setup)
     cuda = _trainer({"placement_policy": "cuda"}, setup)
     assert cpu is not None and cuda is not None
@@ -198,16 +247,11 @@ def _sweep(rounds: int, setup: Setup) -> list[dict[str, Any]]:
         results = _interleaved(policies, rounds, setup)
         auto = results.pop("auto", None)
         best = min(results.items(), key=lambda item: item[1]["ms"], default=None)
-        head_to_head = None
+        confirmed = None
         if auto is not None and best is not None:
-            # The best split twice: its second copy against the first is the comparison's
-            # noise floor (an A/A control).
-            trio = {
-                "auto": policies["auto"],
-                best[0]: policies[best[0]],
-                "again": policies[best[0]],
-            }
-            head_to_head = _interleaved(trio, 6 * rounds, setup)
+            confirmed = _confirmation(
+                policies["auto"], policies[best[0]], copies, 3 * rounds, setup
+            )
         fewest = min((r["moved"] for r in results.values()), default=None)
         # The splits a real device holds: their model-state peak and the activations' peak
         # within the budget (an upper bound of their peak together).
@@ -220,16 +264,10 @@ def _sweep(rounds: int, setup: Setup) -> list[dict[str, Any]]:
                 "fewest_held": min(holds, default=None),
                 "auto": auto,
                 "static": best,
-                "confirmed": head_to_head,
+                "confirmed": confirmed,
             }
         )
     return rows
-
-
-def _paired(top: dict[str, Any], bottom: dict[str, Any]) -> float:
-    """The median over rounds of one step's time over the other's in the same round: the
-    drift of the machine cancels within a round."""
-    return statistics.median(a / b for a, b in zip(top["times"], bottom["times"], strict=True))
 
 
 def _table_row(row: dict[str, Any]) -> str:
@@ -237,19 +275,19 @@ def _table_row(row: dict[str, Any]) -> str:
     auto, static, confirmed = row["auto"], row["static"], row["confirmed"]
     if auto is None or static is None:
         failed = "fails" if auto is None else "-"
-        return f"| {budget} | {failed} | - | - | none fits | - | - | - | - |"
+        return f"| {budget} | {failed} | - | - | none fits | - | - | - | - | - |"
     name, chosen = static
     held = "none" if row["fewest_held"] is None else row["fewest_held"]
     first = (
         f"| {budget} | {auto['moved']} | {row['fewest_moved']} | {held} | {name} |"
         f" {chosen['moved']} |"
     )
-    mine, again, control = (confirmed.get(k) for k in ("auto", name, "again"))
-    if mine is None or again is None or control is None:
-        return f"{first} - | - | - |"
+    if confirmed is None:
+        return f"{first} - | - | - | - |"
     return (
-        f"{first} {mine['ms']:.1f} / {again['ms']:.1f} | {_paired(mine, again):.2f}"
-        f" | {_paired(control, again):.2f} |"
+        f"{first} {confirmed['auto_ms']:.1f} / {confirmed['split_ms']:.1f} |"
+        f" {confirmed['ratio']:.3f} | {confirmed['floor']:.3f} |"
+        f" {confirmed['planning_ms']:.2f} ({confirmed['planning_ms'] / confirmed['auto_ms']:.1%}) |"
     )
 
 
@@ -257,17 +295,27 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=16, help="timed steps per placement")
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument(
+        "--copies", type=int, default=6, help="fresh copies of auto and of the split confirmed"
+    )
     parser.add_argument("--device", default="cpu", help='"cpu", or "cuda" (one GPU: --world 1)')
     parser.add_argument("--dim", type=int, default=Setup.dim)
     parser.add_argument("--hidden", type=int, default=Setup.hidden)
     parser.add_argument("--blocks", type=int, default=Setup.blocks)
     parser.add_argument("--chunk", type=int, default=Setup.chunk_size_numel, help="elements")
     parser.add_argument("--batch", type=int, default=Setup.batch, help="global batch")
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="the Markdown file whose block it writes"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and args.world != 1:
         parser.error("--device cuda runs one rank per GPU over gloo: pass --world 1")
+    if args.copies < 2:
+        parser.error(
+            f"--copies must be at least 2 (the noise floor halves them), got {args.copies}"
+        )
     setup = Setup(args.device, args.dim, args.hidden, args.blocks, args.chunk, args.batch)
-    rows = run_ranks(_sweep, args.world, args.rounds, setup, timeout_s=900)[0]
+    rows = run_ranks(_sweep, args.world, args.rounds, args.copies, setup, timeout_s=1800)[0]
     # One block per device kind: a CUDA run leaves the CPU run's table in place.
     name = "auto-placement" if setup.device == "cpu" else f"auto-placement-{setup.device}"
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
@@ -286,11 +334,15 @@ def main() -> None:
         " that trains within it take one step each per round, in an order that rotates each"
         f" round, {args.rounds} rounds after a warm-up step; the split with the lowest median"
         " is the best static split (the least of nine noisy medians is biased low, so it is"
-        " timed again). Confirmation: auto, that split, and a second copy of that split, built"
-        f" afresh, take turns for {6 * args.rounds} rounds, in each of the six orders alike."
-        " Auto / best static is the median over rounds of auto's step over the split's in the"
-        " same round; the copy's ratio to the split, measured alike, is the noise floor of"
-        " that comparison (1.00 would be no noise). Rank 0's times, and the bytes moved"
+        " timed again). Confirmation: fresh copies of auto and of that split"
+        f" ({args.copies} each, every one built anew) take one step each per round, in a"
+        f" shuffled order, for {3 * args.rounds} rounds. A copy's step time carries an effect"
+        " of its build (where its buffers landed) that more rounds do not average out, so each"
+        " side's time is the mean of its copies' median steps, and auto / best static is their"
+        " ratio; the same ratio between the two halves of the split's copies is the noise floor"
+        " of that comparison (1.000 would be no noise). Auto's planning is the time its copies"
+        " spend before each gather and prefetch (room-making and evictions, which static"
+        " splits do not do), per step. Rank 0's times, and the bytes moved"
         " host<->device in the last step. The static splits' budget check counts model state"
         " only; auto's also leaves room for the activations it traced, which a real device"
         " must hold too: the fourth column counts only the splits whose model-state peak and"
@@ -299,8 +351,8 @@ def main() -> None:
         "",
         "| budget (KiB) | auto bytes moved | fewest bytes of a static split | of one that also"
         " holds the activations | best static | its bytes | confirmation ms: auto / static"
-        " | auto / best static | same split twice |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        " | auto / best static | split / split (noise floor) | auto's planning ms/step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         lines.append(_table_row(row))
@@ -309,10 +361,11 @@ def main() -> None:
         lines += ["", READING]
     lines.append(end)
     block = "\n".join(lines) + "\n"
-    text = RESULTS.read_text() if RESULTS.exists() else ""
+    results: Path = args.results
+    text = results.read_text() if results.exists() else ""
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text + "\n" + block
-    RESULTS.write_text(text)
+    results.write_text(text)
 
 
 def _device_name(device: str) -> str:

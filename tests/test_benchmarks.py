@@ -55,3 +55,29 @@ def test_gpu_benchmark_runs_its_smoke_configuration(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     attempts = json.loads(largest.read_text())["attempts"]
     assert [a["trained"] for a in attempts] == [True] and attempts[0]["n_layer"] == 2
+
+
+def test_auto_placement_benchmark_writes_its_sweep(tmp_path: Path) -> None:
+    # benchmarks/bench_auto.py, as the suite runs it, in its smallest configuration.
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# kept\n")
+    options = ["--rounds", "1", "--copies", "2", "--blocks", "2", "--results", str(results)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = ROOT / "benchmarks" / "bench_auto.py"
+    result = subprocess.run(
+        [sys.executable, str(script), *options], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    text = results.read_text()
+    assert text.startswith("# kept\n")
+    block = text[
+        text.index("<!-- auto-placement:begin -->") : text.index("<!-- auto-placement:end -->")
+    ]
+    rows = [line for line in block.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 8, block  # the sweep's budgets
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[1] != "fails", row  # auto trains at every budget of the sweep
+        ratio, floor = float(cells[7]), float(cells[8])  # timed: both positive
+        assert ratio > 0 and floor > 0, row
