@@ -4,10 +4,10 @@ Forking a parent that already imported torch starts a rank in well under a secon
 fresh interpreter (spawn, torchrun) pays seconds for Python and torch imports; tests start many
 groups, so they fork.
 
-Gloo's mesh of loopback connections, set up inside `init_process_group`, now and then fails on
-a host that starts groups back to back ("Gloo connectFullMesh failed ... Connection closed by
-peer", twice in some 700 groups started back to back here): then no rank has run the function
-yet, so the group is started again, afresh, a few times before the failure is reported.
+Gloo's mesh of loopback connections, set up inside `init_process_group`, now and then fails to
+connect ("Gloo connectFullMesh failed ... Connection closed by peer": twice in some 700 groups
+started back to back here). No rank has run the function then, so the group is started again,
+afresh, a few times before the failure is reported.
 """
 
 from __future__ import annotations
