@@ -183,68 +183,15 @@ def test_a_step_past_the_plan_evicts_carries_on_and_plans_again() -> None:
         assert any(run["history"][-1][0] == run["history"][2][0] for run in replanned), runs
 
 
-def _waits_at_the_working_set() -> dict[str, int]:
-    """ "auto" at the budget "cpu" placement peaks at: activations pass it beside the working
-    set at many gathers. Counts the steps' overruns and the waits for reductions in flight."""
+def _steady_waits(budget: int, mixed_precision: MixedPrecision) -> dict[str, int]:
+    """ "auto" at `budget`: over the steps after the warm-up, its overruns and its waits for
+    reductions in flight, and whether the model state alone ever passed the budget or the
+    working set passed it; whether it planned a prefetch."""
     rank = dist.get_rank()
-    cpu = _train({"placement_policy": "cpu"}, 2)
     config = {
         "device": torch.device("cpu"),
         "chunk_size_numel": CHUNK_NUMEL,
-        "mixed_precision": FP16,
-        "placement_policy": "auto",
-        "device_budget_bytes": cpu["peak"],
-    }
-    model = make_model()
-    wrapped = zero_model_wrapper(model, 3, config)
-    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    auto = wrapped.gemini_manager.auto if wrapped.gemini_manager is not None else None
-    assert auto is not None
-    drain, drains = auto.drain, 0
-
-    def counted() -> None:
-        nonlocal drains
-        drains += 1
-        drain()
-
-    auto.drain = counted
-    counts = {}
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        optimizer.backward(wrapped(*batch_slice(step, 0, rank, 2)))
-        optimizer.step()
-        if step == 0:  # after the warm-up
-            drains, overruns = 0, auto.overruns
-    counts["overruns"] = auto.overruns - overruns
-    counts["drains"] = drains
-    counts["over_budget"] = int(auto.working_peak > cpu["peak"])
-    return counts
-
-
-def test_auto_keeps_reductions_overlapped_where_only_activations_pass_the_budget() -> None:
-    # Waiting for a reduction in flight frees its buffers; where the activations pass the
-    # budget by more than those hold, waiting cannot make the room. Every overrun used to
-    # wait (drains >= overruns), serialising the step's reductions; now only those where
-    # the wait does make the room do.
-    for counts in run_ranks(_waits_at_the_working_set, 2):
-        assert counts["over_budget"] == 0, counts  # the model state alone stays within
-        assert counts["overruns"] > 0, counts  # the activations do pass the budget
-        assert counts["drains"] < counts["overruns"] // 2, counts
-
-
-def _waits_where_the_activations_fit() -> dict[str, int]:
-    """ "auto" at the budget "cpu" placement peaks at plus the activations' traced peak: the
-    working set and the activations fit side by side, so nothing needs a wait. Counts the
-    steps' overruns and the waits for reductions in flight. In fp32: a 16-bit payload's
-    gather briefly holds it beside its compute copy, which auto plans for and the budget
-    checks after the gather do not see."""
-    rank = dist.get_rank()
-    cpu = _train({"placement_policy": "cpu"}, 2, FP32)
-    probe = _train({"placement_policy": "auto", "device_budget_bytes": 1 << 40}, 2, FP32)
-    budget = cpu["peak"] + probe["non_model"]
-    config = {
-        "device": torch.device("cpu"),
-        "chunk_size_numel": CHUNK_NUMEL,
+        "mixed_precision": mixed_precision,
         "placement_policy": "auto",
         "device_budget_bytes": budget,
     }
@@ -273,7 +220,35 @@ def _waits_where_the_activations_fit() -> dict[str, int]:
         "overruns": auto.overruns - overruns,
         "prefetch": int(auto.prefetch),
         "model_over_budget": int(gemini.peak_model_device_bytes > budget),
+        "working_over_budget": int(auto.working_peak > budget),
     }
+
+
+def _waits_at_the_working_set() -> dict[str, int]:
+    """ "auto" at the budget "cpu" placement peaks at: activations pass it beside the working
+    set at many gathers."""
+    return _steady_waits(_train({"placement_policy": "cpu"}, 2)["peak"], FP16)
+
+
+def test_auto_keeps_reductions_overlapped_where_only_activations_pass_the_budget() -> None:
+    # Waiting for a reduction in flight frees its buffers; where the activations pass the
+    # budget by more than those hold, waiting cannot make the room. Every overrun used to
+    # wait (drains >= overruns), serialising the step's reductions; now only those where
+    # the wait does make the room do.
+    for counts in run_ranks(_waits_at_the_working_set, 2):
+        assert counts["working_over_budget"] == 0, counts  # the model state alone stays within
+        assert counts["overruns"] > 0, counts  # the activations do pass the budget
+        assert counts["drains"] < counts["overruns"] // 2, counts
+
+
+def _waits_where_the_activations_fit() -> dict[str, int]:
+    """ "auto" at the budget "cpu" placement peaks at plus the activations' traced peak: the
+    working set and the activations fit side by side, so nothing needs a wait. In fp32: a
+    16-bit payload's gather briefly holds it beside its compute copy, which auto plans for and
+    the budget checks after the gather do not see."""
+    cpu = _train({"placement_policy": "cpu"}, 2, FP32)
+    probe = _train({"placement_policy": "auto", "device_budget_bytes": 1 << 40}, 2, FP32)
+    return _steady_waits(cpu["peak"] + probe["non_model"], FP32)
 
 
 def test_auto_waits_for_no_reduction_where_the_working_set_and_activations_fit() -> None:
