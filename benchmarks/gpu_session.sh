@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU half of the checks, in the few long calls a lent GPU machine allows. Run from the
+# repository root on the GPU machine, one part per call (each ends well inside 10 minutes):
+#
+#   bash benchmarks/gpu_session.sh env      OUT   versions, then tests/gpu
+#   bash benchmarks/gpu_session.sh compare  OUT   bench_gpu.py compare (stage 3 vs FSDP2 vs torch)
+#   bash benchmarks/gpu_session.sh largest  OUT [ARGS]  bench_gpu.py largest for auto, cpu and
+#                                                 torch; ARGS go to it (--n-embd, --layers, ...)
+#   bash benchmarks/gpu_session.sh auto     OUT   bench_auto.py's budget sweep on the GPU
+#   bash benchmarks/gpu_session.sh smoke    OUT   the wiring of the above, tiny, on any machine
+#
+# OUT (default $OUT, else /tmp/gpu-session) receives each part's log and JSON. The packages run
+# from the working tree (PYTHONPATH), on the machine's own torch: nothing is installed, since
+# such a machine may reach no package index.
+set -uo pipefail
+
+part=${1:?"usage: gpu_session.sh {env|compare|largest|auto|smoke} [OUT] [ARGS...]"}
+out=${2:-${OUT:-/tmp/gpu-session}}
+shift $(($# < 2 ? $# : 2))
+mkdir -p "$out"
+root=$(pwd)
+export PYTHONPATH="$root/packages/core/src:$root/packages/lightning/src:$root/packages/hf/src:$root/benchmarks:$root/tests${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+bench_gpu="$python benchmarks/bench_gpu.py"
+
+run() {  # run NAME COMMAND...: the command's output to the terminal and OUT/NAME.log
+    local name=$1
+    shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$out/$name.log"
+    local code=${PIPESTATUS[0]}
+    echo "== $name: exit $code"
+    return "$code"
+}
+
+case $part in
+env)
+    run versions bash -c "nvidia-smi; $python -c 'import torch; print(torch.__version__, \
+torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))'"
+    run gpu-tests "$python" -m pytest -q -p no:cacheprovider tests/gpu
+    ;;
+compare)
+    run compare $bench_gpu compare --out "$out/compare.json"
+    ;;
+largest)
+    # Largest first; each attempt in a process of its own (bench_gpu.py), at most ~3 minutes.
+    status=0
+    for placement in auto cpu torch; do
+        run "largest-$placement" $bench_gpu largest --placement "$placement" \
+            --attempt-timeout 180 --out "$out/largest-$placement.json" "$@" || status=1
+    done
+    exit $status
+    ;;
+auto)
+    run auto-sweep "$python" benchmarks/bench_auto.py --device cuda --world 1 --dim 1024 \
+        --hidden 4096 --blocks 8 --chunk 4194304 --batch 8192 --rounds 8 --copies 2 \
+        --results "$out/RESULTS-cuda.md"
+    ;;
+smoke)
+    status=0
+    run compare-smoke $bench_gpu compare --smoke --out "$out/compare-smoke.json" || status=1
+    run auto-smoke "$python" benchmarks/bench_auto.py --rounds 1 --copies 2 --blocks 2 \
+        --results "$out/RESULTS-smoke.md" || status=1
+    exit $status
+    ;;
+*)
+    echo "unknown part: $part (env, compare, largest, auto or smoke)" >&2
+    exit 2
+    ;;
+esac
