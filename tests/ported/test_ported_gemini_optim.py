@@ -1,5 +1,7 @@
-"""Ported from hpcaitech/ColossalAI, tests/test_gemini/update/test_optim.py (0.2.x,
-`exam_model_step`).
+"""Ported from hpcaitech/ColossalAI (0.2.x): tests/test_gemini/update/test_optim.py
+(`exam_model_step`) and tests/test_gemini/update/test_grad_clip.py (`exam_grad_clipping`, the
+same loop with the gradients clipped to norm 1.0, on 1 and 2 ranks: `clip_grad_norm_` on DDP's
+side, `max_norm=1.0` on ZeRO's).
 
 A GPT-2 in eval mode, wrapped in ZeroDDP (stage 3, chunks of 5000 elements, every chunk
 sharded) with each Gemini placement policy, beside the same model in torch DDP, both stepped by
@@ -14,9 +16,11 @@ gloo instead of CUDA and NCCL.
 Deliberate differences:
 - fp32 throughout instead of fp16 under apex O2 against fp16 ZeRO: on this CPU 16-bit math is
   slow, and fp32 lets the port hold ZeRO to DDP's numbers far tighter than the original's
-  (rtol 1e-3, atol 4e-3). One rank: bit-exact. Four ranks: within 1e-5 relative, 1e-6
-  absolute, since gloo's 4-rank all-reduce and our reduce-scatter add the ranks' gradients in
-  different orders (each parameter then differs in its last bits after a step).
+  (rtol 1e-3, atol 4e-3). One and two ranks without clipping: bit-exact. Within 1e-5
+  relative, 1e-6 absolute otherwise: gloo's 4-rank all-reduce and our reduce-scatter add the
+  ranks' gradients in different orders, and the clipped runs' gradient norm is summed over
+  chunk shards rather than per tensor, so the clipping factor differs in its last bits (each
+  parameter then differs by a few ulps after a step; 3.7e-9 at most here).
 - DDP with `find_unused_parameters=True` (this project's reference for data parallelism).
 - torch's Adam on both sides, where the original stepped ZeRO with HybridAdam: that makes the
   one-rank case bit-exact, a test of the engine alone (HybridAdam against torch's Adam, within
@@ -47,8 +51,9 @@ from shardwise.testing import run_ranks
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 2, 3
 CHUNK = 5000
-# (rtol, atol) of the parameters against DDP's, per world size (see the module note).
-TOLERANCE = {1: (0.0, 0.0), 4: (1e-5, 1e-6)}
+# (rtol, atol) of the parameters against DDP's where the engine cannot be bit-exact (see the
+# module note).
+CLOSE = (1e-5, 1e-6)
 PLACEMENTS: dict[str, dict[str, Any]] = {
     "cuda": {"placement_policy": "cuda"},
     "cpu": {"placement_policy": "cpu"},
@@ -71,9 +76,9 @@ def _model_state_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters()) * 4 * 4
 
 
-def _exam_model_step(placement: str) -> dict[str, Any]:
+def _exam_model_step(placement: str, max_norm: float) -> dict[str, Any]:
     rank = dist.get_rank()
-    rtol, atol = TOLERANCE[dist.get_world_size()]
+    rtol, atol = (0.0, 0.0) if _exact(dist.get_world_size(), max_norm) else CLOSE
     torch_model = _gpt2()
     model = copy.deepcopy(torch_model)
     ddp = DistributedDataParallel(torch_model, find_unused_parameters=True)
@@ -83,12 +88,14 @@ def _exam_model_step(placement: str) -> dict[str, Any]:
     if placement == "auto":
         options["device_budget_bytes"] = _model_state_bytes(model)
     zero = zero_model_wrapper(model, 3, options)
-    zero_optim = zero_optim_wrapper(zero, torch.optim.Adam(model.parameters(), lr=1e-3))
+    zero_optim = zero_optim_wrapper(
+        zero, torch.optim.Adam(model.parameters(), lr=1e-3), max_norm=max_norm
+    )
 
     gemini = zero.gemini_manager
     assert gemini is not None
     generator = torch.Generator().manual_seed(rank * 3 + 128)
-    losses, moved = [], 0
+    losses, norms, moved = [], [], 0
     for _ in range(STEPS):
         before = sum(gemini.bytes_moved().values())
         input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
@@ -101,6 +108,9 @@ def _exam_model_step(placement: str) -> dict[str, Any]:
         zero_optim.backward(loss)
         losses.append((float(torch_loss), float(loss)))
 
+        if max_norm:
+            norm = torch.nn.utils.clip_grad_norm_(torch_model.parameters(), max_norm)
+            norms.append(float(norm))
         torch_optim.step()
         zero_optim.step()
         moved = sum(gemini.bytes_moved().values()) - before  # the last step's
@@ -112,22 +122,33 @@ def _exam_model_step(placement: str) -> dict[str, Any]:
             torch.testing.assert_close(
                 ours, value, rtol=rtol, atol=atol, msg=lambda text, key=key: f"{key}: {text}"
             )
-    return {"losses": losses, "moved": moved}
+    return {"losses": losses, "norms": norms, "moved": moved}
 
 
-def _all_placements() -> dict[str, dict[str, Any]]:
-    return {placement: _exam_model_step(placement) for placement in PLACEMENTS}
+def _exact(world: int, max_norm: float) -> bool:
+    return world <= 2 and not max_norm
 
 
-@pytest.mark.parametrize("world", [1, 4])
-def test_gemini_placements_step_as_ddp_does(world: int) -> None:
-    for rank, results in enumerate(run_ranks(_all_placements, world, timeout_s=240)):
+def _all_placements(max_norm: float) -> dict[str, dict[str, Any]]:
+    return {placement: _exam_model_step(placement, max_norm) for placement in PLACEMENTS}
+
+
+@pytest.mark.parametrize(
+    ("world", "max_norm"),
+    [(1, 0.0), (4, 0.0), (1, 1.0), (2, 1.0)],
+    ids=["1", "4", "1-clip", "2-clip"],
+)
+def test_gemini_placements_step_as_ddp_does(world: int, max_norm: float) -> None:
+    results_per_rank = run_ranks(_all_placements, world, max_norm, timeout_s=240)
+    for rank, results in enumerate(results_per_rank):
         for placement, result in results.items():
             for torch_loss, loss in result["losses"]:
-                if world == 1:
+                if _exact(world, max_norm):
                     assert loss == torch_loss, (rank, placement, result["losses"])
                 else:
                     assert loss == pytest.approx(torch_loss, rel=1e-5), (rank, placement)
+            # Clipping did clip: every step's gradient norm was above it.
+            assert all(norm > max_norm for norm in result["norms"]), result["norms"]
         # Host placements move chunks between host and device in a step; "auto" keeps part of
         # them on the device, where the original's (under a whole GPU) kept everything.
         moved = {placement: result["moved"] for placement, result in results.items()}
