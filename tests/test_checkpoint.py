@@ -12,6 +12,7 @@ import torch.distributed as dist
 from helpers import CHUNK_NUMEL, batch_slice, make_model, max_abs_diff
 
 from shardwise import MixedPrecision, checkpoint, zero_model_wrapper, zero_optim_wrapper
+from shardwise.chunk import Pool
 from shardwise.testing import RankFailure, run_ranks
 
 
@@ -53,9 +54,16 @@ def _train_and_save(
 ) -> dict[str, Any]:
     wrapped, optimizer = _build(stage, precision, placement)
     _train(wrapped, optimizer, range(3))
+    # Where each chunk's shard and optimizer side were when saved.
+    pools = [(c.payload_pool, c.optim_pool) for c in wrapped.chunk_manager.chunks]
     checkpoint.save(path, wrapped, optimizer, extra={"step": 3, "rng": torch.get_rng_state()})
     after = _train(wrapped, optimizer, range(3, 6))
-    return {"losses_after": after, "scale": optimizer.loss_scale, "state": wrapped.state_dict()}
+    return {
+        "losses_after": after,
+        "scale": optimizer.loss_scale,
+        "state": wrapped.state_dict(),
+        "pools": pools,
+    }
 
 
 def _load_and_train(
@@ -102,6 +110,29 @@ def test_resume_under_another_placement_is_exact(tmp_path: Path) -> None:
     static = {"placement_policy": "static", "offload_optim_frac": 0.5, "offload_param_frac": 0.5}
     saved = run_ranks(_train_and_save, 2, 3, path, FP16, cpu)[0]
     resumed = run_ranks(_load_and_train, 2, 3, path, FP16, static)[0]
+    assert resumed["losses_after"] == saved["losses_after"]
+
+
+@pytest.mark.parametrize(
+    "load_placement",
+    [
+        {"placement_policy": "auto", "device_budget_bytes": 270_000},
+        {"placement_policy": "cuda"},
+    ],
+    ids=["auto-smaller-budget", "cuda"],
+)
+def test_resume_from_auto_placement_is_exact(
+    tmp_path: Path, load_placement: dict[str, Any]
+) -> None:
+    # Saved while "auto" kept some shards and optimizer sides on the device and others in
+    # host memory (checked), resumed under another budget's plan or with everything on the
+    # device: the optimizer state and the parameters come back wherever they now live.
+    path = str(tmp_path / "ckpt")
+    auto = {"placement_policy": "auto", "device_budget_bytes": 350_000}
+    saved = run_ranks(_train_and_save, 2, 3, path, FP16, auto)[0]
+    optim_pools = {optim for _, optim in saved["pools"]}
+    assert optim_pools == {Pool.DEVICE, Pool.HOST}, saved["pools"]
+    resumed = run_ranks(_load_and_train, 2, 3, path, FP16, load_placement)[0]
     assert resumed["losses_after"] == saved["losses_after"]
 
 
