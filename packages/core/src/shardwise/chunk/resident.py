@@ -9,8 +9,8 @@ buffer's storage (`Chunk._materialise`, `Chunk._free`), which tells the chunk's
 `resident_watch` (the manager's running totals, see [Note: device tally] in
 gemini/device_tally.py), so that only chunks that changed are counted again. A change says
 whether it was transient: one of the buffers a step allocates and frees (the gathered payload
-and its compute copy, the gradient buffer, the secondary copy; the only buffers whose storage
-is ever resized in place). The buffers a chunk keeps between steps change only by assignment,
+and its compute copy, which are resized in place, and the gradient buffer and the secondary
+copy, which are assigned). The buffers a chunk keeps between steps change only by assignment,
 a few times a run, so their count is kept until one does.
 """
 

@@ -40,6 +40,7 @@ Where the warm-up's peak and that reserved room fit within the budget, the plan 
 it places on the device within what is left, so a step that repeats the warm-up needs no room
 made before its gathers: they skip that forecast (its cost per gather is the whole of auto's
 overhead over a static split there), and the budget checks after each allocation stand guard.
+One of those that has to evict turns the forecast back on until the step's new plan.
 
 A step that makes room by evicting what the plan kept on the device (it allocated more than the
 warm-up did: gradients held whole under `no_sync`, a larger batch) sets a flag that rides in
@@ -112,8 +113,9 @@ class AutoPlacer:
         # and the device bytes they hold.
         self.drain: Callable[[], None] = lambda: None
         self.in_flight_bytes: Callable[[], int] = lambda: 0
-        # The part of those the next reduction's start waits for, and so frees.
-        self.retiring_bytes: Callable[[], int] = lambda: 0
+        # What the next reduction's start frees, when that reduction is one of the given
+        # chunks' (GradReducer.retiring_bytes).
+        self.retiring_bytes: Callable[[list[Chunk]], int] = lambda chunks: 0
         # Sends a chunk's optimizer side back to host memory (set by the manager).
         self.evict_optim: Callable[[Chunk], None] = lambda chunk: None
         self._position = 0
@@ -170,11 +172,12 @@ class AutoPlacer:
                 gathers += self._gathered_bytes(chunk) - held
             if with_grads and chunk.requires_grad and chunk.grad_full is None:
                 grads += self._grad_buffer_bytes(chunk)
-        # The reduction in flight leaves when the next one starts, as soon as one of these
-        # chunks completes: the rest of their gradient buffers take its room. (A first buffer
-        # that arrives before it has left is caught by the budget check at that gradient,
-        # which waits for the reduction then, as its start would a moment later.)
-        need = gathers + max(0, grads - self.retiring_bytes()) if grads else gathers
+        # Where the next reduction is one of these chunks', it starts as soon as that chunk
+        # completes and waits for the one in flight: the rest of their gradient buffers take
+        # its room. (A first buffer that arrives before it has left is caught by the budget
+        # check at that gradient, which waits for the reduction then, as its start would a
+        # moment later.)
+        need = gathers + max(0, grads - self.retiring_bytes(chunks)) if grads else gathers
         room = self.budget - self.non_model_now()
         if self._device_bytes() + need <= room:
             return
@@ -192,9 +195,6 @@ class AutoPlacer:
         reductions in flight, evict shards, then optimizer sides, until it is back within or
         nothing is left to move."""
         self.overruns += 1
-        # The step passed what the plan foresaw: make room before each gather again, until
-        # a new plan says it holds.
-        self.plan_holds = False
         evictions = self.evictions
         excess -= self._drain_if_worth_it(excess, 0)
         position = max(self._position - 1, 0)
@@ -210,9 +210,10 @@ class AutoPlacer:
                 excess -= self._move(chunk, self.evict_optim)
         if self.evictions > evictions:
             # The plan kept on the device what this step needed room for: plan again after
-            # the step. (An overrun with nothing to move is the activations passing the
-            # budget beside the working set alone, which no plan changes.)
+            # the step, and make room before each gather until then. (An overrun that only
+            # waited for reductions, or had nothing to move, changes no plan.)
             self.overruns_since_plan += 1
+            self.plan_holds = False
 
     def _gathered_bytes(self, chunk: Chunk) -> int:
         # Asked before every gather: fixed per chunk, so counted once.

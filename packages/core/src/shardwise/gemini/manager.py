@@ -139,11 +139,12 @@ class GeminiManager:
         self,
         drain: Callable[[], None],
         in_flight_bytes: Callable[[], int] = lambda: 0,
-        retiring_bytes: Callable[[], int] = lambda: 0,
+        retiring_bytes: Callable[[list[Chunk]], int] = lambda chunks: 0,
     ) -> None:
         """Tell the manager how to finish the gradient reductions in flight (each holds a
         gathered chunk and its gradient buffer), so that "auto" can free them for room, how
-        many device bytes they hold, and how many of those the next reduction's start frees."""
+        many device bytes they hold, and how many the next reduction's start frees when it is
+        one of the given chunks' (`GradReducer.retiring_bytes`)."""
         if self.auto is not None:
             self.auto.drain = drain
             self.auto.in_flight_bytes = in_flight_bytes

@@ -26,7 +26,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
-from shardwise.chunk.accounting import transient_bytes
+from shardwise.chunk.accounting import storage_bytes, transient_bytes
 from shardwise.chunk.reduction import (
     PendingReduction,
     reduce_across_replicas,
@@ -261,14 +261,23 @@ class GradReducer:
         gradient buffers): what `finish_in_flight` can give back, at most."""
         return sum(transient_bytes(c) for pending in self._in_flight for c in pending.chunks)
 
-    def retiring_bytes(self) -> int:
-        """Device bytes of the reductions in flight that the next reduction's start waits for
-        (beyond `max_in_flight`): they leave the device by the time a chunk's gradient
-        completes, with no wait of their own."""
-        if self.max_in_flight is None:
+    def retiring_bytes(self, chunks: list[Chunk]) -> int:
+        """Device bytes that the next reduction's start frees, if that reduction is one of
+        `chunks`' (it starts as soon as that chunk completes): the gradient buffers of the
+        reductions in flight it waits for (beyond `max_in_flight`), and the gathered payloads
+        of those no module uses any more. Zero where it is another chunk's."""
+        if self.max_in_flight is None or self._next >= len(self._order):
+            return 0
+        if all(chunk is not self._order[self._next] for chunk in chunks):
             return 0
         retiring = self._in_flight[: max(0, len(self._in_flight) + 1 - self.max_in_flight)]
-        return sum(transient_bytes(c) for pending in retiring for c in pending.chunks)
+        freed = 0
+        for pending in retiring:
+            for chunk in pending.chunks:
+                freed += storage_bytes(chunk.grad_full)
+                if not chunk.in_use and not chunk.keep_gathered:  # see on_chunk_reduced
+                    freed += storage_bytes(chunk.full) + storage_bytes(chunk.full_compute)
+        return freed
 
     def finish_in_flight(self) -> None:
         """Wait for every reduction in flight now: the memory manager needs the room their
