@@ -1,6 +1,6 @@
 """The forked-rank harness every multi-rank test stands on: results come back in rank order,
-a failing rank is named, and a gloo mesh that fails to connect before the function runs is
-started again rather than failing the test."""
+a failing rank is named, and a process group that fails to form (gloo's mesh failing to
+connect) is started again rather than failing the test."""
 
 from __future__ import annotations
 
@@ -36,9 +36,11 @@ def test_a_failing_rank_is_named_with_its_error() -> None:
         run_ranks(_fail_on_rank_one, 2)
 
 
-def _init_failing(tmp_path: Path, message: str, times: int) -> Any:
-    """An init_process_group whose first `times` calls (over all ranks and attempts) raise
-    `message`; every call leaves a file in `tmp_path`, so the test can count them."""
+def _init_failing(
+    tmp_path: Path, message: str, times: int, error: type[Exception] = RuntimeError
+) -> Any:
+    """An init_process_group whose first `times` calls (over all ranks and starts) raise
+    `error(message)`; every call leaves a file in `tmp_path`, so the test can count them."""
     real = dist.init_process_group
 
     def init_process_group(*args: Any, **kwargs: Any) -> None:
@@ -51,7 +53,7 @@ def _init_failing(tmp_path: Path, message: str, times: int) -> Any:
             except FileExistsError:
                 number += 1
         if number < times:
-            raise RuntimeError(message)
+            raise error(message)
         real(*args, **kwargs)
 
     return init_process_group
@@ -77,10 +79,11 @@ def test_a_mesh_that_never_connects_fails_after_a_few_starts(
     assert 3 <= calls <= 6, calls  # three starts, of one or two failing ranks each
 
 
-def test_other_failures_to_start_are_not_retried(
+def test_bad_arguments_to_start_are_not_retried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dist, "init_process_group", _init_failing(tmp_path, "bad backend", 1000))
+    bad = _init_failing(tmp_path, "bad backend", 1000, error=ValueError)
+    monkeypatch.setattr(dist, "init_process_group", bad)
     with pytest.raises(RankFailure, match="bad backend"):
         run_ranks(_rank_and_world, 2)
     assert len(list(tmp_path.iterdir())) <= 2  # one start: no rank's call was made twice

@@ -6,8 +6,11 @@ groups, so they fork.
 
 Gloo's mesh of loopback connections, set up inside `init_process_group`, now and then fails to
 connect ("Gloo connectFullMesh failed ... Connection closed by peer": twice in some 700 groups
-started back to back here). No rank has run the function then, so the group is started again,
-afresh, a few times before the failure is reported.
+started back to back here). A rank whose `init_process_group` raises a RuntimeError (a
+transport failure; bad arguments raise ValueError or TypeError) reports it as such, and the
+group is started again, afresh, a few times before the failure is reported. Its peers may have
+begun the function already: what they did in the killed group is lost with their processes,
+and the function runs again from the start in the next.
 """
 
 from __future__ import annotations
@@ -33,13 +36,12 @@ class RankFailure(RuntimeError):
     """A rank raised, died, or did not finish in time; the message names the rank."""
 
 
-class _MeshFailure(RankFailure):
-    """A rank's process group could not connect its peers, before the function ran."""
+class _StartFailure(RankFailure):
+    """A rank's process group failed to form (see the module note)."""
 
 
-# Starts of a group whose gloo mesh failed to connect (see the module note).
-_MESH_ATTEMPTS = 3
-_MESH_ERROR = "Gloo connectFullMesh failed"
+# Starts of a group whose process group failed to form (see the module note).
+_STARTS = 3
 
 
 def run_ranks(
@@ -62,7 +64,8 @@ def run_ranks(
         world_size: number of ranks, >= 1.
         *args, **kwargs: passed to `fn` on every rank (inherited through fork, not pickled).
         backend: torch.distributed backend.
-        timeout_s: wall-clock limit for the whole group.
+        timeout_s: wall-clock limit for the whole group, each time it is started (see the
+            module note).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -70,11 +73,11 @@ def run_ranks(
         raise TypeError(f"world_size must be an int, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    for attempt in range(1, _MESH_ATTEMPTS + 1):
+    for start in range(1, _STARTS + 1):
         try:
             return _run_group(fn, world_size, args, kwargs, backend, timeout_s)
-        except _MeshFailure:
-            if attempt == _MESH_ATTEMPTS:
+        except _StartFailure:
+            if start == _STARTS:
                 raise
     raise AssertionError("unreachable")
 
@@ -135,7 +138,7 @@ def _collect(pipes: list[Connection], processes: list[Any], timeout_s: float) ->
                     )
                 continue
             try:
-                ok, payload, mesh_failed = torch.load(
+                ok, payload, start_failed = torch.load(
                     io.BytesIO(pipe.recv_bytes()), weights_only=False
                 )
             except EOFError:
@@ -144,7 +147,7 @@ def _collect(pipes: list[Connection], processes: list[Any], timeout_s: float) ->
                     f"before reporting a result"
                 ) from None
             if not ok:
-                failure = _MeshFailure if mesh_failed else RankFailure
+                failure = _StartFailure if start_failed else RankFailure
                 raise failure(f"rank {rank} failed:\n{payload}")
             results[rank] = payload
             del pending[rank]
@@ -163,7 +166,7 @@ def _rank_main(
     kwargs: dict[str, Any],
 ) -> None:
     code = 0
-    mesh_failed = False
+    start_failed = False
     try:
         torch.set_num_threads(1)
         os.environ.update(
@@ -181,13 +184,12 @@ def _rank_main(
                 world_size=world_size,
                 timeout=timedelta(seconds=max(5.0, min(timeout_s, 60.0))),
             )
-        except RuntimeError as error:
-            # run_ranks starts the group again (see the module note).
-            mesh_failed = _MESH_ERROR in str(error)
+        except RuntimeError:
+            start_failed = True  # run_ranks starts the group again (see the module note)
             raise
         outcome: tuple[bool, Any, bool] = (True, fn(*args, **kwargs), False)
     except BaseException:
-        outcome = (False, traceback.format_exc(), mesh_failed)
+        outcome = (False, traceback.format_exc(), start_failed)
         code = 1
     try:
         buffer = io.BytesIO()
