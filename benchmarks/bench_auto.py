@@ -19,8 +19,9 @@ state in 8 budgets. At each, in two runs:
    half, measured alike, is the noise floor of that comparison. The least of nine noisy
    medians sits below its split's typical value (the winner's curse); timing fresh copies
    apart from the selection removes that bias.
-Auto's own cost is timed too: the time its copies spend before each gather and prefetch (the
-planning and evictions that "static" does not do), per step.
+Auto's own cost is timed too: the time its copies spend making room before each gather and
+prefetch and after each allocation that passed the budget (the planning, waits and evictions
+that "static" does not do), per step.
 Reports rank 0's times and bytes moved host<->device per step, and writes its block of
 benchmarks/RESULTS.md (between the auto-placement markers; a CUDA run writes a block of its
 own).
@@ -114,11 +115,13 @@ class _Trainer:
         self.times: list[float] = []
         self.plan_times: list[float] = []
         self.moved = 0
-        # Time spent in auto's planning before gathers and prefetches ("static" does none).
+        # Time spent in auto's own work, which "static" does not do: making room before
+        # gathers and prefetches, and after an allocation that passed the budget.
         self.planning = 0.0
         if gemini.auto is not None:
             for hook in ("before_gather", "before_prefetch"):
                 setattr(gemini, hook, self._timed(getattr(gemini, hook)))
+            gemini.auto.relieve = self._timed(gemini.auto.relieve)  # type: ignore[method-assign]
 
     def _timed(self, hook: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> None:
@@ -341,8 +344,9 @@ def main() -> None:
         " side's time is the mean of its copies' median steps, and auto / best static is their"
         " ratio; the same ratio between the two halves of the split's copies is the noise floor"
         " of that comparison (1.000 would be no noise). Auto's planning is the time its copies"
-        " spend before each gather and prefetch (room-making and evictions, which static"
-        " splits do not do), per step. Rank 0's times, and the bytes moved"
+        " spend making room before each gather and prefetch and after each allocation that"
+        " passed the budget (forecasts, waits and evictions, which static splits do not do), per"
+        " step. Rank 0's times, and the bytes moved"
         " host<->device in the last step. The static splits' budget check counts model state"
         " only; auto's also leaves room for the activations it traced, which a real device"
         " must hold too: the fourth column counts only the splits whose model-state peak and"
