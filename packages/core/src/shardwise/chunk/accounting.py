@@ -75,15 +75,17 @@ def gathered_bytes(chunk: Chunk) -> int:
     return nbytes
 
 
+def gathered_held_bytes(chunk: Chunk) -> int:
+    """Device bytes `chunk`'s gathered payload (and its compute copy) hold now: all of a
+    gather's, part of it while a prefetch runs, none while sharded."""
+    return storage_bytes(chunk.full) + storage_bytes(chunk.full_compute)
+
+
 def transient_bytes(chunk: Chunk) -> int:
     """Device bytes `chunk` holds now that a step allocates and frees: its gathered payload
     (and compute copy), its gradient buffer, and its secondary copy (hpZ). Every placement
     needs them at once where the step does; the rest of the model state can wait in host
     memory."""
-    nbytes = storage_bytes
     return (
-        nbytes(chunk.full)
-        + nbytes(chunk.full_compute)
-        + nbytes(chunk.grad_full)
-        + nbytes(chunk.secondary)
+        gathered_held_bytes(chunk) + storage_bytes(chunk.grad_full) + storage_bytes(chunk.secondary)
     )

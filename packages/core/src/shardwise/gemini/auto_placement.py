@@ -57,7 +57,7 @@ from collections.abc import Callable
 import torch
 
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, Pool
-from shardwise.chunk.accounting import gathered_bytes, storage_bytes
+from shardwise.chunk.accounting import gathered_bytes, gathered_held_bytes
 from shardwise.gemini.tracer import MemoryTracer
 
 
@@ -168,8 +168,7 @@ class AutoPlacer:
             if chunk.state is ChunkState.SHARDED:
                 # A prefetched chunk already holds its payload buffer, counted on the device:
                 # its gather adds only what is not allocated yet (a compute copy).
-                held = storage_bytes(chunk.full) + storage_bytes(chunk.full_compute)
-                gathers += self._gathered_bytes(chunk) - held
+                gathers += self._gathered_bytes(chunk) - gathered_held_bytes(chunk)
             if with_grads and chunk.requires_grad and chunk.grad_full is None:
                 grads += self._grad_buffer_bytes(chunk)
         # Where the next reduction is one of these chunks', it starts as soon as that chunk
@@ -177,7 +176,9 @@ class AutoPlacer:
         # its room. (A first buffer that arrives before it has left is caught by the budget
         # check at that gradient, which waits for the reduction then, as its start would a
         # moment later.)
-        need = gathers + max(0, grads - self.retiring_bytes(chunks)) if grads else gathers
+        need = gathers
+        if grads:
+            need += max(0, grads - self.retiring_bytes(chunks))
         room = self.budget - self.non_model_now()
         if self._device_bytes() + need <= room:
             return

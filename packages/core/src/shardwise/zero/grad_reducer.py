@@ -26,7 +26,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
-from shardwise.chunk.accounting import storage_bytes, transient_bytes
+from shardwise.chunk.accounting import gathered_held_bytes, storage_bytes, transient_bytes
 from shardwise.chunk.reduction import (
     PendingReduction,
     reduce_across_replicas,
@@ -268,7 +268,8 @@ class GradReducer:
         of those no module uses any more. Zero where it is another chunk's."""
         if self.max_in_flight is None or self._next >= len(self._order):
             return 0
-        if all(chunk is not self._order[self._next] for chunk in chunks):
+        following = self._order[self._next]
+        if not any(chunk is following for chunk in chunks):
             return 0
         retiring = self._in_flight[: max(0, len(self._in_flight) + 1 - self.max_in_flight)]
         freed = 0
@@ -276,7 +277,7 @@ class GradReducer:
             for chunk in pending.chunks:
                 freed += storage_bytes(chunk.grad_full)
                 if not chunk.in_use and not chunk.keep_gathered:  # see on_chunk_reduced
-                    freed += storage_bytes(chunk.full) + storage_bytes(chunk.full_compute)
+                    freed += gathered_held_bytes(chunk)
         return freed
 
     def finish_in_flight(self) -> None:
