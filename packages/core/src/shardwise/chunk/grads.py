@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.chunk.grad_buffer import zero_unwritten
+from shardwise.chunk.grad_buffer import owns_storage, zero_unwritten
 from shardwise.chunk.pools import PoolMoves
 from shardwise.chunk.states import GradLayout, GradState, Pool, TensorInfo, TensorState
 
@@ -47,7 +47,11 @@ class GradSide(PoolMoves):
         info = self.tensors[index]
         if self.grad_layout is GradLayout.SLICE_OF_FULL and self.grad_state is GradState.CLOSED:
             raise ValueError(_ZERO_GRAD_FIRST)
-        if self.grad_full is None:  # see [Note: gradient buffers start uninitialised]
+        if self.grad_full is None and self._can_adopt(info, grad):
+            # See [Note: a gradient that is the whole buffer] in grad_buffer.py.
+            self.grad_full = grad.detach().view(-1)
+            self._grads_written = {index}
+        elif self.grad_full is None:  # see [Note: gradient buffers start uninitialised]
             self.grad_full = torch.empty(
                 self.padded_numel, dtype=self.dtypes.reduce, device=self.device
             )
@@ -59,6 +63,8 @@ class GradSide(PoolMoves):
             # in place, or made a new tensor that holds the sum so far.
             if grad.data_ptr() != target.data_ptr():
                 target.copy_(grad.reshape(-1))
+        elif target.data_ptr() == grad.data_ptr():
+            pass  # adopted above
         elif self._grads_written is None or index in self._grads_written:
             target.add_(grad.reshape(-1))
         else:
@@ -68,6 +74,16 @@ class GradSide(PoolMoves):
             info.state = TensorState.READY_FOR_REDUCE
             self.num_grads_ready += 1
         return self.num_grads_ready == self.num_trainable
+
+    def _can_adopt(self, info: TensorInfo, grad: torch.Tensor) -> bool:
+        return (
+            not self.exposes_grads
+            and info.offset == 0
+            and info.numel == self.padded_numel
+            and grad.dtype == self.dtypes.reduce
+            and grad.device == self.device
+            and owns_storage(grad)
+        )
 
     def exposed_grad(self, index: int) -> torch.Tensor | None:
         """What `.grad` of tensor `index` shows after its gradient reached the chunk: a view

@@ -131,7 +131,8 @@ class ReduceScatterMethod(str, Enum):
     """torch.distributed's reduce-scatter."""
     ALL_TO_ALL = "all_to_all"
     """Each rank sends every other rank that rank's slice, then sums the N slices it received,
-    in rank order (with 2 ranks, bit-identical to any sum of the two)."""
+    in rank order (with 2 ranks, bit-identical to any sum of the two, so the one slice
+    received is added to this rank's own in place: a receive buffer of one slice, not N)."""
     ALL_REDUCE = "all_reduce"
     """The whole buffer is all-reduced in place and each rank keeps its slice: twice the
     bytes; kept for comparison and for backends without the other two."""
@@ -172,14 +173,16 @@ def reduce_to_shard(
         begin = rank(group) * shard_numel
         work = all_reduce(full, stats, group, async_op=async_op)
         return work, full[begin : begin + shard_numel]
-    reduced = full.new_empty(shard_numel)
     if method is ReduceScatterMethod.NATIVE:
+        reduced = full.new_empty(shard_numel)
         return reduce_scatter(reduced, full, stats, group, async_op=async_op), reduced
     payload = _nbytes(full)
     stats.record(CommOp.REDUCE_SCATTER, payload, payload * (n - 1) // n)
     if n == 1:
-        reduced.copy_(full)
-        return None, reduced
+        return None, full.clone()
+    if n == 2:
+        return _exchange_with_peer(full, shard_numel, group, async_op)
+    reduced = full.new_empty(shard_numel)
     received = torch.empty_like(full)
     exchange = dist.all_to_all_single(received, full, group=group, async_op=True)
     pending = _SumOnWait(exchange, received.view(n, shard_numel), reduced)
@@ -187,3 +190,44 @@ def reduce_to_shard(
         return pending, reduced
     pending.wait()
     return None, reduced
+
+
+class _AddOnWait:
+    """The pending exchange of a two-rank reduce-scatter: waiting adds this rank's own slice
+    to the peer's, received in place."""
+
+    def __init__(self, work: dist.Work, own: torch.Tensor, received: torch.Tensor) -> None:
+        self._work = work
+        self._own = own
+        self._received = received
+
+    def wait(self) -> bool:
+        self._work.wait()
+        self._received.add_(self._own)
+        return True
+
+
+def _exchange_with_peer(
+    full: torch.Tensor, shard_numel: int, group: ProcessGroup | None, async_op: bool
+) -> tuple[Waitable | None, torch.Tensor]:
+    """Two ranks: each sends the peer its slice and receives the peer's part of its own, into
+    a buffer of one slice that then holds the sum (a + b rounds as the sum of the two rows
+    does, in every dtype), instead of receiving a whole buffer (see [Note: reduce-scatter
+    methods])."""
+    me = rank(group)
+    peer = 1 - me
+    received = full.new_empty(shard_numel)
+    splits = [0, shard_numel] if me == 0 else [shard_numel, 0]
+    exchange = dist.all_to_all_single(
+        received,
+        full[peer * shard_numel : (peer + 1) * shard_numel],
+        output_split_sizes=splits,
+        input_split_sizes=splits,
+        group=group,
+        async_op=True,
+    )
+    pending = _AddOnWait(exchange, full[me * shard_numel : (me + 1) * shard_numel], received)
+    if async_op:
+        return pending, received
+    pending.wait()
+    return None, received

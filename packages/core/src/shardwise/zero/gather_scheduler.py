@@ -294,8 +294,9 @@ class GatherScheduler:
                 if self._gemini is not None:
                     self._gemini.check_budget(f"after prefetching chunk {chunk_id}")
 
-    def on_chunk_reduced(self, chunk: Chunk) -> None:
-        """A chunk's gradients are reduced: backward needs its parameters no more."""
+    def release_done(self, chunk: Chunk) -> None:
+        """Backward needs `chunk`'s parameters no more: its gradients are complete, or
+        reduced."""
         if not chunk.in_use and not chunk.keep_gathered:
             chunk.release()
 

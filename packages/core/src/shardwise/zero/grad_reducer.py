@@ -14,6 +14,17 @@ gathered parameters) until backward ends. It starts as descending chunk id, or a
 of the forward order when stage 3 has recorded one, and after the first synchronised backward
 becomes the order in which chunks actually completed there, rank 0's, broadcast to all ranks
 (chunks that never completed go last), as DDP rebuilds its buckets.
+
+[Note: gradients in flight]
+A reduction in flight holds its chunks' gradient buffers and the collective's receive buffer
+(and at stage 3 the chunk's gathered parameters) until it is waited for. Waiting for them only
+when backward ends would hold the whole model's gradient at its end, more than DDP's own copy,
+whenever the network is slower than backward: so stages 2 and 3 run at most one reduction at a
+time, waiting for it before the next one starts. While one chunk's gradients reduce, the next
+fills: a bucket filling and one reducing, as `reduce_bucket_size` promises, whatever the speed
+of the network against backward. At stage 3 a chunk's gathered parameters are released as soon
+as its gradients are complete (every backward node that reads them has run by then), not when
+its reduction ends.
 """
 
 from __future__ import annotations
@@ -47,13 +58,15 @@ class GradReducer:
             buffers until `reduce_all()` (stage 1).
         overlap: launch those reductions asynchronously and wait for them when backward ends,
             so communication runs while backward computes.
-        max_in_flight: with `overlap`, wait for the oldest reduction once more than this many
-            are running (None: wait only when backward ends). Stage 3 keeps a chunk gathered
-            until its reduction is done, so there this bounds the memory overlap costs.
+        max_in_flight: with `overlap`, at most this many reductions run at once: the oldest
+            is waited for before another starts (None: wait only when backward ends). See
+            [Note: gradients in flight].
         bucket_bytes: gather consecutive chunks into one reduce-scatter until their gradients
             reach this many bytes (0: one reduce-scatter per chunk).
-        on_reduced: called with each chunk right after it is reduced (stage 3 frees its
-            payload there).
+        on_reduced: called with each chunk right after it is reduced.
+        on_complete: called with each chunk once its gradients of the pass are all in, before
+            it is reduced: backward needs its parameters no more (stage 3 frees its payload
+            there, not after the reduction: see [Note: gradients in flight]).
         after_grad: called when a gradient copy allocated a chunk's gradient buffer (the
             memory budget check: the only moment backward's model-state bytes grow).
         units: stage 3's gather units: a chunk holding tensors of a unit is complete once
@@ -72,6 +85,7 @@ class GradReducer:
         max_in_flight: int | None = None,
         bucket_bytes: int = 0,
         on_reduced: Callable[[Chunk], None] | None = None,
+        on_complete: Callable[[Chunk], None] | None = None,
         after_grad: Callable[[str], None] | None = None,
         units: UnitMap | None = None,
         learn_order: bool = True,
@@ -86,6 +100,7 @@ class GradReducer:
         self._in_flight: list[PendingReduction] = []
         self.require_sync = True
         self._on_reduced = on_reduced
+        self._on_complete = on_complete
         self._after_grad = after_grad
         # Descending chunk id: see [Note: why chunks are reduced in a fixed order].
         self._order = sorted(chunk_manager.trainable_chunks(), key=lambda c: -c.chunk_id)
@@ -185,12 +200,10 @@ class GradReducer:
     def _chunk_complete(self, chunk: Chunk) -> None:
         self._complete.add(chunk.chunk_id)
         self._completed.append(chunk.chunk_id)
+        if self._on_complete is not None:
+            self._on_complete(chunk)
         if self.reduce_in_backward and self.require_sync:
             self._reduce_ready_in_order()
-        elif self.reduce_in_backward and self._on_reduced is not None:
-            # Under no_sync the gradients stay whole in the chunk and nothing is reduced, but
-            # backward needs the chunk's parameters no more all the same.
-            self._on_reduced(chunk)
 
     def suggest_order(self, chunk_ids: list[int]) -> None:
         """Reduce in this order until the first backward has shown the real one; every rank
@@ -225,13 +238,13 @@ class GradReducer:
             if self._bucket_filled >= self.bucket_bytes:
                 self._flush_bucket()
             return
-        pending = start_reduction([chunk])
         if not self.overlap:
-            self._finish(pending)
+            self._finish(start_reduction([chunk]))
             return
-        self._in_flight.append(pending)
-        while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
+        # See [Note: gradients in flight]: the oldest reductions end before this one starts.
+        while self.max_in_flight is not None and len(self._in_flight) >= self.max_in_flight:
             self._finish(self._in_flight.pop(0))
+        self._in_flight.append(start_reduction([chunk]))
 
     def _flush_bucket(self) -> None:
         """One reduce-scatter for every chunk in the bucket (see [Note: one reduction entry
@@ -276,7 +289,8 @@ class GradReducer:
         for pending in retiring:
             for chunk in pending.chunks:
                 freed += storage_bytes(chunk.grad_full)
-                if not chunk.in_use and not chunk.keep_gathered:  # see on_chunk_reduced
+                # Released when complete, unless in use: see GatherScheduler.release_done.
+                if not chunk.in_use and not chunk.keep_gathered:
                     freed += gathered_held_bytes(chunk)
         return freed
 

@@ -50,6 +50,12 @@ class MetaMaterializer:
         for submodule in module.modules():
             for param in submodule.parameters(recurse=False):
                 self._owner.setdefault(id(param), submodule)
+            # Refused at wrap time, not when its parameters are first packed (stages 1-2 pack
+            # once the optimizer is wrapped).
+            on_meta = any(t.is_meta for t in _tensors(submodule, recurse=False))
+            resets = callable(getattr(submodule, "reset_parameters", None))
+            if param_init_fn is None and on_meta and not resets:
+                raise ValueError(_NO_INITIALISER.format(type(submodule).__name__))
 
     def before_packing(self, param: nn.Parameter) -> None:
         """Materialise the module that owns `param` if it is still on the meta device."""
@@ -75,18 +81,20 @@ class MetaMaterializer:
             elif callable(reset := getattr(module, "reset_parameters", None)):
                 reset()
             else:
-                raise ValueError(
-                    f"{type(module).__name__} was built on the meta device and has no "
-                    f"reset_parameters() to initialise its tensors: pass "
-                    f"param_init_fn=fn in gemini_config, where fn(module) initialises one "
-                    f"module's own parameters and buffers (recurse=False)"
-                )
+                raise ValueError(_NO_INITIALISER.format(type(module).__name__))
         left = [name for name, t in _named_tensors(module) if t.is_meta]
         if left:
             raise ValueError(
                 f"the initialiser of {type(module).__name__} left {left} on the meta device: "
                 f"it must initialise the module's tensors in place, not replace them"
             )
+
+
+_NO_INITIALISER = (
+    "{} was built on the meta device and has no reset_parameters() to initialise its tensors: "
+    "pass param_init_fn=fn in gemini_config, where fn(module) initialises one module's own "
+    "parameters and buffers (recurse=False)"
+)
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

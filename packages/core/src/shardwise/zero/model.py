@@ -104,13 +104,53 @@ class ZeroModel(nn.Module):
         self.rank_sync = RankSync(
             self.comm_stats, config.process_group, check_passes=config.stage == 3
         )
+        # See [Note: packed once the bucket size is known].
+        self._to_pack: ChunkManager | None = chunk_manager
+        self._forward_was_recorded = False
+        self.scheduler: GatherScheduler | None = None
+        self.param_gather: DeferredParamGather | None = None
+        # See [Note: the inner module works on its own]. The pre-hook goes first and the post
+        # hook last, around the scheduler's own hooks on a root that owns parameters.
+        self._root_hooks = [
+            self.module.register_forward_pre_hook(
+                self._before_forward, prepend=True, with_kwargs=True
+            ),
+            self.module.register_forward_hook(self._after_forward, always_call=True),
+        ]
+        if config.stage == 3:
+            self._ensure_packed()
+
+    # [Note: packed once the bucket size is known]
+    # At stages 1 and 2 a chunk is a gradient bucket, whose size the seed API gives to the
+    # optimizer wrapper (`optim_config["reduce_bucket_size"]`), after the model is wrapped. So
+    # those stages pack the parameters into chunks only when something first needs the chunks
+    # (the optimizer wrapper, having set the size; a forward; a state dict), as ColossalAI's
+    # low-level ZeRO flattens them in its optimizer: the model is packed once, never held
+    # twice. Stage 3 packs at once: its chunk size is in the model's own configuration.
+
+    @property
+    def chunk_manager(self) -> ChunkManager:
+        """The chunks holding the parameters (packing them first, at stages 1 and 2)."""
+        self._ensure_packed()
+        return self._chunk_manager
+
+    @property
+    def reducer(self) -> GradReducer:
+        """Routes gradients into the chunks and reduces them over ranks."""
+        self._ensure_packed()
+        return self._reducer
+
+    def _ensure_packed(self) -> None:
+        chunk_manager, self._to_pack = self._to_pack, None
+        if chunk_manager is None:
+            return
         if self._meta is None:
             self._sync_buffers()
             self._pack(chunk_manager)
         else:
             self._pack(chunk_manager)
             self._meta.finish()
-            self.module.to(config.device)
+            self.module.to(self.config.device)
             self._sync_buffers()
             self._meta = None  # every tensor has storage now; a later re-pack needs none
 
@@ -120,7 +160,7 @@ class ZeroModel(nn.Module):
         self._install_hooks()
 
     def _pack_chunks(self, chunk_manager: ChunkManager, *, values_agree: bool) -> None:
-        self.chunk_manager = chunk_manager
+        self._chunk_manager = chunk_manager
         gemini = self.gemini_manager
         self._register_parameters(
             chunk_manager,
@@ -134,11 +174,10 @@ class ZeroModel(nn.Module):
                 chunk.share_grad_shard_with_full()
 
     def _install_hooks(self) -> None:
-        """The gather schedule (stage 3), deferred parameter gathers, gradient reduction and
-        the root hooks, as the config says."""
-        chunk_manager, gemini = self.chunk_manager, self.gemini_manager
-        self.scheduler: GatherScheduler | None = None
-        self._forward_was_recorded = False
+        """The gather schedule (stage 3), deferred parameter gathers and gradient reduction,
+        as the config says."""
+        chunk_manager, gemini = self._chunk_manager, self.gemini_manager
+        self.scheduler = None
         units: UnitMap | None = None
         if self.config.stage == 3:
             units = UnitMap(
@@ -155,43 +194,34 @@ class ZeroModel(nn.Module):
                 units=units,
             )
             self.rank_sync.trail = self.scheduler.trail
-        self.param_gather: DeferredParamGather | None = None
+        self.param_gather = None
         if self.config.overlap_param_gather:
             self.param_gather = DeferredParamGather(self.module, chunk_manager)
-        self.reducer = GradReducer(
+        self._reducer = GradReducer(
             chunk_manager,
             reduce_in_backward=self.config.stage >= 2,
             overlap=self.config.overlap_communication,
-            # Stage 3 holds a chunk gathered until its reduction ends: one in flight at most.
-            max_in_flight=1 if self.config.stage == 3 else None,
+            # See [Note: gradients in flight] in zero/grad_reducer.py.
+            max_in_flight=1,
             bucket_bytes=self.config.reduce_scatter_bucket_bytes,
-            on_reduced=self.scheduler.on_chunk_reduced if self.scheduler else None,
+            on_reduced=self.scheduler.release_done if self.scheduler else None,
+            on_complete=self.scheduler.release_done if self.scheduler else None,
             after_grad=gemini.check_budget if gemini is not None else None,
             units=units,
         )
         if gemini is not None:
             gemini.attach_reducer(
-                self.reducer.finish_in_flight,
-                self.reducer.in_flight_bytes,
-                self.reducer.retiring_bytes,
+                self._reducer.finish_in_flight,
+                self._reducer.in_flight_bytes,
+                self._reducer.retiring_bytes,
             )
-        # See [Note: the inner module works on its own]. The pre-hook goes first and the post
-        # hook last, around the scheduler's own hooks on a root that owns parameters.
-        self._root_hooks = [
-            self.module.register_forward_pre_hook(
-                self._before_forward, prepend=True, with_kwargs=True
-            ),
-            self.module.register_forward_hook(self._after_forward, always_call=True),
-        ]
 
     def _remove_hooks(self) -> None:
-        self.reducer.remove()
+        self._reducer.remove()
         if self.scheduler is not None:
             self.scheduler.remove()
         if self.param_gather is not None:
             self.param_gather.remove()
-        for handle in self._root_hooks:
-            handle.remove()
 
     def _register_parameters(
         self, chunk_manager: ChunkManager, sharded_fraction: float, *, values_agree: bool
@@ -225,12 +255,13 @@ class ZeroModel(nn.Module):
         self, *, chunk_size_numel: int, overlap_communication: bool, overlap_param_gather: bool
     ) -> None:
         """Stages 1 and 2, before the first step, when the optimizer wrapper learns its bucket
-        size and overlap settings: the hooks are rebuilt, and the parameters re-packed only
-        for a new chunk (bucket) size, without broadcasting (every rank already holds rank
-        0's values)."""
+        size and overlap settings: the parameters are packed with them (see [Note: packed once
+        the bucket size is known]). A model already packed (used before its optimizer was
+        wrapped) has its hooks rebuilt, and is re-packed for a new chunk (bucket) size without
+        broadcasting (every rank already holds rank 0's values), holding the parameters twice
+        while it runs."""
         if self.stage == 3:
             raise ValueError("stage 3 chunks are fixed at wrap time (gemini_config)")
-        self._remove_hooks()
         repack = chunk_size_numel != self.config.chunk_size_numel
         self.config = replace(
             self.config,
@@ -238,6 +269,13 @@ class ZeroModel(nn.Module):
             overlap_communication=overlap_communication,
             overlap_param_gather=overlap_param_gather,
         )
+        if self._to_pack is not None:  # see [Note: packed once the bucket size is known]
+            if repack:
+                self._to_pack = chunk_manager_for(self.config, self.comm_stats)
+            self._ensure_packed()
+            return
+        # The model was used before its optimizer was wrapped: its chunks are rebuilt.
+        self._remove_hooks()
         if repack:
             self._pack_chunks(chunk_manager_for(self.config, self.comm_stats), values_agree=True)
         self._install_hooks()
@@ -273,6 +311,7 @@ class ZeroModel(nn.Module):
     def _before_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self._ensure_packed()
         # Before any gather of this pass: see [Note: ranks in step] in zero/rank_sync.py.
         self.rank_sync.forward_started(self.config.device)
         compute = self._dtypes.compute

@@ -1,0 +1,446 @@
+"""Memory of each engine at sizes where model state dominates, measured from outside.
+
+    python benchmarks/bench_memory.py compare --sizes 117m,168m --out mem.json --results RESULTS.md
+    python benchmarks/bench_memory.py largest --engines ddp,zero2,fsdp2,zero3-cuda --out big.json
+    python benchmarks/bench_memory.py compare --smoke --out s.json        (tiny, seconds)
+
+compare: for every engine (torch DDP and FSDP2, shardwise stages 1-3 with the defaults a user
+gets; stage 3 under the "cuda", "cpu" and "auto" placements), each in a run of its own under
+`torchrun --nproc-per-node=2`, a GPT of width 1024 and vocabulary 32768 (untied head) trains
+`--steps` steps of 2 sequences of 64 tokens per rank in fp32 with fused AdamW. Each rank reads
+its resident set (`VmRSS`) and high-water mark (`VmHWM`, reset through `/proc/self/clear_refs`
+at each phase) from `/proc/self/status`, minus the resident set before the model was built:
+  build+wrap   peak while the model is built and wrapped (the model is built whole first, as a
+               user builds it: its 4 bytes per parameter are the floor of this column)
+  after wrap   resident once model and optimizer are wrapped
+  forward      peak during the last step's forward
+  backward     peak during the last step's backward
+  step         peak during the last optimizer step
+  after step   resident after it (what the engine keeps between steps)
+  peak         peak over all steps (the first step allocates the optimizer state)
+beside ZeRO's model-state bytes per rank (fp32 Adam: 16 B/param for DDP, 4 + 12/N at stage 1,
+4 + 12/N at stage 2 (the gradient too is sharded, but stage 1 keeps it whole: 8 + 8/N), 16/N at
+stage 3 and FSDP2) and the largest unit an engine gathers at once (payload and gradient: a
+stage-3 chunk, an FSDP2 group, a stage-1/2 or DDP gradient bucket). On CUDA each phase also
+reads `torch.cuda.max_memory_allocated`.
+
+largest: grows the GPT's depth at width `--n-embd` (doubling, then bisecting) until 3 steps
+fail or the two ranks' resident sets together pass `--limit-gib`; each attempt runs in its own
+processes, bounded by `--attempt-timeout`, and a watchdog polling the process tree's resident
+set stops it before the host runs short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise import zero_model_wrapper, zero_optim_wrapper
+from shardwise.testing import GPT, GPTConfig, gpt_batch
+
+ENGINES = ("ddp", "fsdp2", "zero1", "zero2", "zero3-cuda", "zero3-cpu", "zero3-auto")
+MIB = 2**20
+# GPT shapes by name: (layers, width, vocabulary); untied head, 8 heads of 128.
+SIZES = {"117m": (4, 1024, 32768), "168m": (8, 1024, 32768), "smoke": (2, 64, 512)}
+# torch's DDP default bucket (25 MiB) and shardwise's default stage-1/2 bucket / stage-3 search.
+DDP_BUCKET_BYTES = 25 * MIB
+
+
+# ---- inside one rank ---------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+class Meter:
+    """Resident-set phases of this process, relative to a baseline taken at construction."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.base_kib = _status_kib("VmRSS")
+        self.phases: dict[str, float] = {}
+
+    def reset_peak(self) -> None:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # resets VmHWM to the current resident set
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self, name: str) -> None:
+        self.phases[name] = (_status_kib("VmHWM") - self.base_kib) / 1024
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.phases[name + " cuda"] = torch.cuda.max_memory_allocated() / MIB
+
+    def now(self, name: str) -> None:
+        self.phases[name] = (_status_kib("VmRSS") - self.base_kib) / 1024
+        if self.device.type == "cuda":
+            self.phases[name + " cuda"] = torch.cuda.memory_allocated() / MIB
+
+
+def _model_config(size: str) -> GPTConfig:
+    layers, width, vocab = SIZES[size] if size in SIZES else _layers_size(size)
+    return GPTConfig(
+        vocab_size=vocab,
+        block_size=64,
+        n_layer=layers,
+        n_head=max(1, width // 128),
+        n_embd=width,
+        tie_weights=False,
+    )
+
+
+def _layers_size(size: str) -> tuple[int, int, int]:
+    # "L<layers>x<width>": the shapes `largest` tries.
+    layers, width = size.removeprefix("L").split("x")
+    return int(layers), int(width), 32768
+
+
+def _build(engine: str, model: GPT, device: torch.device, budget: int) -> Any:
+    """The training step of `engine` over `model`, as a user sets it up (its defaults), and the
+    largest unit it gathers at once in bytes (payload and gradient)."""
+    if engine in ("ddp", "fsdp2"):
+        if engine == "ddp":
+            wrapped: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
+            unit = DDP_BUCKET_BYTES
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            root_numel = sum(
+                p.numel() for n, p in model.named_parameters() if not n.startswith("blocks.")
+            )
+            block_numel = sum(p.numel() for p in model.blocks[0].parameters())
+            fully_shard(model, mesh=mesh)
+            unit = 2 * 4 * max(root_numel, block_numel)
+        optimizer = torch.optim.AdamW(
+            wrapped.parameters() if engine == "ddp" else model.parameters(), lr=1e-4, fused=True
+        )
+        module = wrapped if engine == "ddp" else model
+
+        def torch_forward(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss: torch.Tensor = module(idx, targets)[1]
+            return loss
+
+        return torch_forward, lambda loss: loss.backward(), optimizer.step, unit
+    stage = int(engine[4])
+    config: dict[str, Any] = {"device": device}
+    if stage == 3:
+        placement = engine.split("-")[1]
+        config["placement_policy"] = placement
+        if placement == "auto":
+            config["device_budget_bytes"] = budget
+    zero_model = zero_model_wrapper(model, stage, config)
+    zero_optimizer = zero_optim_wrapper(
+        zero_model, torch.optim.AdamW(zero_model.parameters(), lr=1e-4, fused=True)
+    )
+    chunks = zero_model.chunk_manager.chunks
+    largest = max(c.padded_numel for c in chunks) * 4
+    unit = 2 * largest
+
+    def zero_forward(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        zero_optimizer.zero_grad()
+        loss: torch.Tensor = zero_model(idx, targets)[1]
+        return loss
+
+    return zero_forward, zero_optimizer.backward, zero_optimizer.step, unit
+
+
+def model_state_bytes(engine: str, params: int, world: int) -> float:
+    """ZeRO's model-state bytes per rank for fp32 Adam (the ZeRO paper's formulas, K = 12)."""
+    per_param = {
+        "ddp": 16.0,
+        "zero1": 4 + 4 + 8 / world,  # whole parameters and gradients, sharded moments
+        "zero2": 4 + 12 / world,
+        "fsdp2": 16 / world,
+    }.get(engine, 16 / world)
+    return per_param * params
+
+
+def run_one(args: argparse.Namespace) -> None:
+    """One engine, under torchrun: rank 0 writes every rank's phases to `--out`."""
+    torch.set_num_threads(1)
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if (torch.cuda.is_available() and not args.cpu)
+        else torch.device("cpu")
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = _model_config(args.size)
+    meter = Meter(device)
+    meter.reset_peak()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(config)
+    params = model.num_parameters()
+    state = model_state_bytes(args.engine, params, world)
+    forward, backward, step, unit = _build(args.engine, model, device, int(state * 0.5))
+    del model  # the engine holds what it needs
+    meter.peak("build+wrap")
+    meter.now("after wrap")
+    meter.reset_peak()
+    peaks = []
+    for index in range(args.steps):
+        idx, targets = gpt_batch(config, 2 * world, 64, index)
+        idx, targets = idx.chunk(world)[rank].to(device), targets.chunk(world)[rank].to(device)
+        meter.reset_peak()
+        loss = forward(idx, targets)
+        meter.peak("forward")
+        meter.reset_peak()
+        backward(loss)
+        meter.peak("backward")
+        meter.reset_peak()
+        step()
+        meter.peak("step")
+        meter.now("after step")
+        peaks.append(max(meter.phases["forward"], meter.phases["backward"], meter.phases["step"]))
+    meter.phases["peak"] = max(peaks)
+    record = {
+        "rank": rank,
+        "phases": meter.phases,
+        "loss": float(loss.detach()),
+        "unit_bytes": unit,
+    }
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, record)
+    if rank == 0:
+        result = {
+            "engine": args.engine,
+            "size": args.size,
+            "params": params,
+            "world": world,
+            "device": str(device),
+            "model_state_bytes": state,
+            "ranks": gathered,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+
+def _launch(
+    engine: str, size: str, steps: int, out: Path, timeout: float, limit_gib: float, cpu: bool
+) -> tuple[str, float]:
+    """Run one engine in processes of its own; stop it when its tree's resident set passes
+    `limit_gib` or it runs past `timeout`. Returns (outcome, highest resident GiB seen)."""
+    import psutil
+
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        __file__,
+        "one",
+        "--engine",
+        engine,
+        "--size",
+        size,
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        *(["--cpu"] if cpu else []),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout
+    highest, outcome = 0.0, ""
+    with contextlib.suppress(Exception):
+        root = psutil.Process(process.pid)
+    while process.poll() is None:
+        resident = 0
+        with contextlib.suppress(psutil.Error):
+            for member in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    resident += member.memory_info().rss
+        highest = max(highest, resident / 2**30)
+        if resident > limit_gib * 2**30:
+            outcome = f"over the {limit_gib:g} GiB limit"
+        elif time.monotonic() > deadline:
+            outcome = f"past the {timeout:g} s limit"
+        if outcome:
+            os.killpg(process.pid, 9)
+            break
+        time.sleep(0.05)
+    log = process.communicate()[0].decode(errors="replace")
+    if not outcome:
+        outcome = "ok" if process.returncode == 0 and out.exists() else "failed"
+    if outcome == "failed":
+        print(log[-3000:], file=sys.stderr)
+    return outcome, highest
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = ["smoke"] if args.smoke else args.sizes.split(",")
+    engines = args.engines.split(",")
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for size in sizes:
+            for engine in engines:
+                out = Path(scratch) / f"{engine}-{size}.json"
+                outcome, _ = _launch(
+                    engine, size, args.steps, out, args.attempt_timeout, args.limit_gib, args.cpu
+                )
+                if outcome != "ok":
+                    raise SystemExit(f"{engine} at {size}: {outcome}")
+                run = json.loads(out.read_text())
+                runs.append(run)
+                print(_row(run), flush=True)
+    return {"kind": "compare", "steps": args.steps, "runs": runs}
+
+
+PHASES = ("build+wrap", "after wrap", "forward", "backward", "step", "after step", "peak")
+
+
+def _row(run: dict[str, Any]) -> str:
+    worst = {p: max(r["phases"][p] for r in run["ranks"]) for p in PHASES}
+    unit = run["ranks"][0]["unit_bytes"] / MIB
+    bound = run["model_state_bytes"] / MIB + unit
+    cells = " | ".join(f"{worst[p]:,.0f}" for p in PHASES)
+    return (
+        f"| {run['size']} | {run['engine']} | {cells} | {run['model_state_bytes'] / MIB:,.0f} | "
+        f"{unit:,.0f} | {worst['peak'] / bound:.2f} |"
+    )
+
+
+def largest(args: argparse.Namespace) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    width = args.n_embd
+    with tempfile.TemporaryDirectory() as scratch:
+        for engine in args.engines.split(","):
+            attempts: list[dict[str, Any]] = []
+
+            def fits(layers: int, engine: str = engine, attempts: list[Any] = attempts) -> bool:
+                out = Path(scratch) / f"{engine}-{layers}.json"
+                outcome, highest = _launch(
+                    engine,
+                    f"L{layers}x{width}",
+                    3,
+                    out,
+                    args.attempt_timeout,
+                    args.limit_gib,
+                    args.cpu,
+                )
+                params = json.loads(out.read_text())["params"] if outcome == "ok" else None
+                attempts.append(
+                    {
+                        "layers": layers,
+                        "outcome": outcome,
+                        "params": params,
+                        "highest_gib": round(highest, 2),
+                    }
+                )
+                print(f"{engine} {layers} layers: {outcome} ({highest:.1f} GiB)", flush=True)
+                return outcome == "ok"
+
+            low, high = 0, args.start_layers
+            while fits(high):
+                low, high = high, high * 2
+            while high - low > max(1, low // 16):
+                middle = (low + high) // 2
+                if fits(middle):
+                    low = middle
+                else:
+                    high = middle
+            best = max(
+                (a for a in attempts if a["outcome"] == "ok"),
+                key=lambda a: a["layers"],
+                default=None,
+            )
+            found[engine] = {"largest": best, "attempts": attempts}
+    return {"kind": "largest", "width": width, "limit_gib": args.limit_gib, "engines": found}
+
+
+def write_results(result: dict[str, Any], path: Path, command: str) -> None:
+    """Replace (or add) this benchmark's block in the results file."""
+    lines = [
+        "<!-- bench_memory: begin -->",
+        "## Memory at scale (each engine in a run of its own, measured from outside)",
+        "",
+        f"Written by `{command}`. Per rank, the worse of the two ranks, MiB above the resident "
+        "set before the model was built (see the benchmark's docstring for each column).",
+        "",
+        "| size | engine | build+wrap | after wrap | forward | backward | step | after step | "
+        "peak | ZeRO model state | largest unit | peak / (state + unit) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *(_row(run) for run in result["runs"]),
+        "<!-- bench_memory: end -->",
+    ]
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    begin, end = text.find("<!-- bench_memory: begin -->"), text.find("<!-- bench_memory: end -->")
+    block = "\n".join(lines)
+    if begin >= 0 and end >= 0:
+        text = text[:begin] + block + text[end + len("<!-- bench_memory: end -->") :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("part", choices=["compare", "largest", "one"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--engine", help="for `one`")
+    parser.add_argument("--size", help="for `one`")
+    parser.add_argument("--sizes", default="117m,168m")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="a tiny GPT: checks the plumbing")
+    parser.add_argument("--cpu", action="store_true", help="stay on the CPU where CUDA is there")
+    parser.add_argument("--results", type=Path, help="write the compare table into this file")
+    parser.add_argument(
+        "--limit-gib",
+        type=float,
+        default=20.0,
+        help="the two ranks' resident sets together may not pass this",
+    )
+    parser.add_argument("--attempt-timeout", type=float, default=600.0, help="seconds per run")
+    parser.add_argument("--n-embd", type=int, default=1024, help="for `largest`")
+    parser.add_argument("--start-layers", type=int, default=8, help="for `largest`")
+    args = parser.parse_args()
+    if args.part == "one":
+        run_one(args)
+        return
+    result = compare(args) if args.part == "compare" else largest(args)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.results is not None and args.part == "compare":
+        write_results(
+            result,
+            args.results,
+            "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        )
+
+
+if __name__ == "__main__":
+    main()
