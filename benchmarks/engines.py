@@ -3,10 +3,10 @@
 An engine is named as the results name it: `ddp`, `fsdp1`, `fsdp2`, `colo` (shardwise's
 ColoDDP, stage 0, its defaults), `zero1`, `zero2`, `zero3-cuda`, `zero3-cpu`, with suffixes
 `+sync` (stages 1-2: `overlap_param_gather=False`, the all-gather of updated parameters waited
-in the step instead of overlapping the next forward, the default), `+defaults` (stage 3: no
-chunk_size_numel, the searched size a user gets), `+telemetry` (stream telemetry to a file) and
-`-rs`, `-a2a`, `-ar` (shardwise's gradient_reduction: gloo's reduce-scatter, all-to-all, all-
-reduce).
+in the step instead of overlapping the next forward, the default), `+defaults` (the sizes a
+user gets: stage 3 searches its chunk size, stages 1-2 take the default reduce_bucket_size),
+`+telemetry` (stream telemetry to a file) and `-rs`, `-a2a`, `-ar` (shardwise's
+gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce).
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Co
         wrapped,
         torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
         optim_config=(
-            {"reduce_bucket_size": chunk_numel, "overlap_param_gather": spec.param_gather}
+            {"overlap_param_gather": spec.param_gather}
+            | ({} if spec.defaults else {"reduce_bucket_size": chunk_numel})
             if stage < 3
             else None
         ),

@@ -143,9 +143,12 @@ def _reductions_in_flight(placement: str) -> list[str]:
         return pending
 
     grad_reducer.start_reduction = started  # this rank's process only
-    for param in model.parameters():
-        # Backward computing (after the engine's own hook on the same gradient).
-        param.register_post_accumulate_grad_hook(lambda _: events.append("gradient"))
+    for chunk in wrapped.chunk_manager.chunks:
+        for info in chunk.tensors:
+            # Backward computing (after the engine's own hook on the same gradient), on the
+            # parameter autograd accumulates into (see [Note: two faces of a stage-3
+            # parameter] in chunk/parameters.py).
+            info.compute.register_post_accumulate_grad_hook(lambda _: events.append("gradient"))
     for step in range(2):
         events.clear()
         optimizer.zero_grad()
@@ -207,7 +210,7 @@ def _release_during_prefetch() -> bool:
     assert not chunk.gather_pending and chunk.state is ChunkState.SHARDED
     assert chunk.full.untyped_storage().size() == 0
     chunk.gather()
-    return all(torch.equal(info.param, expected[info.name]) for info in chunk.tensors)
+    return all(torch.equal(info.compute, expected[info.name]) for info in chunk.tensors)
 
 
 def test_releasing_a_chunk_whose_prefetch_is_running_waits_for_it() -> None:

@@ -69,15 +69,21 @@ def test_sharded_chunk_releases_and_gathers_and_counts_bytes() -> None:
     assert chunk.state is ChunkState.SHARDED
     assert all(t.state is TensorState.FREE for t in chunk.tensors)
     assert chunk.full.untyped_storage().size() == 0
-    # Released parameters keep their shape but hold no element, never freed memory, and any
-    # use of their values raises.
+    # The parameters are sharded faces: they keep their shape but hold no element, never
+    # freed memory, and any use of their values raises. Their compute faces view the buffer.
     assert model.weight.shape == (3, 3) and model.weight.dim() == 2
     assert model.weight.data.numel() == 0
     with pytest.raises(RuntimeError, match="released"):
         model.weight.sum()
+    face = chunk.tensors[0].compute
+    assert face is not model.weight and type(face) is nn.Parameter and face.shape == (3, 3)
+    assert face.untyped_storage().data_ptr() == chunk.full.untyped_storage().data_ptr()
     chunk.gather()
     assert chunk.state is ChunkState.GATHERED
-    assert torch.equal(model.weight, expected)
+    assert torch.equal(face, expected)
+    assert chunk.tensors[0].compute is face  # the same tensor, refilled
+    with pytest.raises(RuntimeError, match="released"):
+        model.weight.sum()  # the sharded face is registered outside its gather unit
     assert manager.stats.calls(CommOp.ALL_GATHER) == 1
     chunk.set_compute(0)
     with pytest.raises(RuntimeError, match="in use"):
@@ -137,7 +143,7 @@ def test_zero_unwritten_covers_gaps_and_padding() -> None:
 
     param = nn.Parameter(torch.zeros(1))
     tensors = [
-        TensorInfo(name, param, offset, numel, torch.Size([numel]), TensorState.HOLD)
+        TensorInfo(name, param, offset, numel, torch.Size([numel]), TensorState.HOLD, param)
         for name, offset, numel in (("a", 0, 3), ("b", 3, 2), ("c", 6, 2))
     ]
     buffer = torch.full((10,), 7.0)

@@ -1,14 +1,14 @@
 """A chunk: one flat buffer holding many parameters, sharded evenly over the ranks.
 
 [Note: chunk buffers]
-- `full`: the whole payload (numel padded to a multiple of the world size). While gathered,
-  parameters are views into the *compute* buffer (`full` itself, or `full_compute` when the
-  compute dtype differs from the payload dtype, filled by the chunk's gather codec: see
-  [Note: gather codecs] in chunk/codec.py); while released they hold an empty tensor, so
-  reading one outside its module's forward gives an empty tensor, never freed memory.
-  Releasing resizes the buffer's storage to zero instead of dropping it, so views of it that
-  autograd saved during forward (a transposed weight, say) see the re-gathered data in backward
-  (the same trick torch's FSDP uses).
+- `full`: the whole payload (numel padded to a multiple of the world size). Parameters (their
+  compute faces, in a sharded chunk: see [Note: two faces of a stage-3 parameter] in
+  chunk/parameters.py) are views into the *compute* buffer (`full` itself, or `full_compute`
+  when the compute dtype differs from the payload dtype, filled by the chunk's gather codec:
+  see [Note: gather codecs] in chunk/codec.py), made once. Releasing resizes the buffer's
+  storage to zero instead of dropping it, and a gather refills it, so those views, and the
+  ones autograd saved during forward (a transposed weight, say), see the re-gathered data in
+  backward (the same trick torch's FSDP uses).
 - `shard`: this rank's slice of the payload, always resident (a view into `full` when the chunk
   keeps its payload gathered, as in stages 1 and 2).
 - `master`: fp32 copy of `shard` for the optimizer; the same tensor as `shard` when the payload
@@ -60,10 +60,10 @@ from shardwise.chunk.codec import codec_for
 from shardwise.chunk.grads import GradSide
 from shardwise.chunk.parameters import (
     adopt,
-    mark_gathered,
+    compute_face,
     mark_pending,
-    mark_released,
     mark_settled,
+    shard_face,
 )
 from shardwise.chunk.resident import Resident, resident_changed
 from shardwise.chunk.states import (
@@ -189,7 +189,7 @@ class Chunk(GradSide):
                 f"chunk {self.chunk_id} cannot fit {name} ({param.numel()} elements)"
             )
         self.tensors.append(
-            TensorInfo(name, param, self.numel, param.numel(), param.shape, TensorState.HOLD)
+            TensorInfo(name, param, self.numel, param.numel(), param.shape, TensorState.HOLD, param)
         )
         self.numel += param.numel()
         if param.requires_grad:
@@ -242,17 +242,19 @@ class Chunk(GradSide):
         return self.full if self.full_compute is None else self.full_compute
 
     def _bind_params(self) -> None:
+        """Point the parameters at the compute buffer, once: a chunk that keeps its payload
+        gathered makes each parameter a view of it; a sharded one gives each a compute face
+        over it and makes the parameter its sharded face (see [Note: two faces of a stage-3
+        parameter] in chunk/parameters.py). Gathers and releases then only fill and free the
+        buffer's storage."""
         compute = self._compute_buffer()
         for info in self.tensors:
-            mark_gathered(info.param)
-            info.param.data = compute[info.offset : info.offset + info.numel].view(info.shape)
-
-    def _unbind_params(self) -> None:
-        # See [Note: parameters keep their shape] in chunk/parameters.py.
-        empty = torch.empty(0, dtype=self.dtypes.compute, device=self.device)
-        for info in self.tensors:
-            info.param.data = empty
-            mark_released(info.param, info.name)
+            view = compute[info.offset : info.offset + info.numel].view(info.shape)
+            if self.keep_gathered:
+                info.param.data = view
+            else:
+                info.compute = compute_face(view, info.param)
+                shard_face(info.param, info.name, self.dtypes.compute, self.device)
 
     # ---- gather / release ------------------------------------------------------------------
 
@@ -326,7 +328,6 @@ class Chunk(GradSide):
             self.codec.decode(self.full, self.full_compute)
             # The 16-bit payload is only a staging buffer once the compute copy exists.
             self._free(self.full)
-        self._bind_params()
         self.state = ChunkState.GATHERED
         for info in self.tensors:
             info.state = TensorState.HOLD
@@ -351,7 +352,6 @@ class Chunk(GradSide):
         self._free(self.full)
         if self.full_compute is not None:
             self._free(self.full_compute)
-        self._unbind_params()
         self.state = ChunkState.SHARDED
         for info in self.tensors:
             info.state = TensorState.FREE

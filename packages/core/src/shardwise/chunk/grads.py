@@ -284,7 +284,7 @@ class GradSide(PoolMoves):
     def _hide_grads(self) -> None:
         if self.exposes_grads:
             for info in self.tensors:
-                info.param.grad = None
+                info.compute.grad = None
 
     def share_grad_shard_with_full(self) -> None:
         """Stage 1: keep the reduced gradient slice the optimizer reads in this rank's own

@@ -155,7 +155,12 @@ class ChunkManager:
             self._where[id(param)] = (chunk, len(chunk.tensors))
             chunk.append(name, param)
             if index in last:
-                last[index].close(src_rank=None if values_agree else 0)
+                closed = last[index]
+                closed.close(src_rank=None if values_agree else 0)
+                for position, info in enumerate(closed.tensors):
+                    # A sharded chunk's parameters have a compute face too (see [Note: two
+                    # faces of a stage-3 parameter] in chunk/parameters.py).
+                    self._where[id(info.compute)] = (closed, position)
         assert all(chunk.closed for chunk in new_chunks)
         self.chunks.extend(new_chunks)
 

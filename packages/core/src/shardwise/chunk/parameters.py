@@ -1,28 +1,42 @@
 """What a parameter in a chunk looks like from outside: its own shape always, its values only
-while its chunk is gathered.
+inside the forward and backward of the modules that use it.
 
 [Note: parameters keep their shape]
-A released parameter holds no elements (its chunk keeps only this rank's shard), yet code
+A sharded parameter holds no elements (its chunk keeps only this rank's shard), yet code
 written for unsharded models reads parameters' shapes after wrapping: nanoGPT's
 `configure_optimizers` puts `p.dim() >= 2` in the weight-decay group, Lightning calls
 `configure_optimizers` after the strategy sharded the model, summaries count `p.numel()`. So a
 chunk's parameters report the shape they were built with (`shape`, `size()`, `dim()`, `ndim`,
-`numel()`, `len()`), as FSDP2's DTensor parameters do, at no memory cost. While released, any
-other use of one raises at once, naming the parameter, instead of computing with an empty
-tensor (a reduction would silently give 0): `ReleasedParameter.__torch_function__` lets only
-attribute access and the metadata calls listed in `_METADATA_CALLS` through. Both classes are
-subclasses of `nn.Parameter`; a parameter's class changes in place, so it stays the same
-object that optimizers and modules hold. At stages 1-2 with deferred parameter gathers, a
-`PendingParameter` waits for its chunk's gather before any read of its values.
+`numel()`, `len()`), as FSDP2's DTensor parameters do, at no memory cost. Any other use of a
+sharded one raises at once, naming the parameter, instead of computing with an empty tensor (a
+reduction would silently give 0): `ShardedParameter.__torch_function__` lets only attribute
+access and the metadata calls listed in `_METADATA_CALLS` through. At stages 1-2 with deferred
+parameter gathers, a `PendingParameter` waits for its chunk's gather before any read of its
+values.
+
+[Note: two faces of a stage-3 parameter]
+At stage 3 each parameter of a sharded chunk has two tensors, each with a class, shape and
+storage that never change: the *sharded face*, the parameter object the model was built with
+(optimizers, state dicts and user code outside forward hold it; a `ShardedParameter`, holding
+no element), and the *compute face*, a plain `nn.Parameter` viewing its place in the chunk's
+compute buffer, whose storage the chunk frees on release and refills on gather (the trick
+torch's FSDP uses: views autograd saved in forward see the re-gathered data in backward). The
+module's registration points at the compute face only while the gather unit that governs the
+parameter runs (its forward, and a forward re-run in backward), and at the sharded face
+otherwise (see [Note: gather units] in zero/unit_plan.py), so code compiled with
+`torch.compile` sees the same plain parameter, with the same metadata, on every call, and
+never a tensor changing class or data behind its guards. Gradients accumulate on the compute
+face. FSDP2 does the same with its sharded DTensor and unsharded parameter.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 # Calls that read no element: attribute access on a Tensor goes through `__get__`/`__set__`.
 # `detach` (torch's Module.state_dict, which code calls for the names) gives the empty tensor
@@ -93,11 +107,14 @@ class ChunkParameter(nn.Parameter):
         return self._logical_shape[0]
 
 
-class ReleasedParameter(ChunkParameter):
-    """A chunk parameter whose chunk is released: its shape reads as built, its values cannot
-    be used (see [Note: parameters keep their shape])."""
+class ShardedParameter(ChunkParameter):
+    """The sharded face of a stage-3 parameter: its shape reads as built, its values cannot
+    be used (see [Note: two faces of a stage-3 parameter]). While a model learns its gather
+    units (its first forward), a use of one reaches `_on_use`, which returns the compute face
+    to use instead (see [Note: gather units] in zero/unit_plan.py)."""
 
     _chunk_name: str
+    _on_use: Any  # None, or a callable taking the parameter and returning its compute face
 
     @classmethod
     def __torch_function__(
@@ -108,23 +125,30 @@ class ReleasedParameter(ChunkParameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
         if name not in _METADATA_CALLS:
-            released = next((a for a in args if isinstance(a, ReleasedParameter)), None)
+            flat = tree_flatten((args, kwargs))[0]
+            sharded = [a for a in flat if isinstance(a, ShardedParameter)]
+            if sharded and all(p._on_use is not None for p in sharded):
+                faces = {id(p): p._on_use(p) for p in sharded}
+                args, kwargs = tree_map(lambda a: faces.get(id(a), a), (args, kwargs))
+                return func(*args, **kwargs)
             what = (
-                f"{released._chunk_name} (shape {tuple(released._logical_shape)})"
-                if released is not None
-                else "a released parameter"
+                f"{sharded[0]._chunk_name} (shape {tuple(sharded[0]._logical_shape)})"
+                if sharded
+                else "a sharded parameter"
             )
             raise RuntimeError(
                 f"{name}() on {what}, whose chunk is released: stage 3 keeps only this rank's "
                 f"shard between uses. Its values exist inside the forward and backward of the "
-                f"module that owns it; to read them whole, use model.state_dict() (a collective)"
+                f"gather unit that uses it; to read them whole, use model.state_dict() (a "
+                f"collective)"
             )
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"ReleasedParameter(shape={tuple(self._logical_shape)}, dtype={self.dtype})"
+        return f"ShardedParameter(shape={tuple(self._logical_shape)}, dtype={self.dtype})"
 
 
 class PendingParameter(ChunkParameter):
@@ -191,11 +215,26 @@ def adopt(param: nn.Parameter, shape: torch.Size) -> None:
     param.__class__ = ChunkParameter
 
 
-def mark_gathered(param: nn.Parameter) -> None:
-    if isinstance(param, ReleasedParameter):
-        param.__class__ = ChunkParameter  # type: ignore[assignment]
-
-
-def mark_released(param: nn.Parameter, name: str) -> None:
+def shard_face(param: nn.Parameter, name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Make chunk parameter `param` the sharded face of `name` (once, when its chunk is first
+    sharded): it holds no element from now on, and reports `dtype` and `device`, the compute
+    face's."""
+    param.data = torch.empty(0, dtype=dtype, device=device)
     param._chunk_name = name  # type: ignore[attr-defined]
-    param.__class__ = ReleasedParameter
+    param._on_use = None  # type: ignore[attr-defined]
+    param.__class__ = ShardedParameter
+
+
+def on_use(param: nn.Parameter, hook: Callable[[nn.Parameter], nn.Parameter] | None) -> None:
+    """Have a use of sharded face `param` call `hook`, which returns the tensor to use instead
+    (None: a use raises)."""
+    param._on_use = hook  # type: ignore[attr-defined]
+
+
+def compute_face(view: torch.Tensor, param: nn.Parameter) -> nn.Parameter:
+    """The compute face of `param`: a plain parameter over `view` of the chunk's buffer."""
+    face = nn.Parameter(view.new_empty(0), requires_grad=param.requires_grad)
+    # Assigned through `.data`, the face keeps a version counter of its own: gathers write the
+    # buffer, and tensors autograd saved from the face must not read as modified by them.
+    face.data = view
+    return face

@@ -87,11 +87,15 @@ class TensorInfo:
     """Where one parameter lives inside its chunk."""
 
     name: str
-    param: nn.Parameter
+    param: nn.Parameter  # the object the model was built with (optimizers and users hold it)
     offset: int  # first element in the chunk's full buffer
     numel: int
     shape: torch.Size
     state: TensorState
+    # The parameter forward and backward compute with, whose gradient autograd accumulates:
+    # `param` itself, or its compute face once its chunk is sharded (see [Note: two faces of
+    # a stage-3 parameter] in chunk/parameters.py).
+    compute: nn.Parameter
 
 
 @dataclass(frozen=True, slots=True)

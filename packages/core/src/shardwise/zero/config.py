@@ -144,7 +144,7 @@ class ZeroConfig:
             [Note: secondary shards] in chunk/chunk.py); None gathers over every rank.
         gather_units: stage 3: module classes or qualified module names to gather as one
             unit, besides the blocks that hold experts, which are found by themselves (see
-            [Note: gather units] in zero/gather_units.py).
+            [Note: conditional units] in zero/gather_units.py).
     """
 
     stage: int

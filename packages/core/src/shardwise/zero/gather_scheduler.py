@@ -1,19 +1,20 @@
-"""Stage 3: gather each chunk just before a module that uses it runs, release it after.
+"""Stage 3: gather each chunk just before a gather unit that uses it runs, release it after.
 
 [Note: recorded execution order]
-The first forward and backward of a model record which chunks each module call needs, in
-order. From then on that record drives three things: a chunk is released in forward right after
-the last module call that uses it (so a tied embedding used again by the head stays gathered);
-the next chunk the record needs, beyond those of the current call, is gathered asynchronously
-while the current modules compute; and the chunks backward starts with stay gathered from the
-end of a forward run with gradients on, since backward would gather them again at once.
-The first pass, having no record yet, releases a chunk once every tensor in it has been used
-(a tied weight is then gathered again when reused). If a later pass departs from the record
-(data-dependent control flow) the rest of that pass falls back to on-demand gathers and
-releases at the end of forward: slower, never wrong. Every rank must run the same modules in
-the same order, as with any ZeRO-3 engine, since gathers are collectives; a block whose
-children run on some ranks only (experts behind a router) is hooked as one gather unit
-instead, so its children issue none (see [Note: gather units] in zero/gather_units.py).
+The first forward and backward of a model record which chunks each gather unit's call needs
+(see [Note: gather units] in zero/unit_plan.py), in order. From then on that record drives
+three things: a chunk is released in forward right after the last unit call that uses it ends
+(so a tied embedding used again by the head stays gathered); the next chunk the record needs,
+beyond those of the current call, is gathered asynchronously while the current units compute;
+and the chunks backward starts with stay gathered from the end of a forward run with gradients
+on, since backward would gather them again at once. The first pass, having no record yet,
+releases a chunk once every tensor in it has been used (a tied weight is then gathered again
+when reused). If a later pass departs from the record (data-dependent control flow) the rest
+of that pass falls back to on-demand gathers and releases at the end of forward: slower, never
+wrong. Every rank must run the same units in the same order, as with any ZeRO-3 engine, since
+gathers are collectives; a block whose children run on some ranks only (experts behind a
+router) is one gather unit, so its children issue none (see [Note: conditional units] in
+zero/gather_units.py).
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, TensorState
+from shardwise.chunk.parameters import on_use
 from shardwise.gemini import GeminiManager
 from shardwise.zero.gather_units import UnitMap
 from shardwise.zero.rank_sync import VisitTrail
+from shardwise.zero.unit_plan import GatherUnit
 
-# How many module calls ahead a prefetch looks for the next chunk the pass needs.
+# How many unit calls ahead a prefetch looks for the next chunk the pass needs.
 _LOOKAHEAD = 256
 
 
@@ -80,17 +84,22 @@ class _Trace:
 
 
 class GatherScheduler:
-    """Hooks on every module that directly owns managed parameters, and on every gather unit
-    (for all the parameters under it; the modules inside get none).
+    """Hooks on every gather unit (see [Note: gather units] in zero/unit_plan.py): gather the
+    chunks of the parameters a unit governs before it runs, register their compute faces
+    while it runs, release the chunks after their last use.
 
     Args:
         module: the user's model.
-        chunk_manager: its chunks (sharded, not kept gathered).
+        chunk_manager: its chunks.
+        plan: the gather units of the model, given the uses outside their own units that its
+            first forward found (per parameter name, the names of the units it was used in)
+            and whether its repeated blocks are units (the model is compiled as a whole).
         prefetch: gather the next chunk of the recorded order asynchronously.
         gemini: the memory manager to consult around every gather (room for the chunks,
             the budget check), if any.
         on_backward: called when a backward pass starts, before its first gather.
-        units: the blocks gathered as one (see [Note: gather units]); none when not given.
+        units: the conditional blocks, whose backward signals their chunks' completion (see
+            [Note: conditional units]); none when not given.
     """
 
     def __init__(
@@ -98,52 +107,100 @@ class GatherScheduler:
         module: nn.Module,
         chunk_manager: ChunkManager,
         *,
+        plan: Callable[[dict[str, set[str]], bool], list[GatherUnit]],
         prefetch: bool,
         gemini: GeminiManager | None = None,
         on_backward: Callable[[], None] | None = None,
         units: UnitMap | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
+        self._module = module
+        self._plan = plan
         self._on_backward = on_backward
         # A policy may forbid prefetching; "auto" allows it once its plan has room for it
         # (GeminiManager.prefetch_planned).
         self.prefetch = prefetch and (gemini is None or gemini.policy.allows_prefetch)
         self._gemini = gemini
         self._warmed_up = False
-        self._forward = _Trace()
-        self._backward = _Trace()
-        self._last_forward_use: dict[int, int] = {}
         self._used_in_pass: dict[int, set[int]] = {}
         self._in_backward = False
         self._keep_for_backward: frozenset[int] = frozenset()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._unit_handles: list[torch.utils.hooks.RemovableHandle] = []
         self.units = units if units is not None else UnitMap(module, chunk_manager, {})
         # The modules whose hooks ran since the last pass check, compared across ranks there.
         self.trail = VisitTrail()
-        for name, submodule in module.named_modules():
-            if self.units.inside_unit(submodule):
-                continue  # its unit gathers for it: see [Note: gather units]
+        # The units running now, innermost last, and how many calls of each are open.
+        self._active: list[GatherUnit] = []
+        self._open: dict[int, int] = {}
+        # See [Note: gather units]: the first pass learns uses outside their units.
+        self._learning = True
+        self._learning_started = False
+        self._used_in: dict[str, set[str]] = {}  # parameter name -> units it was used in
+        self._pinned: set[int] = set()  # chunks gathered on use, held until the pass ends
+        self._sharded_faces = [
+            info.param
+            for chunk in chunk_manager.chunks
+            if not chunk.keep_gathered
+            for info in chunk.tensors
+        ]
+        for submodule in module.modules():
             unit = self.units.index_of(submodule)
-            params = submodule.parameters(recurse=unit is not None)
-            places = [chunk_manager.locate(p) for p in params if chunk_manager.manages(p)]
-            if not places:
-                continue
-            visit = self.trail.register(name or type(submodule).__name__)
-            self._handles.append(
-                submodule.register_forward_pre_hook(self._pre_forward(places, visit))
-            )
-            self._handles.append(submodule.register_forward_hook(self._post_forward(places, visit)))
             if unit is not None:
                 self._handles.append(
                     submodule.register_forward_pre_hook(
-                        self.units.watch_backward(unit), with_kwargs=True
+                        _outside_compiled(self.units.watch_backward(unit)), with_kwargs=True
                     )
                 )
+        self._blocks = False
+        self._install(plan({}, False))
+
+    def _install(self, gather_units: list[GatherUnit]) -> None:
+        """Hook `gather_units`, recording the passes afresh."""
+        for handle in self._unit_handles:
+            handle.remove()
+        self._unit_handles.clear()
+        self.gather_units = gather_units
+        self._forward = _Trace()
+        self._backward = _Trace()
+        self._recorded_closes: list[tuple[int, ...]] = []
+        self._last_close: dict[int, int] = {}
+        self._closes = 0
+        self._root_unit: tuple[Callable[..., None], Callable[..., None]] | None = None
+        for unit in gather_units:
+            visit = self.trail.register(unit.name or type(unit.module).__name__)
+            pre, post = self._pre_forward(unit, visit), self._post_forward(unit, visit)
+            if unit.module is self._module:
+                # The model's own root hooks call these, inside their bookkeeping of the pass
+                # (see root_pre_forward).
+                self._root_unit = (pre, post)
+                continue
+            self._unit_handles.append(unit.module.register_forward_pre_hook(pre))
+            self._unit_handles.append(unit.module.register_forward_hook(post))
+
+    def root_pre_forward(self) -> None:
+        """The model's root unit, if it is one, is about to run: the model's root pre-hook
+        calls this after `begin_forward`, so it gathers inside the pass it begins."""
+        if self._root_unit is not None:
+            self._root_unit[0](self._module, ())
+
+    def root_post_forward(self, output: Any) -> None:
+        """The model's root unit, if it is one, has run: the model's root post-hook calls this
+        before `end_forward`, whatever hooks were registered on the root since."""
+        if self._root_unit is not None and self._active and self._active[-1].module is self._module:
+            self._root_unit[1](self._module, (), output)
 
     # ---- forward -----------------------------------------------------------------------------
 
     def begin_forward(self) -> None:
+        if self._learning and not self._learning_started:
+            self._learning_started = True
+            for param in self._sharded_faces:
+                on_use(param, self._gather_on_use)
+        elif self._learning:
+            self._finish_learning()  # the first forward had no backward
         self._forward.begin()
+        self._closes = 0
         self._used_in_pass.clear()
         self._keep_for_backward = self._needed_first_by_backward()
 
@@ -156,15 +213,21 @@ class GatherScheduler:
     def end_forward(self) -> None:
         """Release every chunk not in use, except those backward needs first; record the
         forward order after the first pass."""
+        self._close_open_units()
         if not self._forward.recorded:
             self._forward.finish()
-            self._last_forward_use = {
+            self._last_close = {
                 chunk_id: position
-                for position, chunk_ids in enumerate(self._forward.steps)
+                for position, chunk_ids in enumerate(self._recorded_closes)
                 for chunk_id in chunk_ids
             }
+        grad = torch.is_grad_enabled()
+        if self._learning and not grad:
+            self._finish_learning()
         keep = self._keep_for_backward if self._forward.on_track else frozenset()
-        self.release_all(keep=keep, keep_secondary=torch.is_grad_enabled())
+        if grad:
+            keep |= self._pinned  # see [Note: gather units]: held until backward ends
+        self.release_all(keep=keep, keep_secondary=grad)
 
     def _needed_first_by_backward(self) -> frozenset[int]:
         # Backward starts with the modules forward ended with: releasing their chunks only to
@@ -175,10 +238,13 @@ class GatherScheduler:
             return frozenset()
         return frozenset(self._backward.steps[0])
 
-    def _pre_forward(self, places: list[tuple[Chunk, int]], visit: int) -> Any:
+    def _pre_forward(self, unit: GatherUnit, visit: int) -> Any:
+        places = unit.places
         chunks = _unique_chunks(places)
         chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
+        key = id(unit)
 
+        @_outside_compiled
         def hook(module: nn.Module, args: Any) -> None:
             trace = self._backward if self._in_backward else self._forward
             trace.visit(chunk_ids)
@@ -186,13 +252,17 @@ class GatherScheduler:
             self._gather(chunks, self._in_backward, f"before forward of {type(module).__name__}")
             for chunk, index in places:
                 chunk.set_compute(index)
+            if self._open.get(key, 0) == 0:
+                unit.swap_in()
+            self._open[key] = self._open.get(key, 0) + 1
+            self._active.append(unit)
             self._prefetch(trace)
 
         return hook
 
     def _gather(self, chunks: list[Chunk], backward: bool, where: str) -> None:
         """Gather `chunks`, consulting the memory manager only when one is actually sharded
-        (nothing grows otherwise: this runs for every module call)."""
+        (nothing grows otherwise: this runs for every unit call)."""
         sharded = [chunk for chunk in chunks if chunk.state is ChunkState.SHARDED]
         if not sharded:
             return
@@ -203,28 +273,57 @@ class GatherScheduler:
         if self._gemini is not None:
             self._gemini.after_gather(sharded, where)
 
-    def _post_forward(self, places: list[tuple[Chunk, int]], visit: int) -> Any:
+    def _post_forward(self, unit: GatherUnit, visit: int) -> Any:
+        places = unit.places
         chunks = _unique_chunks(places)
+        chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
 
+        @_outside_compiled
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            position = self._forward.position - 1
+            self._close(unit)
             for chunk, index in places:
                 chunk.set_hold(index)
-            if not self._in_backward and not self._forward.recorded:
-                self._release_fully_used(places)
-            elif not self._in_backward and self._forward.on_track:
-                for chunk in chunks:
-                    if (
-                        self._last_forward_use.get(chunk.chunk_id) == position
-                        and chunk.chunk_id not in self._keep_for_backward
-                        and not chunk.in_use
-                        and not chunk.keep_gathered
-                    ):
-                        chunk.release(keep_secondary=torch.is_grad_enabled())
+            if not self._in_backward:
+                close = self._closes
+                self._closes += 1
+                if not self._forward.recorded:
+                    self._recorded_closes.append(chunk_ids)
+                    self._release_fully_used(places)
+                elif self._forward.on_track:
+                    for chunk in chunks:
+                        if self._last_close.get(chunk.chunk_id) == close and self._releasable(
+                            chunk, self._keep_for_backward
+                        ):
+                            chunk.release(keep_secondary=torch.is_grad_enabled())
             if torch.is_grad_enabled():
                 self._register_pre_backward(output, chunks, visit)
 
         return hook
+
+    def _close(self, unit: GatherUnit) -> None:
+        """One call of `unit` ended: its sharded faces are registered again once no call of it
+        is open (a unit may run inside itself, through recursion)."""
+        key = id(unit)
+        self._open[key] -= 1
+        if self._open[key] == 0:
+            unit.swap_out()
+        if self._active and self._active[-1] is unit:
+            self._active.pop()
+
+    def _close_open_units(self) -> None:
+        # A forward that raised left units open: their sharded faces are registered again.
+        for unit in self._active:
+            unit.swap_out()
+        self._active.clear()
+        self._open.clear()
+
+    def _releasable(self, chunk: Chunk, keep: frozenset[int]) -> bool:
+        return (
+            chunk.chunk_id not in keep
+            and chunk.chunk_id not in self._pinned
+            and not chunk.in_use
+            and not chunk.keep_gathered
+        )
 
     def _release_fully_used(self, places: list[tuple[Chunk, int]]) -> None:
         """First pass: release a chunk once each of its tensors has been used."""
@@ -232,8 +331,46 @@ class GatherScheduler:
             self._used_in_pass.setdefault(chunk.chunk_id, set()).add(index)
         for chunk in _unique_chunks(places):
             used = len(self._used_in_pass[chunk.chunk_id])
-            if used == len(chunk.tensors) and not chunk.in_use and not chunk.keep_gathered:
+            if used == len(chunk.tensors) and self._releasable(chunk, frozenset()):
                 chunk.release(keep_secondary=torch.is_grad_enabled())
+
+    # ---- learning the units --------------------------------------------------------------------
+
+    def _gather_on_use(self, param: nn.Parameter) -> nn.Parameter:
+        """A sharded face used outside its unit in the first forward: gather its chunk, hold
+        it until the pass ends, note the unit it was used in (the innermost running; the
+        model's own forward outside every unit counts as the model's), and hand back the
+        compute face (see [Note: gather units])."""
+        chunk, index = self.chunk_manager.locate(param)
+        self._gather([chunk], self._in_backward, f"on use of {chunk.tensors[index].name}")
+        self._pinned.add(chunk.chunk_id)
+        user = self._active[-1].name if self._active else ""
+        self._used_in.setdefault(chunk.tensors[index].name, set()).add(user)
+        return chunk.tensors[index].compute
+
+    def _finish_learning(self) -> None:
+        """The first pass is over: no more gathers on use; if some parameter was used outside
+        its unit, plan the units again with it moved (the passes are recorded afresh)."""
+        self._learning = False
+        for param in self._sharded_faces:
+            on_use(param, None)
+        # Every rank plans alike: a use on some ranks only (a branch) counts everywhere.
+        manager = self.chunk_manager
+        everyone = comm.all_gather_object(
+            self._used_in, manager.stats, manager.topology.data_parallel
+        )
+        for used_in in everyone:
+            for name, units in used_in.items():
+                self._used_in.setdefault(name, set()).update(units)
+        if self._used_in:
+            self._install(self._plan(self._used_in, self._blocks))
+
+    def compiled_as_a_whole(self) -> None:
+        """The model runs compiled as a whole: its repeated blocks become units (rule 3 of
+        [Note: gather units]), so the compiled graph breaks at blocks. Between passes only."""
+        if not self._blocks:
+            self._blocks = True
+            self._install(self._plan(self._used_in, True))
 
     # ---- backward ----------------------------------------------------------------------------
 
@@ -268,7 +405,11 @@ class GatherScheduler:
             for index, info in enumerate(chunk.tensors):
                 if info.state is TensorState.COMPUTE:
                     chunk.set_hold(index)
+        self._close_open_units()
+        self._pinned.clear()
         self.release_all()
+        if self._learning:
+            self._finish_learning()
         if self.chunk_manager.topology.secondary is not None:  # hpZ
             for chunk in self.chunk_manager.chunks:
                 chunk.drop_secondary()  # what backward did not gather (an unused branch)
@@ -315,9 +456,17 @@ class GatherScheduler:
                 chunk.release(keep_secondary=keep_secondary)
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in [*self._handles, *self._unit_handles]:
             handle.remove()
         self._handles.clear()
+        self._unit_handles.clear()
+
+
+def _outside_compiled(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook`, run eagerly even where it is called inside a region `torch.compile` traces:
+    gathers are collectives, and registering faces changes what the region reads (a graph
+    break at each unit; see [Note: gather units] in zero/unit_plan.py)."""
+    return torch._dynamo.disable(hook, recursive=True)  # type: ignore[no-any-return]
 
 
 def _unique_chunks(places: list[tuple[Chunk, int]]) -> list[Chunk]:

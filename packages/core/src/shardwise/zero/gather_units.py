@@ -1,6 +1,6 @@
 """Stage 3: blocks whose children may run on some ranks and not others, gathered as one unit.
 
-[Note: gather units]
+[Note: conditional units]
 Stage 3 gathers a module's chunks just before it runs. Gathers are collectives, so every rank
 must call the same modules in the same order. A mixture-of-experts layer breaks that: the router
 sends this rank's tokens to some experts and another rank's to others, and an expert with no

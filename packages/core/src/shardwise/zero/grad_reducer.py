@@ -69,9 +69,9 @@ class GradReducer:
             there, not after the reduction: see [Note: gradients in flight]).
         after_grad: called when a gradient copy allocated a chunk's gradient buffer (the
             memory budget check: the only moment backward's model-state bytes grow).
-        units: stage 3's gather units: a chunk holding tensors of a unit is complete once
-            the unit's backward is done on this rank, whichever of them got gradients here
-            (see [Note: gather units]).
+        units: stage 3's conditional units: a chunk holding tensors of a unit is complete
+            once the unit's backward is done on this rank, whichever of them got gradients
+            here (see [Note: conditional units] in zero/gather_units.py).
         learn_order: after the first synchronised backward, reduce in the order chunks
             completed there (rank 0's); otherwise keep the initial (or suggested) order.
     """
@@ -144,9 +144,11 @@ class GradReducer:
             units.on_done = self.unit_done
         for chunk in self._order:
             for index, info in enumerate(chunk.tensors):
-                if info.param.requires_grad:
+                if info.param.requires_grad:  # autograd accumulates on the compute face
                     self._handles.append(
-                        info.param.register_post_accumulate_grad_hook(self._grad_hook(chunk, index))
+                        info.compute.register_post_accumulate_grad_hook(
+                            self._grad_hook(chunk, index)
+                        )
                     )
 
     def _grad_hook(self, chunk: Chunk, index: int) -> Callable[[nn.Parameter], None]:

@@ -32,6 +32,7 @@ from shardwise.zero.state_dict import (
     gather_full_state_dict,
     load_full_state_dict,
 )
+from shardwise.zero.unit_plan import plan_gather_units
 
 if TYPE_CHECKING:
     from shardwise.zero.optimizer import ZeroOptimizer
@@ -107,6 +108,7 @@ class ZeroModel(nn.Module):
         # See [Note: packed once the bucket size is known].
         self._to_pack: ChunkManager | None = chunk_manager
         self._forward_was_recorded = False
+        self._compiled_as_a_whole = False  # see [Note: a model compiled as a whole]
         self.scheduler: GatherScheduler | None = None
         self.param_gather: DeferredParamGather | None = None
         # See [Note: the inner module works on its own]. The pre-hook goes first and the post
@@ -127,6 +129,12 @@ class ZeroModel(nn.Module):
     # (the optimizer wrapper, having set the size; a forward; a state dict), as ColossalAI's
     # low-level ZeRO flattens them in its optimizer: the model is packed once, never held
     # twice. Stage 3 packs at once: its chunk size is in the model's own configuration.
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ZeroModel:
+        # A copy of the wrapped module (an EMA model, say) reaches the engine through the
+        # module's hooks. The engine (its chunks, whose released buffers hold no memory to
+        # copy, its process group, its optimizer) is one per model: shared, not copied.
+        return self
 
     @property
     def chunk_manager(self) -> ChunkManager:
@@ -180,14 +188,15 @@ class ZeroModel(nn.Module):
         self.scheduler = None
         units: UnitMap | None = None
         if self.config.stage == 3:
-            units = UnitMap(
-                self.module,
-                chunk_manager,
-                find_gather_units(self.module, self.config.gather_units),
-            )
+            conditional = find_gather_units(self.module, self.config.gather_units)
+            units = UnitMap(self.module, chunk_manager, conditional)
+            module = self.module
             self.scheduler = GatherScheduler(
                 self.module,
                 chunk_manager,
+                plan=lambda used_in, blocks: plan_gather_units(
+                    module, chunk_manager, conditional, used_in, blocks=blocks
+                ),
                 prefetch=self.config.prefetch,
                 gemini=gemini,
                 on_backward=lambda: self.rank_sync.backward_started(self.config.device),
@@ -306,6 +315,24 @@ class ZeroModel(nn.Module):
     # the Hugging Face Trainer evaluates and `generate()` runs the inner model, for instance.
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        whole = torch.compiler.is_compiling() and self.scheduler is not None
+        if whole and not self._compiled_as_a_whole:
+            return self._first_compiled_forward(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+    # [Note: a model compiled as a whole]
+    # `torch.compile(model)` traces this forward. Its first call runs eagerly instead (a
+    # function dynamo does not trace): the gather units become the model's blocks (see [Note:
+    # gather units] in zero/unit_plan.py), and a first pass learns the uses of parameters
+    # outside their units, which only an eager pass can see. Later calls are traced, with a
+    # graph break at each unit's hooks; `_compiled_as_a_whole` is read by dynamo's guards, so
+    # that switch costs one recompilation, once.
+
+    @torch._dynamo.disable  # type: ignore[untyped-decorator]
+    def _first_compiled_forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._compiled_as_a_whole = True
+        assert self.scheduler is not None
+        self.scheduler.compiled_as_a_whole()
         return self.module(*args, **kwargs)
 
     def _before_forward(
@@ -322,12 +349,14 @@ class ZeroModel(nn.Module):
             self.scheduler.begin_forward()
             if self.gemini_manager is not None:
                 self.gemini_manager.begin_forward()
+            self.scheduler.root_pre_forward()
         return args, kwargs
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         # Runs when the forward raised too (always_call): chunks are released either way.
         self.wait_param_gathers()
         if self.scheduler is not None:
+            self.scheduler.root_post_forward(output)
             if self.gemini_manager is not None:
                 self.gemini_manager.end_forward()
             self.scheduler.end_forward()

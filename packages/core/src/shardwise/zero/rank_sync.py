@@ -18,9 +18,10 @@ all-gather, on the error path only).
 
 The stage-3 check also carries a fingerprint of the modules whose gather hooks ran since the
 previous check (`VisitTrail`). Ranks that called different modules (a branch taken on some
-ranks only, outside a gather unit: see [Note: gather units]) issue different gathers; where
-that did not already hang (the branch's chunks were gathered anyway), every rank raises here,
-naming the modules and the block to gather as one, before a later step's divergence hangs.
+ranks only, outside a conditional unit: see [Note: conditional units] in zero/gather_units.py)
+issue different gathers; where that did not already hang (the branch's chunks were gathered
+anyway), every rank raises here, naming the modules and the block to gather as one, before a
+later step's divergence hangs.
 """
 
 from __future__ import annotations
