@@ -195,6 +195,8 @@ class GatherScheduler:
     def begin_forward(self) -> None:
         if self._learning and not self._learning_started:
             self._learning_started = True
+            # Planned again at the first forward: blocks compiled after wrapping are units.
+            self._install(self._plan(self._used_in, self._blocks))
             for param in self._sharded_faces:
                 on_use(param, self._gather_on_use)
         elif self._learning:

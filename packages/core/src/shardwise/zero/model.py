@@ -32,7 +32,7 @@ from shardwise.zero.state_dict import (
     gather_full_state_dict,
     load_full_state_dict,
 )
-from shardwise.zero.unit_plan import plan_gather_units
+from shardwise.zero.unit_plan import compiled, plan_gather_units
 
 if TYPE_CHECKING:
     from shardwise.zero.optimizer import ZeroOptimizer
@@ -109,6 +109,7 @@ class ZeroModel(nn.Module):
         self._to_pack: ChunkManager | None = chunk_manager
         self._forward_was_recorded = False
         self._compiled_as_a_whole = False  # see [Note: a model compiled as a whole]
+        self._compiled_parts: bool | None = None
         self.scheduler: GatherScheduler | None = None
         self.param_gather: DeferredParamGather | None = None
         # See [Note: the inner module works on its own]. The pre-hook goes first and the post
@@ -315,30 +316,44 @@ class ZeroModel(nn.Module):
     # the Hugging Face Trainer evaluates and `generate()` runs the inner model, for instance.
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        whole = torch.compiler.is_compiling() and self.scheduler is not None
-        if whole and not self._compiled_as_a_whole:
+        if torch.compiler.is_compiling() and not self._compiled_as_a_whole:
             return self._first_compiled_forward(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     # [Note: a model compiled as a whole]
     # `torch.compile(model)` traces this forward. Its first call runs eagerly instead (a
-    # function dynamo does not trace): the gather units become the model's blocks (see [Note:
-    # gather units] in zero/unit_plan.py), and a first pass learns the uses of parameters
-    # outside their units, which only an eager pass can see. Later calls are traced, with a
-    # graph break at each unit's hooks; `_compiled_as_a_whole` is read by dynamo's guards, so
-    # that switch costs one recompilation, once.
+    # function dynamo does not trace), which sets the engine up for compiled code: at stage 3
+    # the gather units become the model's blocks (see [Note: gather units] in
+    # zero/unit_plan.py), and that eager pass learns the uses of parameters outside their
+    # units, which only an eager pass can see; at stages 1 and 2 the deferred gathers of
+    # updated parameters are all waited for before the model runs (see [Note: deferred
+    # parameter gathers] in zero/param_gather.py), so compiled code never meets a parameter
+    # still being gathered. Later calls are traced, with a graph break at each unit's hooks;
+    # `_compiled_as_a_whole` is read by dynamo's guards, so that switch costs one
+    # recompilation, once. A model holding compiled blocks waits at its root the same way.
 
     @torch._dynamo.disable  # type: ignore[untyped-decorator]
     def _first_compiled_forward(self, *args: Any, **kwargs: Any) -> Any:
         self._compiled_as_a_whole = True
-        assert self.scheduler is not None
-        self.scheduler.compiled_as_a_whole()
+        if self.scheduler is not None:
+            self.scheduler.compiled_as_a_whole()
         return self.module(*args, **kwargs)
 
+    def _holds_compiled_code(self) -> bool:
+        if self._compiled_parts is None:  # looked for once, at the first forward
+            self._compiled_parts = any(compiled(m) for m in self.module.modules())
+        return self._compiled_as_a_whole or self._compiled_parts
+
+    # Both root hooks run eagerly where the model is compiled as a whole: they count passes,
+    # check ranks and begin and end the pass's gathers (see [Note: a model compiled as a whole]).
+
+    @torch._dynamo.disable  # type: ignore[untyped-decorator]
     def _before_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self._ensure_packed()
+        if self.param_gather is not None and self._holds_compiled_code():
+            self.param_gather.wait_all()  # see [Note: a model compiled as a whole]
         # Before any gather of this pass: see [Note: ranks in step] in zero/rank_sync.py.
         self.rank_sync.forward_started(self.config.device)
         compute = self._dtypes.compute
@@ -352,6 +367,7 @@ class ZeroModel(nn.Module):
             self.scheduler.root_pre_forward()
         return args, kwargs
 
+    @torch._dynamo.disable  # type: ignore[untyped-decorator]
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         # Runs when the forward raised too (always_call): chunks are released either way.
         self.wait_param_gathers()

@@ -1,0 +1,137 @@
+"""torch.compile at every stage: the compiled sharded run against the same compiled plain one.
+
+Each case trains a GPT two ways on 2 ranks, fp32, same seed and global batch: torch DDP
+(`find_unused_parameters=True`) and shardwise, each compiled the same way:
+  blocks_before  every block `torch.compile`d before wrapping (torchtitan's way)
+  blocks_after   every block `block.compile()`d in place after wrapping
+  whole_before   the whole model `torch.compile`d, then wrapped
+  whole_after    the wrapped model `torch.compile`d (DDP's side: the DDP module compiled)
+The backend is aot_eager: dynamo's capture, guards and graph breaks and AOTAutograd's joint
+graphs run as they do under inductor, without code generation (seconds, not minutes, per case
+here); its kernels are eager's, so the two sides must agree bit for bit however their graphs
+are split. After the first two steps (the first compiled call of a model compiled as a whole
+runs eagerly, see [Note: a model compiled as a whole]) no step may compile anything again.
+tests/test_compile_inductor.py runs inductor itself on a few cases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import CONFIG, batch_slice
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise import ColoDDP, zero_model_wrapper, zero_optim_wrapper
+from shardwise.testing import GPT, run_ranks
+
+STEPS = 4
+BACKEND = "aot_eager"
+
+
+def compile_blocks(model: GPT, how: str, backend: str) -> GPT:
+    if how == "blocks_before":
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = torch.compile(block, backend=backend)
+    if how == "blocks_after":
+        for block in model.blocks:
+            block.compile(backend=backend)
+    return model
+
+
+def compiled_pair(engine: str, placement: str, how: str, backend: str = BACKEND) -> dict[str, Any]:
+    """Train DDP and `engine` ("zero1", "zero2", "zero3", "colo") compiled as `how` says;
+    their losses, the largest parameter difference, and what dynamo compiled after step 2."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    plain = GPT(CONFIG)
+    ddp = DistributedDataParallel(plain, find_unused_parameters=True)
+    compile_blocks(plain, how, backend)
+    plain_step = torch.compile(ddp, backend=backend) if how.startswith("whole") else ddp
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    model: Any = GPT(CONFIG)
+    if how == "blocks_before":
+        compile_blocks(model, how, backend)
+    if how == "whole_before":
+        model = torch.compile(model, backend=backend)
+    if engine == "colo":
+        wrapped: Any = ColoDDP(model)
+        optimizer: Any = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    else:
+        options: dict[str, Any] = {"device": torch.device("cpu")}
+        if engine == "zero3":
+            options.update(chunk_size_numel=3001, placement_policy=placement)
+            if placement == "auto":
+                options["device_budget_bytes"] = 150_000  # below the model state: moves
+        wrapped = zero_model_wrapper(model, int(engine[-1]), options)
+        optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if how == "blocks_after":
+        compile_blocks(model, how, backend)
+    step = torch.compile(wrapped, backend=backend) if how == "whole_after" else wrapped
+
+    losses = []
+    for index in range(STEPS):
+        if index == 2:
+            counters.clear()
+        idx, targets = batch_slice(index, 0, rank, world)
+        plain_optimizer.zero_grad()
+        plain_loss = plain_step(idx, targets)[1]
+        plain_loss.backward()
+        plain_optimizer.step()
+        optimizer.zero_grad()
+        loss = step(idx, targets)[1]
+        if engine == "colo":
+            loss.backward()
+        else:
+            optimizer.backward(loss)
+        optimizer.step()
+        losses.append((float(plain_loss), float(loss)))
+    late = {
+        "graphs": counters["stats"].get("unique_graphs", 0),
+        "recompiles": sum(counters["recompiles"].values()),
+    }
+    ours = {k.replace("_orig_mod.", ""): v for k, v in _state(wrapped, engine).items()}
+    theirs = {k.replace("_orig_mod.", ""): v for k, v in plain.state_dict().items()}
+    assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+    diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    return {"losses": losses, "diff": diff, "late": late}
+
+
+def _state(wrapped: Any, engine: str) -> dict[str, torch.Tensor]:
+    if engine == "colo":
+        return {k: v.detach() for k, v in wrapped.state_dict().items()}
+    return dict(wrapped.state_dict(only_rank_0=False))
+
+
+def _cases(cases: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    return [compiled_pair(*case) for case in cases]
+
+
+def _check(cases: list[tuple[str, str, str]]) -> None:
+    for per_rank in run_ranks(_cases, 2, cases, timeout_s=600):
+        for case, result in zip(cases, per_rank, strict=True):
+            assert all(plain == ours for plain, ours in result["losses"]), (case, result)
+            assert result["diff"] == 0.0, (case, result)
+            assert result["late"] == {"graphs": 0, "recompiles": 0}, (case, result)
+
+
+@pytest.mark.parametrize("how", ["blocks_before", "blocks_after", "whole_before", "whole_after"])
+def test_stage_3_compiled_matches_compiled_ddp(how: str) -> None:
+    _check([("zero3", "cuda", how)])
+
+
+@pytest.mark.parametrize("placement", ["cpu", "auto"])
+def test_stage_3_compiled_under_host_placements(placement: str) -> None:
+    _check([("zero3", placement, "blocks_before"), ("zero3", placement, "whole_after")])
+
+
+@pytest.mark.parametrize("engine", ["zero1", "zero2", "colo"])
+def test_stages_0_to_2_compiled_match_compiled_ddp(engine: str) -> None:
+    _check([(engine, "", "blocks_after"), (engine, "", "whole_after")])
