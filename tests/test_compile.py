@@ -21,14 +21,34 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from helpers import CONFIG, batch_slice
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from shardwise import ColoDDP, zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import GPT, run_ranks
 
 STEPS = 4
 BACKEND = "aot_eager"
+
+
+class CheckpointedGPT(GPT):
+    """The GPT with each block under non-reentrant activation checkpointing (the kind
+    torch.compile traces), its forward re-run in backward."""
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.lm_head(self.ln_f(x))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, loss
+
+
+MODELS = {"gpt": GPT, "checkpointed": CheckpointedGPT}
 
 
 def compile_blocks(model: GPT, how: str, backend: str) -> GPT:
@@ -41,7 +61,9 @@ def compile_blocks(model: GPT, how: str, backend: str) -> GPT:
     return model
 
 
-def compiled_pair(engine: str, placement: str, how: str, backend: str = BACKEND) -> dict[str, Any]:
+def compiled_pair(
+    engine: str, placement: str, how: str, backend: str = BACKEND, model_name: str = "gpt"
+) -> dict[str, Any]:
     """Train DDP and `engine` ("zero1", "zero2", "zero3", "colo") compiled as `how` says;
     their losses, the largest parameter difference, and what dynamo compiled after step 2."""
     from torch._dynamo.utils import counters
@@ -49,14 +71,14 @@ def compiled_pair(engine: str, placement: str, how: str, backend: str = BACKEND)
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    plain = GPT(CONFIG)
+    plain = MODELS[model_name](CONFIG)
     ddp = DistributedDataParallel(plain, find_unused_parameters=True)
     compile_blocks(plain, how, backend)
     plain_step = torch.compile(ddp, backend=backend) if how.startswith("whole") else ddp
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
 
     torch.manual_seed(0)
-    model: Any = GPT(CONFIG)
+    model: Any = MODELS[model_name](CONFIG)
     if how == "blocks_before":
         compile_blocks(model, how, backend)
     if how == "whole_before":
@@ -110,11 +132,11 @@ def _state(wrapped: Any, engine: str) -> dict[str, torch.Tensor]:
     return dict(wrapped.state_dict(only_rank_0=False))
 
 
-def _cases(cases: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+def _cases(cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     return [compiled_pair(*case) for case in cases]
 
 
-def _check(cases: list[tuple[str, str, str]]) -> None:
+def _check(cases: list[tuple[Any, ...]]) -> None:
     for per_rank in run_ranks(_cases, 2, cases, timeout_s=600):
         for case, result in zip(cases, per_rank, strict=True):
             assert all(plain == ours for plain, ours in result["losses"]), (case, result)
@@ -135,3 +157,64 @@ def test_stage_3_compiled_under_host_placements(placement: str) -> None:
 @pytest.mark.parametrize("engine", ["zero1", "zero2", "colo"])
 def test_stages_0_to_2_compiled_match_compiled_ddp(engine: str) -> None:
     _check([(engine, "", "blocks_after"), (engine, "", "whole_after")])
+
+
+def test_activation_checkpointing_compiled_matches_compiled_ddp() -> None:
+    _check(
+        [
+            ("zero3", "cuda", how, BACKEND, "checkpointed")
+            for how in ("blocks_before", "whole_after")
+        ]
+        + [("zero2", "", "whole_after", BACKEND, "checkpointed")]
+    )
+
+
+def _experts_compiled(how: str) -> dict[str, Any]:
+    from test_moe_stage3 import MoEModel, _batch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    plain = MoEModel()
+    ddp = DistributedDataParallel(plain, find_unused_parameters=True)
+    plain_step = torch.compile(ddp, backend=BACKEND) if how == "whole_after" else ddp
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    model = MoEModel()
+    if how == "moes_before":  # each expert block compiled on its own: a unit, as it is anyway
+        for index, moe in enumerate(model.moes):
+            model.moes[index] = torch.compile(moe, backend=BACKEND)
+        for index, moe in enumerate(plain.moes):
+            plain.moes[index] = torch.compile(moe, backend=BACKEND)
+    options = {"device": torch.device("cpu"), "chunk_size_numel": 200}
+    wrapped = zero_model_wrapper(model, 3, options)
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    step = torch.compile(wrapped, backend=BACKEND) if how == "whole_after" else wrapped
+    losses = []
+    for index in range(5):
+        if index == 3:
+            counters.clear()
+        x, target = _batch(index, rank, world)
+        plain_optimizer.zero_grad()
+        plain_loss = (plain_step(x) - target).pow(2).mean()
+        plain_loss.backward()
+        plain_optimizer.step()
+        optimizer.zero_grad()
+        loss = (step(x) - target).pow(2).mean()
+        optimizer.backward(loss)
+        optimizer.step()
+        losses.append((float(plain_loss), float(loss)))
+    final = wrapped.state_dict(only_rank_0=False)
+    theirs = {k.replace("_orig_mod.", ""): v for k, v in plain.state_dict().items()}
+    ours = {k.replace("_orig_mod.", ""): v for k, v in final.items()}
+    diff = max((ours[k] - v).abs().max().item() for k, v in theirs.items())
+    return {"losses": losses, "diff": diff, "recompiles": sum(counters["recompiles"].values())}
+
+
+@pytest.mark.parametrize("how", ["moes_before", "whole_after"])
+def test_experts_routed_apart_compiled_match_compiled_ddp(how: str) -> None:
+    for result in run_ranks(_experts_compiled, 2, how, timeout_s=600):
+        assert all(plain == ours for plain, ours in result["losses"]), result
+        assert result["diff"] == 0.0, result
+        assert result["recompiles"] == 0, result  # after the first three steps
