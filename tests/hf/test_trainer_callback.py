@@ -300,6 +300,16 @@ def test_hybrid_sharding_through_the_callback_matches_the_plain_trainer(
         assert runs[stage]["loss"] == runs["plain"]["loss"], (stage, runs)
 
 
+def test_torch_compile_through_the_callback_matches_the_compiled_plain_trainer(
+    seen: dict[str, Any],
+) -> None:
+    runs = seen["compiled"]
+    assert len(runs["plain"]["loss"]) == 6
+    for stage in ("stage2", "stage3"):
+        assert runs[stage]["loss"] == runs["plain"]["loss"], (stage, runs)
+        assert runs[stage]["compiled_late"] == 0, (stage, runs)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the Trainer runs distributed")
 def test_a_trainer_that_is_not_distributed_is_refused(seen: dict[str, Any]) -> None:
     message = seen["not_distributed"]

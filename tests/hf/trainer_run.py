@@ -2,8 +2,8 @@
 ShardwiseCallback at stages 1, 2 and 3, evaluating during and after training, a save, a resume,
 loading the best checkpoint, activation checkpointing (reentrant and not) at every stage, a
 Switch Transformers mixture of experts at stage 3, hybrid sharding (shard_size=1) at stages 2
-and 3, a conflicting set-up and a Trainer that does not run distributed; writes what it saw as
-JSON.
+and 3, torch_compile=True at stages 2 and 3, a conflicting set-up and a Trainer that does not
+run distributed; writes what it saw as JSON.
 
     torchrun --standalone --nproc-per-node=2 tests/hf/trainer_run.py OUT_DIR
 """
@@ -460,6 +460,54 @@ def hybrid_runs(out: Path) -> dict[str, Any]:
     return seen
 
 
+class CompileProbe(TrainerCallback):
+    """What dynamo compiled from the third training step on (nothing, once warmed up)."""
+
+    def __init__(self) -> None:
+        self.late = -1
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from torch._dynamo.utils import counters
+
+        if state.global_step == 2:
+            counters.clear()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from torch._dynamo.utils import counters
+
+        self.late = counters["stats"].get("unique_graphs", 0) + sum(counters["recompiles"].values())
+
+
+def compiled_runs(out: Path) -> dict[str, Any]:
+    """TrainingArguments(torch_compile=True): the plain Trainer (accelerate compiles the DDP
+    model it prepares) against ShardwiseCallback at stages 2 and 3 (the callback compiles the
+    sharded model), aot_eager as the backend (dynamo and AOTAutograd as under inductor, eager's
+    kernels: see tests/test_compile.py), unclipped, so bit for bit."""
+    seen: dict[str, Any] = {}
+    runs: list[tuple[str, list[TrainerCallback]]] = [
+        ("plain", []),
+        ("stage2", [ShardwiseCallback(zero_stage=2)]),
+        ("stage3", [ShardwiseCallback(zero_stage=3, chunk_size=4096)]),
+    ]
+    for name, callbacks in runs:
+        torch._dynamo.reset()
+        probe = CompileProbe()
+        trainer = Trainer(
+            model=build("llama"),
+            args=arguments(
+                out / f"compiled_{name}",
+                max_grad_norm=0.0,
+                torch_compile=True,
+                torch_compile_backend="aot_eager",
+            ),
+            train_dataset=dataset(),
+            callbacks=[*callbacks, probe],
+        )
+        trainer.train()
+        seen[name] = {"loss": history(trainer, "loss"), "compiled_late": probe.late}
+    return seen
+
+
 def not_distributed(out: Path) -> str:
     """Without use_cpu=True, a CPU Trainer under torchrun does not run distributed although
     the process group has 2 ranks (every rank would train on all the data)."""
@@ -489,6 +537,7 @@ def main() -> None:
         "checkpointing": checkpointing_runs(out),
         "switch": switch_runs(out),
         "hybrid": hybrid_runs(out),
+        "compiled": compiled_runs(out),
         # Last: TrainingArguments without use_cpu change accelerate's shared state.
         "not_distributed": not_distributed(out),
     }

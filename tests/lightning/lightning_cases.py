@@ -37,11 +37,15 @@ def dataset(seed: int = 0) -> TensorDataset:
 
 
 class Net(pl.LightningModule):
-    """An MLP regression; built in __init__, or in configure_model with `build_late`."""
+    """An MLP regression; built in __init__, or in configure_model with `build_late`; with
+    `compiled`, `torch.compile`d in configure_model (aot_eager, see tests/test_compile.py)."""
 
-    def __init__(self, build_late: bool = False, optimizer: str = "adamw") -> None:
+    def __init__(
+        self, build_late: bool = False, optimizer: str = "adamw", compiled: bool = False
+    ) -> None:
         super().__init__()
         self.build_late = build_late
+        self.compiled = compiled
         self.optimizer_name = optimizer
         self.net: nn.Module | None = None if build_late else _mlp()
         self.losses: list[float] = []
@@ -51,6 +55,8 @@ class Net(pl.LightningModule):
     def configure_model(self) -> None:
         if self.net is None:
             self.net = _mlp()
+        if self.compiled and not isinstance(self.net, torch._dynamo.eval_frame.OptimizedModule):
+            self.net = torch.compile(self.net, backend="aot_eager")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.net is not None

@@ -70,6 +70,14 @@ def _fp32_cases() -> dict[str, tuple[FitResult, FitResult]]:
         fit("ddp", late),
         fit(GeminiStrategy(placement_policy="cuda", chunk_size=500), late),
     )
+    # Compiled in configure_model, as Lightning's docs compile a model: the compiled module
+    # is a gather unit at stage 3.
+    compiled = partial(Net, compiled=True)
+    results["compiled_gemini"] = (
+        fit("ddp", compiled),
+        fit(GeminiStrategy(placement_policy="cuda", chunk_size=500), compiled),
+    )
+    results["compiled_fsdp"] = (fit("ddp", compiled), fit("shardwise_fsdp", compiled))
     results["accumulate"] = (
         fit("ddp", accumulate_grad_batches=2, max_epochs=2),
         fit("shardwise_gemini", accumulate_grad_batches=2, max_epochs=2),

@@ -42,7 +42,8 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
     so `train(resume_from_checkpoint=...)` continues exactly. Evaluation (`eval_strategy`,
     `evaluate()`, `predict()`, `load_best_model_at_end`) works as without it. Loss scale and
     model-state bytes are added to the Trainer's logs; telemetry streams when configured
-    (`SHARDWISE_DASHBOARD_URL` or `SHARDWISE_TELEMETRY_FILE`).
+    (`SHARDWISE_DASHBOARD_URL` or `SHARDWISE_TELEMETRY_FILE`). `torch_compile=True` compiles
+    the sharded model as a whole (with `torch_compile_backend` and `torch_compile_mode`).
 
     Args:
         zero_stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
@@ -138,7 +139,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             loss_scale=self.options.loss_scale,
         )
         facing = TrainerOptimizer(optimizer)
-        trainer.model_wrapped = TrainerModel(model)
+        trainer.model_wrapped = TrainerModel(model, _compile_options(trainer.args))
         # Evaluation runs trainer.model itself; accelerate must not move, cast or autocast it
         # (see [Note: evaluation runs the user's model]).
         mark_prepared(trainer.model)
@@ -269,6 +270,17 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
                 "checkpoint_dir": self._saving_to,
             },
         }
+
+
+def _compile_options(args: TrainingArguments) -> dict[str, Any] | None:
+    """`torch.compile`'s options from `torch_compile`, `torch_compile_backend` and
+    `torch_compile_mode`, as accelerate's dynamo plugin reads them; None when not compiling."""
+    if not args.torch_compile:
+        return None
+    options: dict[str, Any] = {"backend": args.torch_compile_backend or "inductor"}
+    if args.torch_compile_mode:
+        options["mode"] = args.torch_compile_mode
+    return options
 
 
 def _engine_clips(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -69,17 +69,6 @@ def _argument_conflicts(args: Any, trainer: Any) -> list[str]:
         found.append("deepspeed is set: DeepSpeed and shardwise both shard the model; drop one")
     if getattr(args, "fsdp", None):
         found.append(f"fsdp={args.fsdp!r}: FSDP and shardwise both shard the model; drop one")
-    if getattr(args, "torch_compile", False):
-        # Measured (transformers 5.23, torch 2.13, CPU, a 4-layer Llama, one rank): compiling
-        # the whole model, as accelerate does, fails in inductor at stage 3 on the chunk views
-        # the engine swaps into the parameters ("set_ on a graph input"), and at stage 2 ran
-        # 1291 ms/step against 163 eager; compiling each decoder layer's forward ran at stage
-        # 3 (165 against 190 ms/step) with a graph break at every submodule's gather hook.
-        found.append(
-            "torch_compile=True: torch.compile of the whole model fails at stage 3 on the "
-            "engine's parameter views (swapped for gathered chunks around each module) and "
-            "ran 8x slower than eager at stage 2; set it False"
-        )
     if getattr(args, "auto_find_batch_size", False):
         found.append("auto_find_batch_size=True rebuilds the model wrapper; set it False")
     for name in ("fp16_full_eval", "bf16_full_eval"):

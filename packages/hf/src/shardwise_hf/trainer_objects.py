@@ -5,7 +5,8 @@ transformers.Trainer runs forward, backward, clipping, `optimizer.step()` and th
 inline. The callback hands it three objects that speak the interfaces it already calls:
 - `TrainerModel` becomes `trainer.model_wrapped`: the Trainer then skips
   `accelerator.prepare(model)` (no DDP around sharded parameters) and its loop calls this
-  module, whose forward runs the engine. Its `no_sync` is what accelerate calls between
+  module, whose forward runs the engine, compiled when `torch_compile` is set (accelerate's
+  `prepare` would have compiled the model). Its `no_sync` is what accelerate calls between
   micro-batches of gradient accumulation.
 - `TrainerOptimizer` becomes `trainer.optimizer` (accelerate wraps it like any optimizer, the
   LR scheduler steps its param groups, which are the inner optimizer's own dicts).
@@ -56,14 +57,23 @@ class TrainerModel(nn.Module):
 
     Args:
         engine: the wrapped model (`zero_model_wrapper`'s result around `trainer.model`).
+        compile_options: `torch.compile`'s backend and mode when `TrainingArguments`'
+            `torch_compile` is set: the engine is compiled as a whole, as accelerate would
+            compile the model it prepares (see [Note: a model compiled as a whole] in
+            shardwise/zero/model.py); None runs it eagerly.
     """
 
-    def __init__(self, engine: ZeroModel) -> None:
+    _run: Callable[..., Any]
+
+    def __init__(self, engine: ZeroModel, compile_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.engine = engine
+        run = engine if compile_options is None else torch.compile(engine, **compile_options)
+        # Not a submodule: it is the engine again (its state dict, its parameters).
+        object.__setattr__(self, "_run", run)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
+        return self._run(*args, **kwargs)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
