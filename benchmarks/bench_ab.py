@@ -61,6 +61,8 @@ def main() -> None:
     round_medians: dict[str, list[float]] = {name: [] for name in engines}
     losses: dict[str, float] = {}
 
+    warmup: dict[str, list[float]] = {name: [] for name in engines}
+
     def run(name: str, count: int, record: bool) -> None:
         step, _ = engines[name]
         for turn_step in range(count):
@@ -73,6 +75,8 @@ def main() -> None:
             losses[name] = float(loss.detach())
             if record and turn_step > 0:
                 times[name].append(elapsed * 1000)
+            if not record:
+                warmup[name].append(elapsed * 1000)
 
     for name in engines:
         run(name, args.warmup, record=False)
@@ -97,6 +101,9 @@ def main() -> None:
                     "step_ms": times[name],
                     "round_median_ms": round_medians[name],
                     "final_loss": losses[name],
+                    # The warm-up steps, first to last: a compiled engine's first step
+                    # compiles (alone in its process, as bench_compile_time.py runs it).
+                    "warmup_ms": warmup[name],
                 }
                 for name in names
             },

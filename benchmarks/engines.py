@@ -5,7 +5,8 @@ ColoDDP, stage 0, its defaults), `zero1`, `zero2`, `zero3-cuda`, `zero3-cpu`, wi
 `+sync` (stages 1-2: `overlap_param_gather=False`, the all-gather of updated parameters waited
 in the step instead of overlapping the next forward, the default), `+defaults` (the sizes a
 user gets: stage 3 searches its chunk size, stages 1-2 take the default reduce_bucket_size),
-`+telemetry` (stream telemetry to a file) and `-rs`, `-a2a`, `-ar` (shardwise's
+`+compile` (each block `torch.compile`d before wrapping), `+telemetry` (stream telemetry to
+a file) and `-rs`, `-a2a`, `-ar` (shardwise's
 gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce).
 """
 
@@ -56,12 +57,14 @@ class EngineSpec:
     reduction: str = "auto"
     telemetry: bool = False
     defaults: bool = False
+    compiled: bool = False
 
     @property
     def name(self) -> str:
         return (
             self.engine
             + ("-" + self.placement if self.engine == "zero3" else "")
+            + ("+compile" if self.compiled else "")
             + ("+defaults" if self.defaults else "")
             + ("+telemetry" if self.telemetry else "")
             + ("" if self.param_gather else "+sync")
@@ -81,11 +84,15 @@ class EngineSpec:
         name = name.removesuffix("+telemetry")
         defaults = name.endswith("+defaults")
         name = name.removesuffix("+defaults")
+        compiled = name.endswith("+compile")
+        name = name.removesuffix("+compile")
         engine, _, placement = name.partition("-")
         known = (*TORCH_ENGINES, COLO_ENGINE, *ZERO_ENGINES)
         if engine not in known:
             raise ValueError(f"unknown engine {engine!r}; one of {known}")
-        spec = cls(engine, placement or "cuda", param_gather, reduction, telemetry, defaults)
+        spec = cls(
+            engine, placement or "cuda", param_gather, reduction, telemetry, defaults, compiled
+        )
         if spec.name != original:
             raise ValueError(f"cannot parse engine name {original!r} (read as {spec.name!r})")
         return spec
@@ -107,7 +114,12 @@ def torch_step(module: torch.nn.Module) -> Step:
 
 
 def build(spec: EngineSpec, model: GPT, chunk_mib: float = 8.0) -> tuple[Step, Counters]:
-    """The engine's step function over `model`, and a function returning its counters."""
+    """The engine's step function over `model`, and a function returning its counters. With
+    `+compile`, each block of the model is `torch.compile`d (inductor) before the engine wraps
+    it, as torchtitan compiles a model it shards."""
+    if spec.compiled:
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = torch.compile(block)
     if spec.engine == "ddp":
         return torch_step(torch.nn.parallel.DistributedDataParallel(model)), dict
     if spec.engine == COLO_ENGINE:
