@@ -205,7 +205,7 @@ def run_one(args: argparse.Namespace) -> None:
     meter.reset_peak()
     peaks = []
     for index in range(args.steps):
-        idx, targets = gpt_batch(config, 2 * world, 64, index)
+        idx, targets = gpt_batch(config, args.sequences * world, args.seq, index)
         idx, targets = idx.chunk(world)[rank].to(device), targets.chunk(world)[rank].to(device)
         meter.reset_peak()
         loss = forward(idx, targets)
@@ -246,7 +246,14 @@ def run_one(args: argparse.Namespace) -> None:
 
 
 def _launch(
-    engine: str, size: str, steps: int, out: Path, timeout: float, limit_gib: float, cpu: bool
+    engine: str,
+    size: str,
+    steps: int,
+    out: Path,
+    timeout: float,
+    limit_gib: float,
+    cpu: bool,
+    extra: list[str] | None = None,
 ) -> tuple[str, float]:
     """Run one engine in processes of its own; stop it when its tree's resident set passes
     `limit_gib` or it runs past `timeout`. Returns (outcome, highest resident GiB seen)."""
@@ -269,6 +276,7 @@ def _launch(
         "--out",
         str(out),
         *(["--cpu"] if cpu else []),
+        *(extra or []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
@@ -351,6 +359,8 @@ def largest(args: argparse.Namespace) -> dict[str, Any]:
                     args.attempt_timeout,
                     args.limit_gib,
                     args.cpu,
+                    # Few tokens: the model state decides what fits, and steps stay short.
+                    extra=["--seq", "16", "--sequences", "1"],
                 )
                 params = json.loads(out.read_text())["params"] if outcome == "ok" else None
                 attempts.append(
@@ -367,7 +377,7 @@ def largest(args: argparse.Namespace) -> dict[str, Any]:
             low, high = 0, args.start_layers
             while fits(high):
                 low, high = high, high * 2
-            while high - low > max(1, low // 16):
+            while high - low > max(1, low // 8):
                 middle = (low + high) // 2
                 if fits(middle):
                     low = middle
@@ -384,8 +394,10 @@ def largest(args: argparse.Namespace) -> dict[str, Any]:
 
 def write_results(result: dict[str, Any], path: Path, command: str) -> None:
     """Replace (or add) this benchmark's block in the results file."""
+    if result["kind"] == "largest":
+        _write_block(path, "bench_memory_largest", _largest_lines(result, command))
+        return
     lines = [
-        "<!-- bench_memory: begin -->",
         "## Memory at scale (each engine in a run of its own, measured from outside)",
         "",
         f"Written by `{command}`. Per rank, the worse of the two ranks, MiB above the resident "
@@ -395,13 +407,39 @@ def write_results(result: dict[str, Any], path: Path, command: str) -> None:
         "peak | ZeRO model state | largest unit | peak / (state + unit) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *(_row(run) for run in result["runs"]),
-        "<!-- bench_memory: end -->",
     ]
+    _write_block(path, "bench_memory", lines)
+
+
+def _largest_lines(result: dict[str, Any], command: str) -> list[str]:
+    lines = [
+        "## Largest model each engine trains on this host",
+        "",
+        f"Written by `{command}`: GPTs of width {result['width']} (vocabulary 32768, untied "
+        f"head), 3 steps of one 16-token sequence per rank, 2 ranks, fp32 AdamW, the two ranks' "
+        f"resident sets kept under {result['limit_gib']:g} GiB by a watchdog.",
+        "",
+        "| engine | largest (layers) | parameters | peak GiB (2 ranks) | attempts |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for engine, found in result["engines"].items():
+        best = found["largest"] or {"layers": 0, "params": 0, "highest_gib": 0.0}
+        tried = ", ".join(f"{a['layers']}: {a['outcome']}" for a in found["attempts"])
+        lines.append(
+            f"| {engine} | {best['layers']} | {best['params'] or 0:,} | "
+            f"{best['highest_gib']:.1f} | {tried} |"
+        )
+    return lines
+
+
+def _write_block(path: Path, name: str, lines: list[str]) -> None:
+    """Replace (or add) the block `name` of the results file."""
+    begin_mark, end_mark = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+    block = "\n".join([begin_mark, *lines, end_mark])
     text = path.read_text() if path.exists() else "# Benchmark results\n"
-    begin, end = text.find("<!-- bench_memory: begin -->"), text.find("<!-- bench_memory: end -->")
-    block = "\n".join(lines)
+    begin, end = text.find(begin_mark), text.find(end_mark)
     if begin >= 0 and end >= 0:
-        text = text[:begin] + block + text[end + len("<!-- bench_memory: end -->") :]
+        text = text[:begin] + block + text[end + len(end_mark) :]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
@@ -428,13 +466,15 @@ def main() -> None:
     parser.add_argument("--attempt-timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--n-embd", type=int, default=1024, help="for `largest`")
     parser.add_argument("--start-layers", type=int, default=8, help="for `largest`")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (`one`)")
+    parser.add_argument("--sequences", type=int, default=2, help="sequences per rank (`one`)")
     args = parser.parse_args()
     if args.part == "one":
         run_one(args)
         return
     result = compare(args) if args.part == "compare" else largest(args)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.results is not None and args.part == "compare":
+    if args.results is not None:
         write_results(
             result,
             args.results,

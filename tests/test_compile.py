@@ -218,3 +218,50 @@ def test_experts_routed_apart_compiled_match_compiled_ddp(how: str) -> None:
         assert all(plain == ours for plain, ours in result["losses"]), result
         assert result["diff"] == 0.0, result
         assert result["recompiles"] == 0, result  # after the first three steps
+
+
+def _handed_into_a_compiled_block() -> dict[str, Any]:
+    """ColossalAI's nested_model with its SubNet compiled on its own: the root hands
+    `fc1.weight` into the compiled region, which the first (eager) pass sees and learns."""
+    from ported.test_ported_gemini_components import NestedNet
+
+    torch._dynamo.reset()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    plain = NestedNet()
+    plain.sub_fc = torch.compile(plain.sub_fc, backend=BACKEND)
+    ddp = DistributedDataParallel(plain, find_unused_parameters=True)
+    plain_optimizer = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    model = NestedNet()
+    model.sub_fc = torch.compile(model.sub_fc, backend=BACKEND)
+    wrapped = zero_model_wrapper(model, 3, {"device": torch.device("cpu"), "chunk_size_numel": 8})
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.Adam(model.parameters(), lr=1e-2))
+    generator = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 5, generator=generator)
+        plain_optimizer.zero_grad()
+        plain_loss = ddp(x).square().mean()
+        plain_loss.backward()
+        plain_optimizer.step()
+        optimizer.zero_grad()
+        loss = wrapped(x).square().mean()
+        optimizer.backward(loss)
+        optimizer.step()
+        losses.append((float(plain_loss), float(loss)))
+    final = {
+        k.replace("_orig_mod.", ""): v for k, v in wrapped.state_dict(only_rank_0=False).items()
+    }
+    theirs = {k.replace("_orig_mod.", ""): v for k, v in plain.state_dict().items()}
+    units = [unit.name for unit in wrapped.scheduler.gather_units] if wrapped.scheduler else []
+    diff = max((final[k] - v).abs().max().item() for k, v in theirs.items())
+    return {"losses": losses, "diff": diff, "units": units}
+
+
+def test_a_weight_handed_into_a_compiled_block_is_learned() -> None:
+    for result in run_ranks(_handed_into_a_compiled_block, 2, timeout_s=300):
+        assert all(plain == ours for plain, ours in result["losses"]), result
+        assert result["diff"] == 0.0, result
+        # fc1.weight is governed by the model itself now, fc1.bias still by fc1.
+        assert result["units"] == ["", "fc1", "sub_fc", "fc2"], result

@@ -14,6 +14,11 @@ from shardwise.comm import ReduceScatterMethod
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_CHUNK_SIZE_NUMEL = 32 * 1024 * 1024
+# Stages 1-2: elements per gradient bucket when `reduce_bucket_size` is not given: ColossalAI's
+# LowLevelZeroPlugin default (`reduce_bucket_size_in_m=12`). Buckets several times larger left
+# a 117M-parameter model four buckets to overlap with backward (zero2 / DDP 1.07 here against
+# 0.94-1.04 at 8-12M elements, benchmarks/RESULTS.md), and each bucket in flight holds memory.
+DEFAULT_REDUCE_BUCKET_NUMEL = 12 * 1024 * 1024
 
 
 def default_device() -> torch.device:

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, TensorState
-from shardwise.chunk.parameters import on_use
+from shardwise.chunk.parameters import ShardedParameter, on_use
 from shardwise.gemini import GeminiManager
 from shardwise.zero.gather_units import UnitMap
 from shardwise.zero.rank_sync import VisitTrail
@@ -175,14 +175,14 @@ class GatherScheduler:
                 # (see root_pre_forward).
                 self._root_unit = (pre, post)
                 continue
-            self._unit_handles.append(unit.module.register_forward_pre_hook(pre))
+            self._unit_handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
             self._unit_handles.append(unit.module.register_forward_hook(post))
 
     def root_pre_forward(self) -> None:
         """The model's root unit, if it is one, is about to run: the model's root pre-hook
         calls this after `begin_forward`, so it gathers inside the pass it begins."""
         if self._root_unit is not None:
-            self._root_unit[0](self._module, ())
+            self._root_unit[0](self._module, (), {})
 
     def root_post_forward(self, output: Any) -> None:
         """The model's root unit, if it is one, has run: the model's root post-hook calls this
@@ -247,7 +247,7 @@ class GatherScheduler:
         key = id(unit)
 
         @_outside_compiled
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             trace = self._backward if self._in_backward else self._forward
             trace.visit(chunk_ids)
             self.trail.add(visit)
@@ -259,8 +259,18 @@ class GatherScheduler:
             self._open[key] = self._open.get(key, 0) + 1
             self._active.append(unit)
             self._prefetch(trace)
+            if self._learning:
+                # A parameter handed in from outside (the unit may be compiled, and would
+                # trace it sharded): used here, see [Note: gather units] in zero/unit_plan.py.
+                return tree_map(self._face_if_sharded, (args, kwargs))
+            return None
 
         return hook
+
+    def _face_if_sharded(self, value: Any) -> Any:
+        if isinstance(value, ShardedParameter) and value._on_use is not None:
+            return value._on_use(value)
+        return value
 
     def _gather(self, chunks: list[Chunk], backward: bool, where: str) -> None:
         """Gather `chunks`, consulting the memory manager only when one is actually sharded

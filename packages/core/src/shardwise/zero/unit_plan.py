@@ -29,7 +29,8 @@ holding all of them. Registrations are read from the model; uses elsewhere are l
 first forward, in which a sharded parameter used outside its unit is gathered on use (its
 chunk then stays gathered until that pass's backward ends) and the use recorded; the units are
 then planned again with those parameters moved, once, and any later such use raises, naming
-the parameter.
+the parameter. A parameter handed to a unit as an argument is seen by the unit's pre-forward
+hook in that pass (a unit compiled on its own would otherwise trace it sharded).
 """
 
 from __future__ import annotations

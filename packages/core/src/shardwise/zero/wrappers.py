@@ -10,7 +10,7 @@ from torch import nn
 
 from shardwise.amp import LossScaleConfig
 from shardwise.zero.config import (
-    DEFAULT_CHUNK_SIZE_NUMEL,
+    DEFAULT_REDUCE_BUCKET_NUMEL,
     MixedPrecision,
     ZeroConfig,
     compute_device,
@@ -65,6 +65,7 @@ def zero_model_wrapper(
         model,
         ZeroConfig(
             stage=zero_stage,
+            chunk_size_numel=DEFAULT_REDUCE_BUCKET_NUMEL,
             device=compute_device(config.get("device")),
             mixed_precision=config.get("mixed_precision", MixedPrecision()),
             process_group=config.get("process_group"),
@@ -112,7 +113,8 @@ def zero_optim_wrapper(
             max_scale: the `DynamicGradScaler` settings.
         max_norm: clip the global gradient norm to this; 0 disables clipping.
         norm_type: the clipping norm (2.0, math.inf, ...).
-        optim_config: stage 1/2 options: `reduce_bucket_size` (elements per gradient bucket)
+        optim_config: stage 1/2 options: `reduce_bucket_size` (elements per gradient bucket,
+            default 12M)
             and `overlap_communication` (bool, default True: stage 2 reduces each bucket
             while backward goes on, as DDP does; stage 1 reduces at the step either way) and
             `overlap_param_gather` (bool, default True: let the all-gather of updated
@@ -158,7 +160,7 @@ def zero_optim_wrapper(
             f"size (gemini_config['chunk_size_numel']) sets the reduction granularity"
         )
     if isinstance(model, _LowLevelZeroModel):
-        bucket = options.get("reduce_bucket_size", DEFAULT_CHUNK_SIZE_NUMEL)
+        bucket = options.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_NUMEL)
         # Overlapping was faster in every interleaved stage-2 measurement here, and costs only
         # the in-flight buckets' receive buffers until backward ends.
         overlap = options.get("overlap_communication", True)
