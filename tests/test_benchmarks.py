@@ -81,3 +81,28 @@ def test_auto_placement_benchmark_writes_its_sweep(tmp_path: Path) -> None:
         assert cells[1] != "fails", row  # auto trains at every budget of the sweep
         ratio, floor = float(cells[7]), float(cells[8])  # timed: both positive
         assert ratio > 0 and floor > 0, row
+
+
+def test_memory_benchmark_measures_each_engine_in_its_own_run(tmp_path: Path) -> None:
+    """bench_memory.py on a tiny GPT: each engine under torchrun of its own, its phases read
+    from both ranks' resident sets, and the results block written."""
+    out, results = tmp_path / "memory.json", tmp_path / "RESULTS.md"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "compare", "--smoke",
+        "--engines", "ddp,zero3-cuda", "--steps", "2", "--out", str(out), "--results",
+        str(results),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ddp, zero3 = json.loads(out.read_text())["runs"]
+    assert (ddp["engine"], zero3["engine"]) == ("ddp", "zero3-cuda")
+    assert ddp["params"] == zero3["params"] > 0
+    # ZeRO's model state: 16 bytes a parameter under DDP, 16 / N at stage 3 (N = 2).
+    assert ddp["model_state_bytes"] == 16 * ddp["params"] == 2 * zero3["model_state_bytes"]
+    for run in (ddp, zero3):
+        assert [rank["rank"] for rank in run["ranks"]] == [0, 1]
+        for rank in run["ranks"]:
+            assert rank["unit_bytes"] > 0 and rank["phases"]["peak"] > 0, rank
+    table = results.read_text()
+    assert "<!-- bench_memory: begin -->" in table and "| smoke | zero3-cuda |" in table

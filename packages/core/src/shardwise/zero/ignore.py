@@ -40,14 +40,17 @@ def is_ignored(param: torch.Tensor) -> bool:
 def keep_ignored_local(
     params: Iterable[nn.Parameter],
     compute_dtype: torch.dtype,
+    device: torch.device,
     make_whole: Callable[[nn.Parameter], None],
 ) -> None:
     """Ready the ignored ones among `params` to run beside chunked parameters: whole (a
-    ZeroInitContext builds them sliced) and, when floating point, in the compute dtype the
-    wrapper casts inputs to (as ColossalAI's ZeroDDP casts them to fp16)."""
+    ZeroInitContext builds them sliced), on the compute device and, when floating point, in
+    the compute dtype the wrapper casts inputs to (as ColossalAI's ZeroDDP casts them to
+    fp16)."""
     for param in params:
         if not is_ignored(param):
             continue
         make_whole(param)
-        if param.is_floating_point() and param.dtype != compute_dtype:
-            param.data = param.data.to(compute_dtype)
+        dtype = compute_dtype if param.is_floating_point() else param.dtype
+        if param.dtype != dtype or param.device != device:
+            param.data = param.data.to(device, dtype)

@@ -91,7 +91,9 @@ class ZeroModel(nn.Module):
             if has_meta_tensors(module)
             else None
         )
-        self.module = module if self._meta is not None else module.to(config.device)
+        self.module = module
+        if self._meta is None:
+            _place_buffers(module, config.device)
         self.config = config
         self._dtypes = config.mixed_precision.chunk_dtypes()
         if chunk_manager is None:
@@ -252,7 +254,9 @@ class ZeroModel(nn.Module):
                 unslice(param, stats, group)
 
         named = list(self.module.named_parameters())
-        keep_ignored_local([p for _, p in named], self._dtypes.compute, make_whole)
+        keep_ignored_local(
+            [p for _, p in named], self._dtypes.compute, self.config.device, make_whole
+        )
         chunk_manager.register(
             [(name, p) for name, p in named if not is_ignored(p)],
             sharded_fraction=sharded_fraction,
@@ -478,6 +482,16 @@ def chunk_manager_for(config: ZeroConfig, stats: CommStats) -> ChunkManager:
         reduce_method=gradient_reduction_method(config.gradient_reduction, topology.shard),
         topology=topology,
     )
+
+
+def _place_buffers(module: nn.Module, device: torch.device) -> None:
+    """Move `module`'s buffers to the compute device. Its parameters are copied there as each
+    chunk is packed (and freed where they were), so a model built in host memory is never
+    whole on the device beside its chunks."""
+    for submodule in module.modules():
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.device != device:
+                submodule._buffers[name] = buffer.to(device)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
