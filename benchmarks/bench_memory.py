@@ -257,8 +257,6 @@ def _launch(
 ) -> tuple[str, float]:
     """Run one engine in processes of its own; stop it when its tree's resident set passes
     `limit_gib` or it runs past `timeout`. Returns (outcome, highest resident GiB seen)."""
-    import psutil
-
     command = [
         sys.executable,
         "-m",
@@ -279,13 +277,37 @@ def _launch(
         *(extra or []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    # Output to a file, not a pipe: a rank orphaned by a failed launcher would hold a pipe open.
+    with tempfile.TemporaryFile() as log_file:
+        process = subprocess.Popen(
+            command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        outcome, highest = _watch(process, timeout, limit_gib)
+        # The launcher's session: whatever is left of it (all of it when over a limit; a rank
+        # the launcher left behind when another failed) goes.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 9)
+        process.wait()
+        log_file.seek(0)
+        log = log_file.read().decode(errors="replace")
+    if not outcome:
+        outcome = "ok" if process.returncode == 0 and out.exists() else "failed"
+    if outcome == "failed":
+        print(log[-3000:], file=sys.stderr)
+    return outcome, highest
+
+
+def _watch(process: subprocess.Popen[bytes], timeout: float, limit_gib: float) -> tuple[str, float]:
+    """Poll the resident set of `process`'s tree until it ends, passes `limit_gib` or runs
+    past `timeout`: ("" when it ended by itself, or what it passed; the highest GiB seen)."""
+    import psutil
+
     deadline = time.monotonic() + timeout
-    highest, outcome = 0.0, ""
-    with contextlib.suppress(Exception):
+    highest = 0.0
+    try:
         root = psutil.Process(process.pid)
+    except psutil.Error:  # ended already
+        return "", highest
     while process.poll() is None:
         resident = 0
         with contextlib.suppress(psutil.Error):
@@ -294,19 +316,11 @@ def _launch(
                     resident += member.memory_info().rss
         highest = max(highest, resident / 2**30)
         if resident > limit_gib * 2**30:
-            outcome = f"over the {limit_gib:g} GiB limit"
-        elif time.monotonic() > deadline:
-            outcome = f"past the {timeout:g} s limit"
-        if outcome:
-            os.killpg(process.pid, 9)
-            break
+            return f"over the {limit_gib:g} GiB limit", highest
+        if time.monotonic() > deadline:
+            return f"past the {timeout:g} s limit", highest
         time.sleep(0.05)
-    log = process.communicate()[0].decode(errors="replace")
-    if not outcome:
-        outcome = "ok" if process.returncode == 0 and out.exists() else "failed"
-    if outcome == "failed":
-        print(log[-3000:], file=sys.stderr)
-    return outcome, highest
+    return "", highest
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
