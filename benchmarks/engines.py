@@ -41,11 +41,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--chunk-mib", type=float, default=8.0, help="chunk / bucket size")
+    parser.add_argument(
+        "--untied", action="store_true", help="an output head of its own (not the embedding)"
+    )
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
     return GPTConfig(
-        vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_embd=args.n_embd
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        tie_weights=not args.untied,
     )
 
 

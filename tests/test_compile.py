@@ -265,3 +265,36 @@ def test_a_weight_handed_into_a_compiled_block_is_learned() -> None:
         assert result["diff"] == 0.0, result
         # fc1.weight is governed by the model itself now, fc1.bias still by fc1.
         assert result["units"] == ["", "fc1", "sub_fc", "fc2"], result
+
+
+def _late_hand_off() -> str:
+    """The weight is handed to the compiled SubNet only from the second forward on."""
+    from ported.test_ported_gemini_components import NestedNet
+
+    class LateHandOff(NestedNet):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls = getattr(self, "calls", 0) + 1
+            x = self.fc1(x)
+            weight = self.fc1.weight if self.calls > 1 else torch.eye(5)
+            return self.fc2(self.sub_fc(x, weight))
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LateHandOff()
+    model.sub_fc = torch.compile(model.sub_fc, backend=BACKEND)
+    wrapped = zero_model_wrapper(model, 3, {"device": torch.device("cpu"), "chunk_size_numel": 8})
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.Adam(model.parameters(), lr=1e-2))
+    try:
+        for _ in range(2):
+            optimizer.zero_grad()
+            optimizer.backward(wrapped(torch.randn(4, 5)).square().mean())
+            optimizer.step()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_weight_handed_late_into_a_compiled_block_is_refused_naming_it() -> None:
+    for message in run_ranks(_late_hand_off, 2, timeout_s=300):
+        assert "fc1.weight (shape (5, 5)) is handed to the compiled module 'sub_fc'" in message
+        assert "gather_units" in message

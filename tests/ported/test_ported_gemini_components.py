@@ -11,7 +11,8 @@ Kept: each model wrapped in ZeroDDP (stage 3) under each placement policy beside
 in torch DDP, both stepped by Adam (lr 1e-3), each rank with its own batches seeded by rank x 3
 + 128; at each of 3 steps the two losses agree, and after each step every parameter of the
 ZeRO model (`state_dict(only_rank_0=False)`) agrees with DDP's. Nothing is marked: the engine
-finds where each parameter is used.
+finds where each parameter is used. The same models run at stages 1 and 2 too (buckets of 64
+elements), eager, and compiled at stage 2 (tests/test_compile.py compiles every stage).
 
 Changes: CPU and gloo instead of CUDA and NCCL, 2 ranks instead of 1 and 4; chunks of 64
 elements rather than the original's searched size, which packed each of these models into one
@@ -206,7 +207,7 @@ def _loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor], own_loss: bool) 
     return F.cross_entropy(model(data), label)
 
 
-def _exam_tiny_example(name: str, placement: str, compiled: bool) -> dict[str, Any]:
+def _exam_tiny_example(name: str, stage: int, placement: str, compiled: bool) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -218,11 +219,17 @@ def _exam_tiny_example(name: str, placement: str, compiled: bool) -> dict[str, A
     torch_step = torch.compile(ddp, backend="aot_eager") if compiled else ddp
     torch_optim = torch.optim.Adam(ddp.parameters(), lr=1e-3)
 
-    options = {"device": torch.device("cpu"), "chunk_size_numel": CHUNK, **PLACEMENTS[placement]}
+    options: dict[str, Any] = {"device": torch.device("cpu")}
+    if stage == 3:
+        options.update(chunk_size_numel=CHUNK, **PLACEMENTS[placement])
     if placement == "auto":
         options["device_budget_bytes"] = sum(p.numel() for p in model.parameters()) * 16
-    zero = zero_model_wrapper(model, 3, options)
-    zero_optim = zero_optim_wrapper(zero, torch.optim.Adam(model.parameters(), lr=1e-3))
+    zero = zero_model_wrapper(model, stage, options)
+    zero_optim = zero_optim_wrapper(
+        zero,
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        optim_config={"reduce_bucket_size": CHUNK} if stage < 3 else None,
+    )
     zero_step = torch.compile(zero, backend="aot_eager") if compiled else zero
 
     generator = torch.Generator().manual_seed(dist.get_rank() * 3 + 128)
@@ -248,14 +255,15 @@ def _exam_tiny_example(name: str, placement: str, compiled: bool) -> dict[str, A
     return {"losses": losses, "problems": problems, "compiled_late": late}
 
 
-def _all(cases: list[tuple[str, str, bool]]) -> list[dict[str, Any]]:
+def _all(cases: list[tuple[str, int, str, bool]]) -> list[dict[str, Any]]:
     return [_exam_tiny_example(*case) for case in cases]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_tiny_examples_step_as_ddp_does_with_nothing_marked(name: str) -> None:
-    cases = [(name, placement, False) for placement in PLACEMENTS]
-    cases += [(name, placement, True) for placement in ("cuda", "cpu")]
+    cases = [(name, 3, placement, False) for placement in PLACEMENTS]
+    cases += [(name, 3, placement, True) for placement in ("cuda", "cpu")]
+    cases += [(name, 1, "", False), (name, 2, "", False), (name, 2, "", True)]
     for per_rank in run_ranks(_all, 2, cases, timeout_s=600):
         for case, result in zip(cases, per_rank, strict=True):
             assert all(theirs == ours for theirs, ours in result["losses"]), (case, result)

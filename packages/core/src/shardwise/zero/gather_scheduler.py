@@ -32,7 +32,7 @@ from shardwise.chunk.parameters import ShardedParameter, on_use
 from shardwise.gemini import GeminiManager
 from shardwise.zero.gather_units import UnitMap
 from shardwise.zero.rank_sync import VisitTrail
-from shardwise.zero.unit_plan import GatherUnit
+from shardwise.zero.unit_plan import GatherUnit, compiled
 
 # How many unit calls ahead a prefetch looks for the next chunk the pass needs.
 _LOOKAHEAD = 256
@@ -245,6 +245,7 @@ class GatherScheduler:
         chunks = _unique_chunks(places)
         chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
         key = id(unit)
+        is_compiled = compiled(unit.module)
 
         @_outside_compiled
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -263,6 +264,8 @@ class GatherScheduler:
                 # A parameter handed in from outside (the unit may be compiled, and would
                 # trace it sharded): used here, see [Note: gather units] in zero/unit_plan.py.
                 return tree_map(self._face_if_sharded, (args, kwargs))
+            if is_compiled:
+                _refuse_sharded_arguments(unit, (args, kwargs))
             return None
 
         return hook
@@ -472,6 +475,21 @@ class GatherScheduler:
             handle.remove()
         self._handles.clear()
         self._unit_handles.clear()
+
+
+def _refuse_sharded_arguments(unit: GatherUnit, arguments: Any) -> None:
+    """A compiled unit handed a parameter sharded outside its own unit, which the first pass
+    never saw handed in (a branch not taken then): dynamo would trace a tensor holding no
+    element. Say which, and what to do, instead."""
+    for value in tree_flatten(arguments)[0]:
+        if isinstance(value, ShardedParameter):
+            raise ValueError(
+                f"{value._chunk_name} (shape {tuple(value._logical_shape)}) is handed to the "
+                f"compiled module {unit.name or 'the model'!r} from outside the gather unit "
+                f"that holds it, which the model's first forward did not do: its values are "
+                f"sharded there. Name a module holding both in gemini_config['gather_units'] "
+                f"(it is then gathered as one), or run that path in the first forward"
+            )
 
 
 def _outside_compiled(hook: Callable[..., Any]) -> Callable[..., Any]:
