@@ -17,14 +17,16 @@ becomes the order in which chunks actually completed there, rank 0's, broadcast 
 
 [Note: gradients in flight]
 A reduction in flight holds its chunks' gradient buffers and the collective's receive buffer
-(and at stage 3 the chunk's gathered parameters) until it is waited for. Waiting for them only
-when backward ends would hold the whole model's gradient at its end, more than DDP's own copy,
-whenever the network is slower than backward: so stages 2 and 3 run at most one reduction at a
-time, waiting for it before the next one starts. While one chunk's gradients reduce, the next
-fills: a bucket filling and one reducing, as `reduce_bucket_size` promises, whatever the speed
-of the network against backward. At stage 3 a chunk's gathered parameters are released as soon
-as its gradients are complete (every backward node that reads them has run by then), not when
-its reduction ends.
+until it is waited for. Waiting for them only when backward ends would hold the whole model's
+gradient at its end, more than DDP's own copy, whenever the network is slower than backward:
+so the oldest reduction is waited for before another starts once `max_in_flight` run, two at
+stage 2 and one at stage 3, where the gather unit's next chunks need the room. While they
+reduce, the next bucket fills: one filling and at most one or two reducing, as
+`reduce_bucket_size` promises, whatever the speed of the network against backward. (At stage
+2 one reduction at a time made backward wait for the network: 0.95 of DDP's step time on a
+117M-parameter GPT here, 0.91 with two.) At stage 3 a chunk's gathered parameters are released
+as soon as its gradients are complete (every backward node that reads them has run by then),
+not when its reduction ends.
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ class ZeroModel(nn.Module):
             reduce_in_backward=self.config.stage >= 2,
             overlap=self.config.overlap_communication,
             # See [Note: gradients in flight] in zero/grad_reducer.py.
-            max_in_flight=1,
+            max_in_flight=2 if self.config.stage == 2 else 1,
             bucket_bytes=self.config.reduce_scatter_bucket_bytes,
             on_reduced=self.scheduler.release_done if self.scheduler else None,
             on_complete=self.scheduler.release_done if self.scheduler else None,
