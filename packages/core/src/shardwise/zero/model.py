@@ -114,8 +114,9 @@ class ZeroModel(nn.Module):
         self._compiled_parts: bool | None = None
         self.scheduler: GatherScheduler | None = None
         self.param_gather: DeferredParamGather | None = None
-        # See [Note: the inner module works on its own]. The pre-hook goes first and the post
-        # hook last, around the scheduler's own hooks on a root that owns parameters.
+        # See [Note: the inner module works on its own]. The pre-hook goes first; a root that
+        # is a gather unit itself has its unit hooks called from these two, inside them (see
+        # GatherScheduler.root_pre_forward), whatever hooks are registered on it later.
         self._root_hooks = [
             self.module.register_forward_pre_hook(
                 self._before_forward, prepend=True, with_kwargs=True
