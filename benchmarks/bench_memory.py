@@ -6,10 +6,11 @@
 
 compare: for every engine (torch DDP and FSDP2, shardwise stages 1-3 with the defaults a user
 gets; stage 3 under the "cuda", "cpu" and "auto" placements), each in a run of its own under
-`torchrun --nproc-per-node=2`, a GPT of width 1024 and vocabulary 32768 (untied head) trains
-`--steps` steps of 2 sequences of 64 tokens per rank in fp32 with fused AdamW. Each rank reads
-its resident set (`VmRSS`) and high-water mark (`VmHWM`, reset through `/proc/self/clear_refs`
-at each phase) from `/proc/self/status`, minus the resident set before the model was built:
+`torchrun --nproc-per-node=2` (`--ranks`), a GPT of width 1024 and vocabulary 32768 (untied
+head) trains `--steps` steps of 2 sequences of 64 tokens per rank in fp32 with fused AdamW.
+Each rank reads its resident set (`VmRSS`) and high-water mark (`VmHWM`, reset through
+`/proc/self/clear_refs` at each phase) from `/proc/self/status`, minus the resident set before
+the model was built:
   build+wrap   peak while the model is built and wrapped (the model is built whole first, as a
                user builds it: its 4 bytes per parameter are the floor of this column)
   after wrap   resident once model and optimizer are wrapped
@@ -254,6 +255,7 @@ def _launch(
     limit_gib: float,
     cpu: bool,
     extra: list[str] | None = None,
+    ranks: int = 2,
 ) -> tuple[str, float]:
     """Run one engine in processes of its own; stop it when its tree's resident set passes
     `limit_gib` or it runs past `timeout`. Returns (outcome, highest resident GiB seen)."""
@@ -262,7 +264,7 @@ def _launch(
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={ranks}",
         __file__,
         "one",
         "--engine",
@@ -332,7 +334,14 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             for engine in engines:
                 out = Path(scratch) / f"{engine}-{size}.json"
                 outcome, _ = _launch(
-                    engine, size, args.steps, out, args.attempt_timeout, args.limit_gib, args.cpu
+                    engine,
+                    size,
+                    args.steps,
+                    out,
+                    args.attempt_timeout,
+                    args.limit_gib,
+                    args.cpu,
+                    ranks=args.ranks,
                 )
                 if outcome != "ok":
                     raise SystemExit(f"{engine} at {size}: {outcome}")
@@ -346,7 +355,9 @@ PHASES = ("build+wrap", "after wrap", "forward", "backward", "step", "after step
 
 
 def _row(run: dict[str, Any]) -> str:
-    worst = {p: max(r["phases"][p] for r in run["ranks"]) for p in PHASES}
+    # On CUDA the device's allocator is the figure (its peak per phase); on a CPU the resident set.
+    suffix = " cuda" if run["device"].startswith("cuda") else ""
+    worst = {p: max(r["phases"][p + suffix] for r in run["ranks"]) for p in PHASES}
     unit = run["ranks"][0]["unit_bytes"] / MIB
     bound = run["model_state_bytes"] / MIB + unit
     cells = " | ".join(f"{worst[p]:,.0f}" for p in PHASES)
@@ -375,6 +386,7 @@ def largest(args: argparse.Namespace) -> dict[str, Any]:
                     args.cpu,
                     # Few tokens: the model state decides what fits, and steps stay short.
                     extra=["--seq", "16", "--sequences", "1"],
+                    ranks=args.ranks,
                 )
                 params = json.loads(out.read_text())["params"] if outcome == "ok" else None
                 attempts.append(
@@ -414,8 +426,14 @@ def write_results(result: dict[str, Any], path: Path, command: str) -> None:
     lines = [
         "## Memory at scale (each engine in a run of its own, measured from outside)",
         "",
-        f"Written by `{command}`. Per rank, the worse of the two ranks, MiB above the resident "
-        "set before the model was built (see the benchmark's docstring for each column).",
+        f"Written by `{command}`. Per rank, the worse of the ranks, MiB: "
+        + (
+            "the CUDA allocator's (`max_memory_allocated` in each phase, `memory_allocated` "
+            "after it)"
+            if any(run["device"].startswith("cuda") for run in result["runs"])
+            else "above the resident set before the model was built"
+        )
+        + " (see the benchmark's docstring for each column).",
         "",
         "| size | engine | build+wrap | after wrap | forward | backward | step | after step | "
         "peak | ZeRO model state | largest unit | peak / (state + unit) |",
@@ -481,6 +499,9 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=1024, help="for `largest`")
     parser.add_argument("--start-layers", type=int, default=8, help="for `largest`")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (`one`)")
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="ranks per run (1 on a machine with one GPU)"
+    )
     parser.add_argument("--sequences", type=int, default=2, help="sequences per rank (`one`)")
     args = parser.parse_args()
     if args.part == "one":

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session.sh largest  OUT [ARGS]  bench_gpu.py largest for auto, cpu and
 #                                                 torch; ARGS go to it (--n-embd, --layers, ...)
 #   bash benchmarks/gpu_session.sh auto     OUT   bench_auto.py's budget sweep on the GPU
+#   bash benchmarks/gpu_session.sh memory   OUT   bench_memory.py compare on the GPU, one rank
+#                                                 (max_memory_allocated per engine and phase)
 #   bash benchmarks/gpu_session.sh smoke    OUT   the wiring of the above, tiny, on any machine
 #
 # OUT (default $OUT, else /tmp/gpu-session) receives each part's log and JSON. The packages run
@@ -14,7 +16,7 @@
 # such a machine may reach no package index.
 set -uo pipefail
 
-part=${1:?"usage: gpu_session.sh {env|compare|largest|auto|smoke} [OUT] [ARGS...]"}
+part=${1:?"usage: gpu_session.sh {env|compare|largest|auto|memory|smoke} [OUT] [ARGS...]"}
 out=${2:-${OUT:-/tmp/gpu-session}}
 shift $(($# < 2 ? $# : 2))
 mkdir -p "$out"
@@ -52,6 +54,11 @@ largest)
     done
     exit $status
     ;;
+memory)
+    run memory "$python" benchmarks/bench_memory.py compare --ranks 1 --sizes 117m,168m \
+        --engines ddp,fsdp2,zero2,zero3-cuda,zero3-cpu,zero3-auto --attempt-timeout 120 \
+        --out "$out/memory.json" --results "$out/RESULTS-memory.md"
+    ;;
 auto)
     run auto-sweep "$python" benchmarks/bench_auto.py --device cuda --world 1 --dim 1024 \
         --hidden 4096 --blocks 8 --chunk 4194304 --batch 8192 --rounds 8 --copies 2 \
@@ -62,10 +69,12 @@ smoke)
     run compare-smoke $bench_gpu compare --smoke --out "$out/compare-smoke.json" || status=1
     run auto-smoke "$python" benchmarks/bench_auto.py --rounds 1 --copies 2 --blocks 2 \
         --results "$out/RESULTS-smoke.md" || status=1
+    run memory-smoke "$python" benchmarks/bench_memory.py compare --smoke --ranks 1 \
+        --engines ddp,zero3-cuda --steps 1 --out "$out/memory-smoke.json" || status=1
     exit $status
     ;;
 *)
-    echo "unknown part: $part (env, compare, largest, auto or smoke)" >&2
+    echo "unknown part: $part (env, compare, largest, auto, memory or smoke)" >&2
     exit 2
     ;;
 esac
