@@ -204,7 +204,7 @@ def run_one(args: argparse.Namespace) -> None:
     meter.peak("build+wrap")
     meter.now("after wrap")
     meter.reset_peak()
-    peaks = []
+    peaks: dict[str, list[float]] = {"": [], " cuda": []}
     for index in range(args.steps):
         idx, targets = gpt_batch(config, args.sequences * world, args.seq, index)
         idx, targets = idx.chunk(world)[rank].to(device), targets.chunk(world)[rank].to(device)
@@ -218,8 +218,12 @@ def run_one(args: argparse.Namespace) -> None:
         step()
         meter.peak("step")
         meter.now("after step")
-        peaks.append(max(meter.phases["forward"], meter.phases["backward"], meter.phases["step"]))
-    meter.phases["peak"] = max(peaks)
+        for suffix, seen in peaks.items():
+            if "forward" + suffix in meter.phases:
+                seen.append(max(meter.phases[p + suffix] for p in ("forward", "backward", "step")))
+    for suffix, seen in peaks.items():
+        if seen:
+            meter.phases["peak" + suffix] = max(seen)
     record = {
         "rank": rank,
         "phases": meter.phases,
