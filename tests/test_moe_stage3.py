@@ -21,9 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import run_ranks
-from shardwise.zero.config import ZeroConfig
+from shardwise.zero.config import EngineConfig
 from shardwise.zero.gather_units import find_gather_units
-from shardwise.zero.gemini_ddp import gemini_ddp_from_config
 from shardwise.zero.rank_sync import RanksOutOfStep
 
 WIDTH = 16
@@ -343,6 +342,6 @@ def test_gather_units_are_found_and_bad_ones_refused() -> None:
     with pytest.raises(TypeError, match="a module's qualified name"):
         find_gather_units(model, [3])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="gather_units applies to stage 3"):
-        ZeroConfig(stage=2, device=torch.device("cpu"), gather_units=("moes.0",))
+        EngineConfig(stage=2, device=torch.device("cpu"), gather_units=("moes.0",))
     with pytest.raises(TypeError, match="list of module classes"):
-        gemini_ddp_from_config(model, {"device": torch.device("cpu"), "gather_units": "moes.0"})
+        zero_model_wrapper(model, 3, {"device": torch.device("cpu"), "gather_units": "moes.0"})

@@ -293,7 +293,7 @@ def test_the_run_header_names_the_shard_groups(tmp_path: Path) -> None:
         events = [json.loads(line) for line in lines]
         assert events[0]["config"]["shard_size"] == 2 and events[0]["config"]["replicas"] == 2
         # What chose the chunk size travels with the header too.
-        assert events[0]["config"]["chunk_size"].endswith("as set in gemini_config")
+        assert events[0]["config"]["chunk_size"] == f"chunk_size_numel {CHUNK_NUMEL} as set"
         step = next(e for e in events if e["type"] == "step")
         # The only bytes crossing the groups, counted apart (see tests/test_hybrid_sharding.py).
         assert step["comm_bytes"]["replicate_all_reduce"] > 0

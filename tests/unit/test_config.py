@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise import MixedPrecision, ZeroConfig
+from shardwise import Chunking, EngineConfig, MixedPrecision, Overlap
 from shardwise.chunk import ChunkDtypes
 
 
@@ -25,13 +25,14 @@ def test_bad_dtypes_and_stages_are_refused() -> None:
     with pytest.raises(TypeError, match=r"compute_dtype must be a torch\.dtype"):
         MixedPrecision(compute_dtype="fp32")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"zero_stage must be 0, 1, 2 or 3, got 5"):
-        ZeroConfig(stage=5, device=torch.device("cpu"))
+        EngineConfig(stage=5, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="chunk size must be at least 1"):
-        ZeroConfig(stage=3, device=torch.device("cpu"), chunk_size_numel=0)
+        EngineConfig(stage=3, device=torch.device("cpu"), chunking=Chunking(size_numel=0))
 
 
 def test_overlap_param_gather_is_refused_at_stage_3() -> None:
     cpu = torch.device("cpu")
-    assert ZeroConfig(stage=2, device=cpu, overlap_param_gather=True).overlap_param_gather
+    gathered = Overlap(param_gather=True)
+    assert EngineConfig(stage=2, device=cpu, overlap=gathered).overlap.param_gather
     with pytest.raises(ValueError, match="overlap_param_gather applies to stages 1 and 2"):
-        ZeroConfig(stage=3, device=cpu, overlap_param_gather=True)
+        EngineConfig(stage=3, device=cpu, overlap=gathered)

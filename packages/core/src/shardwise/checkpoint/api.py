@@ -163,7 +163,7 @@ def load(
 
 
 def _ranks_of(model: ZeroModel) -> Ranks:
-    return Ranks(model.comm_stats, model.config.process_group)
+    return Ranks(model.comm_stats, model.config.topology.process_group)
 
 
 def _check_pair(model: ZeroModel, optimizer: ZeroOptimizer | None) -> None:

@@ -62,7 +62,7 @@ def export_hf(
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     safetensors = _safetensors()
     target = Path(path)
-    rank = comm.rank(model.config.process_group)
+    rank = comm.rank(model.config.topology.process_group)
     staging = target.parent / f".{target.name}.partial"
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -98,13 +98,13 @@ def export_hf(
             shutil.rmtree(target)
         os.replace(staging, target)
     if torch.distributed.is_initialized():
-        torch.distributed.barrier(model.config.process_group)
+        torch.distributed.barrier(model.config.topology.process_group)
 
 
 def _gathered_tensors(model: ZeroModel, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Every parameter (once) and persistent buffer, whole, on rank 0's CPU; one chunk is
     gathered at a time."""
-    keep = comm.rank(model.config.process_group) == 0
+    keep = comm.rank(model.config.topology.process_group) == 0
     by_param = gather_parameters(model.chunk_manager, keep=keep, dtype=dtype)
     tensors: dict[str, torch.Tensor] = {}
     if not keep:

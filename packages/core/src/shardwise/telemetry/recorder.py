@@ -65,7 +65,7 @@ class TelemetryRecorder:
             events.run_started(
                 self.emitter.run_id,
                 self.emitter.rank,
-                world_size=comm.world_size(self.model.config.process_group),
+                world_size=comm.world_size(self.model.config.topology.process_group),
                 config=config,
                 num_params=sum(c.numel for c in self.model.chunk_manager.chunks),
                 host=socket.gethostname(),
@@ -172,7 +172,7 @@ def enable(
     path = path or os.environ.get("SHARDWISE_TELEMETRY_FILE")
     if not url and not path:
         return None
-    rank = comm.rank(model.config.process_group)
+    rank = comm.rank(model.config.topology.process_group)
     run_id = run_id or os.environ.get("SHARDWISE_RUN_ID") or _shared_run_id(model)
     sink: Sink = (
         HttpSink(url, token or os.environ.get("SHARDWISE_DASHBOARD_TOKEN"))
@@ -187,7 +187,7 @@ def enable(
         "chunks": len(model.chunk_manager.chunks),
         "chunk_size": model.chunk_manager.chunk_size_reason,
         "placement": model.gemini_manager.placement_policy if model.gemini_manager else None,
-        "param_dtype": str(model.config.mixed_precision.param_dtype),
+        "param_dtype": str(model.config.precision.param_dtype),
     }
     topology = model.chunk_manager.topology
     if topology.hybrid:  # the dashboard's run header lists every key
@@ -215,4 +215,4 @@ def _report_uncaught_exceptions(recorder: TelemetryRecorder) -> None:
 
 def _shared_run_id(model: ZeroModel) -> str:
     chosen = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-    return str(comm.broadcast_object(chosen, model.comm_stats, model.config.process_group))
+    return str(comm.broadcast_object(chosen, model.comm_stats, model.config.topology.process_group))

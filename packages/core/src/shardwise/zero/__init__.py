@@ -1,6 +1,14 @@
 """ZeRO stages 1-3 over the chunk engine: the wrapped model, its optimizer, the seed wrappers."""
 
-from shardwise.zero.config import MixedPrecision, ZeroConfig
+from shardwise.zero.config import (
+    Chunking,
+    EngineConfig,
+    MixedPrecision,
+    Overlap,
+    Placement,
+    Reduction,
+    Topology,
+)
 from shardwise.zero.gemini_ddp import GeminiDDP, ZeroDDP
 from shardwise.zero.init_context import ZeroInitContext
 from shardwise.zero.model import ZeroModel
@@ -14,6 +22,12 @@ from shardwise.zero.sharded_v2 import ShardedModelV2, ShardedOptimizerV2
 from shardwise.zero.wrappers import zero_model_wrapper, zero_optim_wrapper
 
 __all__ = [
+    "Chunking",
+    "EngineConfig",
+    "Overlap",
+    "Placement",
+    "Reduction",
+    "Topology",
     "BaseShardStrategy",
     "BucketTensorShardStrategy",
     "GeminiDDP",
@@ -21,7 +35,6 @@ __all__ = [
     "ShardedModelV2",
     "ShardedOptimizerV2",
     "TensorShardStrategy",
-    "ZeroConfig",
     "ZeroDDP",
     "ZeroInitContext",
     "ZeroModel",

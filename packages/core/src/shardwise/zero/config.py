@@ -10,7 +10,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shardwise.chunk import ChunkDtypes
+from shardwise.chunk.search import (
+    DEFAULT_MIN_CHUNK_BYTES,
+    DEFAULT_SEARCH_N_GRIDS,
+    DEFAULT_SEARCH_RANGE_BYTES,
+)
 from shardwise.comm import ReduceScatterMethod
+from shardwise.gemini.policies import DevicePlacement, PlacementPolicy
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_CHUNK_SIZE_NUMEL = 32 * 1024 * 1024
@@ -113,60 +119,197 @@ class MixedPrecision:
         return torch.float16 in (dtypes.payload, dtypes.compute, dtypes.reduce)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ZeroConfig:
-    """How a model is sharded.
+def _int_at_least(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
-    Args:
-        stage: 0 (replicated, gradients all-reduced), 1 (optimizer state sharded), 2 (also
-            gradients sharded) or 3 (also parameters sharded).
-        device: compute device; the chunks' payloads live there.
-        mixed_precision: parameter, compute and reduction dtypes.
-        chunk_size_numel: elements per chunk (stage 3) or gradient bucket (stages 0-2).
-        process_group: the data-parallel group; None means the default group.
-        overlap_communication: launch gradient reductions asynchronously during backward and
-            wait for them at its end (stage 2), or before the next one starts (stage 3).
-        prefetch: gather the next chunk in recorded execution order while the current one
-            computes (stage 3).
-        force_outputs_fp32: cast floating-point outputs of the model to fp32.
-        reduce_scatter_bucket_bytes: reduce the gradients of consecutive chunks in one
-            reduce-scatter until they reach this many bytes (0: one per chunk; stages 2-3).
-        overlap_param_gather: stages 1 and 2: let the all-gather of updated parameters run
-            into the next forward, each module waiting for its own chunks (see [Note: deferred
-            parameter gathers] in zero/param_gather.py).
-        gradient_reduction: "reduce_scatter", "all_to_all" (exchange slices, sum locally),
-            "all_reduce" (keep this rank's slice), or "auto": all-to-all on gloo,
-            reduce-scatter otherwise.
-        param_init_fn: for a model built on the meta device, `fn(module)` initialises one
-            module's own parameters and buffers once they have storage (see [Note: meta-device
-            models] in zero/meta_init.py); None calls the module's `reset_parameters()`.
-        shard_size: hybrid sharding: shard over groups of this many consecutive ranks and
-            replicate across the groups (see [Note: hybrid sharding] in comm/topology.py);
-            None shards over the whole process group.
-        secondary_shard_size: stage 3, ZeRO++ hpZ: keep a secondary copy of each chunk's
-            payload sharded over groups of this many consecutive ranks (the ranks of a node)
-            from forward to backward, so that backward's all-gathers stay inside a group (see
-            [Note: secondary shards] in chunk/chunk.py); None gathers over every rank.
-        gather_units: stage 3: module classes or qualified module names to gather as one
-            unit, besides the blocks that hold experts, which are found by themselves (see
-            [Note: conditional units] in zero/gather_units.py).
-    """
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Chunking:
+    """How parameters are packed into chunks (see [Note: chunk buffers] in chunk/chunk.py)."""
+
+    size_numel: int | None = None
+    """Elements per chunk, at stages 1-2 per gradient bucket. None: stage 3 searches a size
+    (the fields below), stages 0-2 take `DEFAULT_REDUCE_BUCKET_NUMEL`."""
+    search_range_bytes: int = DEFAULT_SEARCH_RANGE_BYTES
+    """Stage 3's search: the range of chunk sizes tried above the smallest, in bytes."""
+    search_n_grids: int = DEFAULT_SEARCH_N_GRIDS
+    """Stage 3's search: how many sizes are tried in that range."""
+    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES
+    """Stage 3's search: the smallest chunk, in bytes."""
+    hidden_dim: int | None = None
+    """Round chunk sizes up to a multiple of this (a layer's width), or None."""
+
+    def __post_init__(self) -> None:
+        if self.size_numel is not None and (
+            isinstance(self.size_numel, bool) or not isinstance(self.size_numel, int)
+        ):
+            raise TypeError(
+                f"chunk size must be an int number of elements, got {self.size_numel!r}"
+            )
+        if self.size_numel is not None and self.size_numel < 1:
+            raise ValueError(f"chunk size must be at least 1 element, got {self.size_numel}")
+        # Named as the seeds' gemini_config keys, which users set.
+        for key, value in (
+            ("chunk_search_range", self.search_range_bytes),
+            ("min_chunk_size", self.min_chunk_bytes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be a number of bytes (int >= 0), got {value!r}")
+        _int_at_least("chunk_search_n_grids", self.search_n_grids, 0)
+        hidden = self.hidden_dim
+        if hidden is not None and (
+            isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1
+        ):
+            raise ValueError(f"hidden_dim must be a positive int, got {hidden!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """Where stage 3's chunks live (see [Note: placement policies] in gemini/manager.py)."""
+
+    policy: PlacementPolicy = field(default_factory=DevicePlacement)
+    """The placement policy, validated when built (`gemini.placement_policy(name, ...)`)."""
+    device_budget_bytes: int | None = None
+    """The most bytes of model state the compute device may hold; None: its capacity less 10%
+    on CUDA, unlimited elsewhere ("auto" needs one there)."""
+    pin_memory: bool = False
+    """Pin host copies of chunks when the compute device is CUDA."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, PlacementPolicy):
+            raise TypeError(f"policy must be a PlacementPolicy, got {self.policy!r}")
+        if self.device_budget_bytes is not None and (
+            isinstance(self.device_budget_bytes, bool)
+            or not isinstance(self.device_budget_bytes, int)
+            or self.device_budget_bytes < 1
+        ):
+            raise ValueError(
+                f"device_budget_bytes must be a positive int, got {self.device_budget_bytes!r}"
+            )
+        _check_bool("pin_memory", self.pin_memory)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reduction:
+    """How gradients are reduced over ranks."""
+
+    method: str = "auto"
+    """ "reduce_scatter", "all_to_all" (exchange slices, sum locally), "all_reduce" (keep this
+    rank's slice), or "auto": all-to-all on gloo, reduce-scatter otherwise."""
+    bucket_bytes: int = 0
+    """Stage 3: reduce consecutive chunks in one reduce-scatter until they reach this many
+    bytes (0: one per chunk)."""
+    predivide_factor: float = 1.0
+    """Divide gradients by this before the reduction and by N / this after it."""
+
+    def __post_init__(self) -> None:
+        if self.method not in GRADIENT_REDUCTIONS:
+            raise ValueError(
+                f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, got {self.method!r}"
+            )
+        if (
+            isinstance(self.bucket_bytes, bool)
+            or not isinstance(self.bucket_bytes, int)
+            or self.bucket_bytes < 0
+        ):
+            raise ValueError(
+                f"reduce_scatter_bucket_bytes must be an int >= 0 (0: one reduction per chunk), "
+                f"got {self.bucket_bytes!r}"
+            )
+        if (
+            isinstance(self.predivide_factor, bool)
+            or not isinstance(self.predivide_factor, (int, float))
+            or not self.predivide_factor > 0
+        ):
+            raise ValueError(
+                f"gradient_predivide_factor must be > 0, got {self.predivide_factor!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Overlap:
+    """What runs in the background of compute."""
+
+    communication: bool = True
+    """Reduce gradients asynchronously while backward goes on (stages 2-3; see [Note:
+    gradients in flight] in zero/grad_reducer.py)."""
+    param_gather: bool = False
+    """Stages 1-2: let the all-gather of updated parameters run into the next forward (see
+    [Note: deferred parameter gathers] in zero/param_gather.py)."""
+    prefetch: bool = True
+    """Stage 3: gather the next chunk of the recorded order while the current one computes."""
+
+    def __post_init__(self) -> None:
+        # Named as the seeds' options, which users set.
+        _check_bool("overlap_communication", self.communication)
+        _check_bool("overlap_param_gather", self.param_gather)
+        _check_bool("prefetch", self.prefetch)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """Which ranks shard and which replicate (see [Note: hybrid sharding] in
+    comm/topology.py)."""
+
+    process_group: ProcessGroup | None = None
+    """The data-parallel group; None: the default group."""
+    shard_size: int | None = None
+    """Hybrid sharding: shard over groups of this many consecutive ranks and replicate across
+    the groups; None shards over the whole group."""
+    secondary_shard_size: int | None = None
+    """Stage 3, ZeRO++ hpZ: keep a secondary copy of each chunk sharded over groups of this
+    many consecutive ranks from forward to backward (see [Note: secondary shards] in
+    chunk/chunk.py); None gathers over every rank."""
+
+    def __post_init__(self) -> None:
+        if self.shard_size is not None and (
+            isinstance(self.shard_size, bool)
+            or not isinstance(self.shard_size, int)
+            or self.shard_size < 1
+        ):
+            raise ValueError(f"shard_size must be a positive int of ranks, got {self.shard_size!r}")
+        size = self.secondary_shard_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"secondary_shard_size must be a positive int of ranks, got {size!r}")
+        if size is not None and self.shard_size is not None:
+            raise ValueError(
+                "secondary_shard_size and shard_size cannot be combined: hybrid sharding keeps "
+                "every all-gather inside its shard groups already; use shard_size for less "
+                "inter-node traffic at full replication, or secondary_shard_size to keep "
+                "sharding over every rank and gather backward's parameters inside the groups"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """How a model is sharded: the one configuration every front door translates into, parsed
+    and validated once (zero/front_door.py), from which the model is built (zero/build.py)."""
 
     stage: int
+    """0 (replicated), 1 (optimizer state sharded), 2 (gradients too), 3 (parameters too)."""
     device: torch.device
-    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
-    chunk_size_numel: int = DEFAULT_CHUNK_SIZE_NUMEL
-    process_group: ProcessGroup | None = None
-    overlap_communication: bool = False
-    prefetch: bool = True
-    force_outputs_fp32: bool = False
-    reduce_scatter_bucket_bytes: int = 0
-    gradient_reduction: str = "auto"
-    overlap_param_gather: bool = False
-    param_init_fn: Callable[[torch.nn.Module], None] | None = None
+    """The compute device; chunks' payloads and gathered buffers live there."""
+    precision: MixedPrecision = field(default_factory=MixedPrecision)
+    """Parameter (storage and communication), compute and reduction dtypes."""
+    chunking: Chunking = field(default_factory=Chunking)
+    placement: Placement = field(default_factory=Placement)
+    reduction: Reduction = field(default_factory=Reduction)
+    overlap: Overlap = field(default_factory=Overlap)
+    topology: Topology = field(default_factory=Topology)
     gather_units: tuple[type[torch.nn.Module] | str, ...] = ()
-    shard_size: int | None = None
-    secondary_shard_size: int | None = None
+    """Stage 3: module classes or qualified names to gather as one conditional unit, besides
+    the blocks that hold experts (see [Note: conditional units] in zero/gather_units.py)."""
+    force_outputs_fp32: bool = False
+    """Cast the model's floating-point outputs to fp32."""
+    param_init_fn: Callable[[torch.nn.Module], None] | None = None
+    """A model built on the meta device: `fn(module)` initialises one module's own tensors
+    (see [Note: meta-device models] in zero/meta_init.py); None calls `reset_parameters()`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int):
@@ -178,27 +321,19 @@ class ZeroConfig:
         if not isinstance(self.device, torch.device):
             raise TypeError(f"device must be a torch.device, got {self.device!r}")
         compute_device(self.device, "device")
-        if isinstance(self.chunk_size_numel, bool) or not isinstance(self.chunk_size_numel, int):
-            raise TypeError(
-                f"chunk size must be an int number of elements, got {self.chunk_size_numel!r}"
-            )
-        if self.chunk_size_numel < 1:
-            raise ValueError(f"chunk size must be at least 1 element, got {self.chunk_size_numel}")
-        if (
-            isinstance(self.reduce_scatter_bucket_bytes, bool)
-            or not isinstance(self.reduce_scatter_bucket_bytes, int)
-            or self.reduce_scatter_bucket_bytes < 0
-        ):
-            raise ValueError(
-                f"reduce_scatter_bucket_bytes must be an int >= 0 (0: one reduction per chunk), "
-                f"got {self.reduce_scatter_bucket_bytes!r}"
-            )
-        if self.gradient_reduction not in GRADIENT_REDUCTIONS:
-            raise ValueError(
-                f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, "
-                f"got {self.gradient_reduction!r}"
-            )
-        if self.overlap_param_gather and self.stage == 3:
+        parts = (
+            ("precision", MixedPrecision),
+            ("chunking", Chunking),
+            ("placement", Placement),
+            ("reduction", Reduction),
+            ("overlap", Overlap),
+            ("topology", Topology),
+        )
+        for name, kind in parts:
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        _check_bool("force_outputs_fp32", self.force_outputs_fp32)
+        if self.overlap.param_gather and self.stage == 3:
             raise ValueError(
                 "overlap_param_gather applies to stages 1 and 2; stage 3 gathers each chunk "
                 "before use and prefetches the next (prefetch=True)"
@@ -207,15 +342,13 @@ class ZeroConfig:
             raise TypeError(
                 f"param_init_fn must be a callable taking a module, got {self.param_init_fn!r}"
             )
-        if self.shard_size is not None and (
-            isinstance(self.shard_size, bool)
-            or not isinstance(self.shard_size, int)
-            or self.shard_size < 1
-        ):
-            raise ValueError(f"shard_size must be a positive int of ranks, got {self.shard_size!r}")
-        if self.shard_size is not None and self.stage == 0:
+        if self.topology.shard_size is not None and self.stage == 0:
             raise ValueError("shard_size applies to stages 1-3; stage 0 shards nothing")
-        self._check_secondary_shard_size()
+        if self.topology.secondary_shard_size is not None and self.stage != 3:
+            raise ValueError(
+                f"secondary_shard_size (ZeRO++ hpZ) applies to stage 3, where backward gathers "
+                f"parameters; got zero_stage={self.stage}"
+            )
         if not isinstance(self.gather_units, tuple):
             raise TypeError(
                 f"gather_units must be a tuple of module classes or qualified module names, "
@@ -226,26 +359,13 @@ class ZeroConfig:
                 f"gather_units applies to stage 3 (where parameters are gathered), "
                 f"got zero_stage={self.stage}"
             )
-        if not isinstance(self.mixed_precision, MixedPrecision):
-            raise TypeError(
-                f"mixed_precision must be a MixedPrecision, got {self.mixed_precision!r}"
-            )
 
-    def _check_secondary_shard_size(self) -> None:
-        size = self.secondary_shard_size
-        if size is None:
-            return
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"secondary_shard_size must be a positive int of ranks, got {size!r}")
-        if self.stage != 3:
-            raise ValueError(
-                f"secondary_shard_size (ZeRO++ hpZ) applies to stage 3, where backward gathers "
-                f"parameters; got zero_stage={self.stage}"
-            )
-        if self.shard_size is not None:
-            raise ValueError(
-                "secondary_shard_size and shard_size cannot be combined: hybrid sharding keeps "
-                "every all-gather inside its shard groups already; use shard_size for less "
-                "inter-node traffic at full replication, or secondary_shard_size to keep "
-                "sharding over every rank and gather backward's parameters inside the groups"
-            )
+    @property
+    def chunk_size_numel(self) -> int:
+        """Elements per chunk once known (stage 3 searches it before building: see
+        zero/build.py)."""
+        if self.chunking.size_numel is not None:
+            return self.chunking.size_numel
+        if self.stage < 3:
+            return DEFAULT_REDUCE_BUCKET_NUMEL
+        raise ValueError("stage 3's chunk size is searched when the model is built")

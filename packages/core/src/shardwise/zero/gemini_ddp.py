@@ -1,58 +1,28 @@
-"""Stage 3 under its seed names: GeminiDDP / ZeroDDP, and its construction from a config dict."""
+"""Stage 3 under its seed names: GeminiDDP / ZeroDDP."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import ChunkManager
-from shardwise.chunk.search import (
-    DEFAULT_MIN_CHUNK_BYTES,
-    DEFAULT_SEARCH_N_GRIDS,
-    DEFAULT_SEARCH_RANGE_BYTES,
-    ChunkSearchResult,
-    default_chunk_search,
-)
 from shardwise.comm import CommStats
-from shardwise.gemini import GeminiManager, placement_policy
-from shardwise.zero.config import MixedPrecision, ZeroConfig, compute_device
-from shardwise.zero.ignore import is_ignored, mark_ignored
-from shardwise.zero.init_context import whole_numel
-from shardwise.zero.model import ZeroModel, chunk_manager_for
-
-_log = logging.getLogger(__name__)
-
-_GEMINI_CONFIG_KEYS = (
-    "device",
-    "placement_policy",
-    "pin_memory",
-    "force_outputs_fp32",
-    "strict_ddp_mode",
-    "chunk_size_numel",
-    "hidden_dim",
-    "mixed_precision",
-    "process_group",
-    "prefetch",
-    "device_budget_bytes",
-    "shard_param_frac",
-    "offload_optim_frac",
-    "offload_param_frac",
-    "chunk_search_range",
-    "chunk_search_n_grids",
-    "min_chunk_size",
-    "gpu_margin_mem_ratio",
-    "gradient_reduction",
-    "reduce_scatter_bucket_bytes",
-    "param_init_fn",
-    "gather_units",
-    "shard_size",
-    "secondary_shard_size",
+from shardwise.gemini import GeminiManager
+from shardwise.zero.build import chunk_manager_for, gemini_manager_for, settle_chunk_size
+from shardwise.zero.config import (
+    Chunking,
+    EngineConfig,
+    MixedPrecision,
+    Overlap,
+    Placement,
+    Reduction,
+    Topology,
 )
+from shardwise.zero.ignore import mark_ignored
+from shardwise.zero.model import ZeroModel
 
 
 class GeminiDDP(ZeroModel):
@@ -83,7 +53,7 @@ class GeminiDDP(ZeroModel):
         reduce_scatter_bucket_bytes: reduce the gradients of consecutive chunks together until
             they reach this many bytes (0: one reduction per chunk).
         param_init_fn: initialises a module of a model built on the meta device (see
-            `ZeroConfig`).
+            `EngineConfig`).
     """
 
     def __init__(
@@ -102,53 +72,63 @@ class GeminiDDP(ZeroModel):
             raise TypeError(
                 f"gemini_manager must be a GeminiManager, got {type(gemini_manager).__name__}"
             )
-        _check_flags(pin_memory, force_outputs_fp32, strict_ddp_mode, prefetch)
+        _refuse_strict_ddp_mode(strict_ddp_mode)
         chunk_manager = gemini_manager.chunk_manager
         if chunk_manager.keep_gathered:
             raise ValueError(
                 "GeminiDDP shards parameters: build its ChunkManager with keep_gathered=False"
             )
-        # The seeds' entry point hands over built managers: the config is read off them.
+        # This front door's configuration is the managers the user built: translated into the
+        # engine's, which builds nothing more (see [Note: one configuration]).
         dtypes = chunk_manager.dtypes
-        config = ZeroConfig(
+        config = EngineConfig(
             stage=3,
             device=chunk_manager.device,
-            mixed_precision=MixedPrecision(
+            precision=MixedPrecision(
                 param_dtype=dtypes.payload, compute_dtype=dtypes.compute, reduce_dtype=dtypes.reduce
             ),
-            chunk_size_numel=chunk_manager.chunk_size_numel,
-            process_group=chunk_manager.topology.data_parallel,
-            shard_size=_shard_size(chunk_manager),
-            secondary_shard_size=_secondary_shard_size(chunk_manager),
-            gradient_reduction=chunk_manager.reduce_method.value,
-            prefetch=prefetch,
-            overlap_communication=gemini_manager.policy.allows_overlapped_reduction,
+            chunking=Chunking(size_numel=chunk_manager.chunk_size_numel),
+            placement=Placement(
+                policy=gemini_manager.policy,
+                device_budget_bytes=gemini_manager.device_budget_bytes,
+                pin_memory=pin_memory,
+            ),
+            reduction=Reduction(
+                method=chunk_manager.reduce_method.value,
+                bucket_bytes=reduce_scatter_bucket_bytes,
+                predivide_factor=chunk_manager.predivide_factor,
+            ),
+            overlap=Overlap(prefetch=prefetch),
+            topology=Topology(
+                process_group=chunk_manager.topology.data_parallel,
+                shard_size=_shard_size(chunk_manager),
+                secondary_shard_size=_secondary_shard_size(chunk_manager),
+            ),
             force_outputs_fp32=force_outputs_fp32,
-            reduce_scatter_bucket_bytes=reduce_scatter_bucket_bytes,
             param_init_fn=param_init_fn,
         )
-        self._build(module, config, gemini_manager, pin_memory)
+        self._build(module, config, chunk_manager, gemini_manager)
 
     @classmethod
-    def from_config(
-        cls, module: nn.Module, config: ZeroConfig, gemini_manager: GeminiManager, pin_memory: bool
-    ) -> GeminiDDP:
-        """Stage 3 from a config parsed once (`zero_model_wrapper`'s path) and the placement
-        over an empty chunk manager built from it."""
+    def from_config(cls, module: nn.Module, config: EngineConfig) -> GeminiDDP:
+        """Stage 3 from the engine configuration (`zero_model_wrapper`'s path and the
+        adapters'): the chunk size settled, the managers built from it (zero/build.py)."""
+        config, reason = settle_chunk_size(module, config)
+        chunk_manager = chunk_manager_for(config, CommStats(), reason)
         model = cls.__new__(cls)
-        model._build(module, config, gemini_manager, pin_memory)
+        model._build(module, config, chunk_manager, gemini_manager_for(config, chunk_manager))
         return model
 
     def _build(
         self,
         module: nn.Module,
-        config: ZeroConfig,
+        config: EngineConfig,
+        chunk_manager: ChunkManager,
         gemini_manager: GeminiManager,
-        pin_memory: bool,
     ) -> None:
-        self.pin_memory = pin_memory
-        gemini_manager.pin_memory = pin_memory
-        ZeroModel.__init__(self, module, config, gemini_manager.chunk_manager, gemini_manager)
+        self.pin_memory = config.placement.pin_memory
+        gemini_manager.pin_memory = config.placement.pin_memory
+        ZeroModel.__init__(self, module, config, chunk_manager, gemini_manager)
 
     @staticmethod
     def set_params_to_ignore(params_to_ignore: Iterable[torch.Tensor]) -> None:
@@ -176,84 +156,6 @@ class GeminiDDP(ZeroModel):
 ZeroDDP = GeminiDDP
 
 
-def gemini_ddp_from_config(model: nn.Module, gemini_config: Mapping[str, Any]) -> GeminiDDP:
-    """Build a GeminiDDP from `zero_model_wrapper`'s `gemini_config` dict.
-
-    Keys: device (default cuda:<current> or cpu); placement_policy ("cuda"/"device", "cpu",
-    "static"); device_budget_bytes, shard_param_frac, offload_optim_frac, offload_param_frac
-    (see GeminiManager); pin_memory; force_outputs_fp32; strict_ddp_mode; chunk_size_numel
-    (elements per chunk; None or absent: searched with chunk_search_range and min_chunk_size,
-    in bytes, and chunk_search_n_grids); hidden_dim (chunk sizes rounded up to a multiple);
-    mixed_precision (a `MixedPrecision`, or a torch dtype for parameters); process_group;
-    prefetch; gradient_reduction ("auto", "reduce_scatter", "all_to_all" or "all_reduce", see
-    ZeroConfig); param_init_fn (initialises each module of a model built on the meta device;
-    see ZeroConfig); gather_units (module classes or qualified names gathered as one block
-    besides the blocks holding experts; see ZeroConfig); shard_size (hybrid sharding over
-    groups of that many ranks; see ZeroConfig); secondary_shard_size (ZeRO++ hpZ: backward
-    gathers inside groups of that many ranks; see ZeroConfig).
-    """
-    config = dict(gemini_config)
-    unknown = sorted(set(config) - set(_GEMINI_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(
-            f"gemini_config keys {unknown} are unknown; known keys: {list(_GEMINI_CONFIG_KEYS)}"
-        )
-    device = compute_device(config.get("device"))
-    mixed_precision = config.get("mixed_precision", MixedPrecision())
-    if isinstance(mixed_precision, torch.dtype):
-        mixed_precision = MixedPrecision(param_dtype=mixed_precision)
-    if not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(
-            f"mixed_precision must be a MixedPrecision or torch.dtype, got {mixed_precision!r}"
-        )
-    hidden_dim = config.get("hidden_dim")
-    if hidden_dim is not None and (
-        isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1
-    ):
-        raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
-    pin_memory = config.get("pin_memory", False)
-    prefetch = config.get("prefetch", True)
-    force_outputs_fp32 = config.get("force_outputs_fp32", False)
-    _check_flags(pin_memory, force_outputs_fp32, config.get("strict_ddp_mode", False), prefetch)
-    policy = placement_policy(
-        config.get("placement_policy", "cuda"),
-        shard_param_frac=config.get("shard_param_frac", 1.0),
-        offload_optim_frac=config.get("offload_optim_frac", 0.0),
-        offload_param_frac=config.get("offload_param_frac", 0.0),
-        gpu_margin_mem_ratio=config.get("gpu_margin_mem_ratio"),
-    )
-    chunk_size = config.get("chunk_size_numel")
-    reason = f"chunk_size_numel {chunk_size} as set in gemini_config"
-    if chunk_size is None:
-        searched = _searched_chunk_size(model, config, mixed_precision, hidden_dim)
-        chunk_size, reason = searched.chunk_size_numel, searched.reason
-    elif hidden_dim is not None:
-        chunk_size = -(-chunk_size // hidden_dim) * hidden_dim
-        reason += f", rounded up to a multiple of hidden_dim {hidden_dim}: {chunk_size}"
-    zero_config = ZeroConfig(
-        stage=3,
-        device=device,
-        mixed_precision=mixed_precision,
-        chunk_size_numel=chunk_size,
-        process_group=config.get("process_group"),
-        gradient_reduction=config.get("gradient_reduction", "auto"),
-        prefetch=prefetch,
-        overlap_communication=policy.allows_overlapped_reduction,
-        force_outputs_fp32=force_outputs_fp32,
-        reduce_scatter_bucket_bytes=config.get("reduce_scatter_bucket_bytes", 0),
-        param_init_fn=config.get("param_init_fn"),
-        gather_units=_gather_units(config.get("gather_units", ())),
-        shard_size=config.get("shard_size"),
-        secondary_shard_size=config.get("secondary_shard_size"),
-    )
-    chunk_manager = chunk_manager_for(zero_config, CommStats())
-    chunk_manager.chunk_size_reason = reason
-    manager = GeminiManager(
-        policy, chunk_manager, device_budget_bytes=config.get("device_budget_bytes")
-    )
-    return GeminiDDP.from_config(model, zero_config, manager, pin_memory)
-
-
 def _shard_size(chunk_manager: ChunkManager) -> int | None:
     topology = chunk_manager.topology
     return comm.world_size(topology.shard) if topology.hybrid else None
@@ -264,71 +166,11 @@ def _secondary_shard_size(chunk_manager: ChunkManager) -> int | None:
     return comm.world_size(secondary) if secondary is not None else None
 
 
-def _gather_units(value: object) -> tuple[Any, ...]:
-    if isinstance(value, (str, type)) or not isinstance(value, (list, tuple)):
-        raise TypeError(
-            f"gather_units must be a list of module classes or qualified module names, "
-            f"got {value!r}"
-        )
-    return tuple(value)
-
-
-def _check_flags(
-    pin_memory: object, force_outputs_fp32: object, strict_ddp_mode: object, prefetch: object
-) -> None:
-    for name, value in (
-        ("pin_memory", pin_memory),
-        ("force_outputs_fp32", force_outputs_fp32),
-        ("strict_ddp_mode", strict_ddp_mode),
-        ("prefetch", prefetch),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
+def _refuse_strict_ddp_mode(strict_ddp_mode: object) -> None:
+    if not isinstance(strict_ddp_mode, bool):
+        raise TypeError(f"strict_ddp_mode must be a bool, got {strict_ddp_mode!r}")
     if strict_ddp_mode:
         raise ValueError(
             "strict_ddp_mode=True replicates every tensor, which is plain data parallelism: "
             "use ColoDDP(module) or zero_model_wrapper(model, zero_stage=1) instead"
         )
-
-
-def _searched_chunk_size(
-    model: nn.Module,
-    config: Mapping[str, Any],
-    mixed_precision: MixedPrecision,
-    hidden_dim: int | None,
-) -> ChunkSearchResult:
-    """Search a chunk size with the seeds' knobs from `config` (see `default_chunk_search`);
-    the choice and its reason are logged."""
-    element_size = torch.empty((), dtype=mixed_precision.param_dtype).element_size()
-    # A gather allocates the payload and, when the compute dtype differs, its compute copy.
-    gathered_element_size = element_size
-    if mixed_precision.compute_dtype != mixed_precision.param_dtype:
-        gathered_element_size += torch.empty((), dtype=mixed_precision.compute_dtype).element_size()
-    search_range = config.get("chunk_search_range", DEFAULT_SEARCH_RANGE_BYTES)
-    min_chunk = config.get("min_chunk_size", DEFAULT_MIN_CHUNK_BYTES)
-    for name, value in (("chunk_search_range", search_range), ("min_chunk_size", min_chunk)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a number of bytes (int >= 0), got {value!r}")
-    unique = [p for p in dict.fromkeys(model.parameters()) if not is_ignored(p)]
-    groups = [
-        [whole_numel(p) for p in unique if p.requires_grad],
-        [whole_numel(p) for p in unique if not p.requires_grad],
-    ]
-    budget = config.get("device_budget_bytes")
-    if isinstance(budget, bool) or not isinstance(budget, int):
-        budget = None  # absent, or wrong: GeminiManager refuses it with the reason
-    # Chunks are sharded over a shard group under hybrid sharding.
-    shard_size = config.get("shard_size")
-    result = default_chunk_search(
-        groups,
-        world_size=shard_size or comm.world_size(config.get("process_group")),
-        param_element_size=element_size,
-        gathered_element_size=gathered_element_size,
-        device_budget_bytes=budget,
-        search_range_bytes=search_range,
-        min_chunk_bytes=min_chunk,
-        n_grids=config.get("chunk_search_n_grids", DEFAULT_SEARCH_N_GRIDS),
-        hidden_dim=hidden_dim,
-    )
-    _log.info("stage 3 chunk size searched: %s", result.reason)
-    return result

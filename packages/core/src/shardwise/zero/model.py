@@ -5,7 +5,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,9 +15,9 @@ from torch.utils._pytree import tree_map
 from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
-from shardwise.comm.topology import topology_for
 from shardwise.gemini import GeminiManager
-from shardwise.zero.config import ZeroConfig, gradient_reduction_method
+from shardwise.zero.build import chunk_manager_for
+from shardwise.zero.config import EngineConfig
 from shardwise.zero.gather_scheduler import GatherScheduler
 from shardwise.zero.gather_units import UnitMap, find_gather_units
 from shardwise.zero.grad_reducer import GradReducer
@@ -65,7 +64,7 @@ class ZeroModel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        config: ZeroConfig,
+        config: EngineConfig,
         chunk_manager: ChunkManager | None = None,
         gemini_manager: GeminiManager | None = None,
     ) -> None:
@@ -81,7 +80,7 @@ class ZeroModel(nn.Module):
             )
         if config.stage == 0:
             raise ValueError("stage 0 (plain data parallel) is ColoDDP; use ColoDDP(module)")
-        comm.check_launched_group(config.process_group)
+        comm.check_launched_group(config.topology.process_group)
         super().__init__()
         object.__setattr__(module, _WRAPPED_MARK, True)
         comm.destroy_default_group_at_exit()  # see [Note: gloo at exit] in comm/lifecycle.py
@@ -95,7 +94,7 @@ class ZeroModel(nn.Module):
         if self._meta is None:
             _place_buffers(module, config.device)
         self.config = config
-        self._dtypes = config.mixed_precision.chunk_dtypes()
+        self._dtypes = config.precision.chunk_dtypes()
         if chunk_manager is None:
             chunk_manager = chunk_manager_for(config, CommStats())
         elif chunk_manager.chunks:
@@ -105,7 +104,7 @@ class ZeroModel(nn.Module):
         # The ZeroOptimizer stepping this model's shards, if any (one at a time).
         self.optimizer_ref: weakref.ref[ZeroOptimizer] | None = None
         self.rank_sync = RankSync(
-            self.comm_stats, config.process_group, check_passes=config.stage == 3
+            self.comm_stats, config.topology.process_group, check_passes=config.stage == 3
         )
         # See [Note: packed once the bucket size is known].
         self._to_pack: ChunkManager | None = chunk_manager
@@ -201,22 +200,26 @@ class ZeroModel(nn.Module):
                 plan=lambda used_in, blocks: plan_gather_units(
                     module, chunk_manager, conditional, used_in, blocks=blocks
                 ),
-                prefetch=self.config.prefetch,
+                prefetch=self.config.overlap.prefetch,
                 gemini=gemini,
                 on_backward=lambda: self.rank_sync.backward_started(self.config.device),
                 units=units,
             )
             self.rank_sync.trail = self.scheduler.trail
         self.param_gather = None
-        if self.config.overlap_param_gather:
+        if self.config.overlap.param_gather:
             self.param_gather = DeferredParamGather(self.module, chunk_manager)
         self._reducer = GradReducer(
             chunk_manager,
             reduce_in_backward=self.config.stage >= 2,
-            overlap=self.config.overlap_communication,
+            # A placement planning every gather against its budget ("auto") waits for each.
+            overlap=(
+                self.config.overlap.communication
+                and self.config.placement.policy.allows_overlapped_reduction
+            ),
             # See [Note: gradients in flight] in zero/grad_reducer.py.
             max_in_flight=2 if self.config.stage == 2 else 1,
-            bucket_bytes=self.config.reduce_scatter_bucket_bytes,
+            bucket_bytes=self.config.reduction.bucket_bytes,
             on_reduced=self.scheduler.release_done if self.scheduler else None,
             on_complete=self.scheduler.release_done if self.scheduler else None,
             after_grad=gemini.check_budget if gemini is not None else None,
@@ -244,7 +247,7 @@ class ZeroModel(nn.Module):
         is sharded as soon as it is full, so the whole model never exists on one rank (see
         [Note: packing one chunk at a time] in chunk/manager.py). Parameters marked by
         `set_params_to_ignore` stay out of the chunks (see [Note: ignored parameters])."""
-        stats, group = self.comm_stats, self.config.process_group
+        stats, group = self.comm_stats, self.config.topology.process_group
 
         meta = self._meta
 
@@ -266,24 +269,17 @@ class ZeroModel(nn.Module):
             values_agree=values_agree,
         )
 
-    def configure_reduction(
-        self, *, chunk_size_numel: int, overlap_communication: bool, overlap_param_gather: bool
-    ) -> None:
-        """Stages 1 and 2, before the first step, when the optimizer wrapper learns its bucket
-        size and overlap settings: the parameters are packed with them (see [Note: packed once
-        the bucket size is known]). A model already packed (used before its optimizer was
-        wrapped) has its hooks rebuilt, and is re-packed for a new chunk (bucket) size without
-        broadcasting (every rank already holds rank 0's values), holding the parameters twice
-        while it runs."""
+    def configure_reduction(self, config: EngineConfig) -> None:
+        """Stages 1 and 2, before the first step: `config` with the bucket size and overlap
+        settings the optimizer wrapper learnt (`front_door.with_optim_config`); the parameters
+        are packed with them (see [Note: packed once the bucket size is known]). A model
+        already packed (used before its optimizer was wrapped) has its hooks rebuilt, and is
+        re-packed for a new chunk (bucket) size without broadcasting (every rank already holds
+        rank 0's values), holding the parameters twice while it runs."""
         if self.stage == 3:
             raise ValueError("stage 3 chunks are fixed at wrap time (gemini_config)")
-        repack = chunk_size_numel != self.config.chunk_size_numel
-        self.config = replace(
-            self.config,
-            chunk_size_numel=chunk_size_numel,
-            overlap_communication=overlap_communication,
-            overlap_param_gather=overlap_param_gather,
-        )
+        repack = config.chunk_size_numel != self.config.chunk_size_numel
+        self.config = config
         if self._to_pack is not None:  # see [Note: packed once the bucket size is known]
             if repack:
                 self._to_pack = chunk_manager_for(self.config, self.comm_stats)
@@ -310,7 +306,7 @@ class ZeroModel(nn.Module):
         for buffer in self.module.buffers():
             if buffer.is_floating_point() and buffer.dtype != compute:
                 buffer.data = buffer.data.to(compute)
-            comm.broadcast(buffer.data, 0, self.comm_stats, self.config.process_group)
+            comm.broadcast(buffer.data, 0, self.comm_stats, self.config.topology.process_group)
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -456,7 +452,7 @@ class ZeroModel(nn.Module):
         it reduces what backward left unreduced (stage 1, `no_sync`), so call it after the
         last backward before `step()`. With `only_rank_0`, other ranks get an empty dict."""
         self.reducer.reduce_all()
-        keep = not only_rank_0 or comm.rank(self.config.process_group) == 0
+        keep = not only_rank_0 or comm.rank(self.config.topology.process_group) == 0
         return gather_full_grads(self.chunk_manager, keep=keep)
 
     def memory_report(self) -> dict[str, int]:
@@ -466,23 +462,6 @@ class ZeroModel(nn.Module):
     def extra_repr(self) -> str:
         manager = self.chunk_manager
         return f"stage={self.stage}, chunks={len(manager.chunks)} ({manager.chunk_size_reason})"
-
-
-def chunk_manager_for(config: ZeroConfig, stats: CommStats) -> ChunkManager:
-    """An empty chunk manager as `config` says: chunk size, device, dtypes, group, reduction
-    method, and whether chunks keep their payload gathered (stages 1 and 2)."""
-    topology = topology_for(
-        config.process_group, config.shard_size, secondary_shard_size=config.secondary_shard_size
-    )
-    return ChunkManager(
-        chunk_size_numel=config.chunk_size_numel,
-        device=config.device,
-        dtypes=config.mixed_precision.chunk_dtypes(),
-        stats=stats,
-        keep_gathered=config.stage < 3,
-        reduce_method=gradient_reduction_method(config.gradient_reduction, topology.shard),
-        topology=topology,
-    )
 
 
 def _place_buffers(module: nn.Module, device: torch.device) -> None:

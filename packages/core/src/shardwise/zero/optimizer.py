@@ -216,7 +216,7 @@ class ZeroOptimizer:
             grads,
             self.norm_type,
             self.model.comm_stats,
-            self.model.config.process_group,
+            self.model.config.topology.process_group,
             signature=rank_sync.step_signature(),
             # The last flag: did "auto" placement overrun its plan on this rank (any rank's
             # makes every rank plan again after this step, see _after_step)?
@@ -254,7 +254,7 @@ class ZeroOptimizer:
                 torch._foreach_mul_(grads, coef)
             self.optim.step()
         for chunk in self._chunks:
-            chunk.publish_master(wait=not self.model.config.overlap_param_gather)
+            chunk.publish_master(wait=not self.model.config.overlap.param_gather)
             chunk.end_step()
         self._after_step()
         return True
@@ -376,6 +376,6 @@ class SkippedStepsWarning(RuntimeWarning):
 def grad_scaler_for(model: ZeroModel, loss_scale: LossScaleConfig) -> GradScaler:
     """A DynamicGradScaler with `loss_scale` when any of the model's dtypes is fp16, otherwise
     a constant scale of 1 (the settings were validated all the same, when built)."""
-    if model.config.mixed_precision.uses_loss_scaling:
+    if model.config.precision.uses_loss_scaling:
         return DynamicGradScaler.from_config(loss_scale)
     return ConstantGradScaler()

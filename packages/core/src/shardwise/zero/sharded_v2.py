@@ -19,12 +19,16 @@ from torch.distributed import ProcessGroup
 from shardwise.amp import LossScaleConfig
 from shardwise.chunk import ChunkManager, Pool
 from shardwise.comm import CommStats
-from shardwise.gemini import GeminiManager, MemoryTracer
+from shardwise.gemini import MemoryTracer, placement_policy
+from shardwise.zero.build import chunk_manager_for, gemini_manager_for
 from shardwise.zero.config import (
+    Chunking,
+    EngineConfig,
     MixedPrecision,
-    ZeroConfig,
+    Placement,
+    Reduction,
+    Topology,
     default_device,
-    gradient_reduction_method,
 )
 from shardwise.zero.ignore import is_ignored
 from shardwise.zero.init_context import sliced, unslice
@@ -98,31 +102,28 @@ class ShardedModelV2(ZeroModel):
                 f"does); use "
                 f"GeminiDDP / zero_model_wrapper(zero_stage=3) or ColoDDP for ignored parameters"
             )
-        placement = _placement(offload_config)
+        placement = placement_policy(_placement(offload_config))
         param_dtype = _param_dtype(module)
         precision = MixedPrecision(
             param_dtype=param_dtype, reduce_dtype=torch.float32 if fp32_reduce_scatter else None
         )
         device = default_device()
-        config = ZeroConfig(
+        config = EngineConfig(
             stage=3,
             device=device,
-            mixed_precision=precision,
-            chunk_size_numel=1,
-            process_group=process_group,
-            reduce_scatter_bucket_bytes=int(reduce_scatter_bucket_size_mb * 2**20),
+            precision=precision,
+            # Each strategy group gets a chunk of its own size (see _register_parameters).
+            chunking=Chunking(size_numel=1),
+            placement=Placement(policy=placement),
+            reduction=Reduction(
+                bucket_bytes=int(reduce_scatter_bucket_size_mb * 2**20),
+                predivide_factor=gradient_predivide_factor,
+            ),
+            topology=Topology(process_group=process_group),
         )
         self.shard_strategy = shard_strategy
-        chunk_manager = ChunkManager(
-            chunk_size_numel=1,
-            device=device,
-            dtypes=precision.chunk_dtypes(),
-            group=process_group,
-            stats=CommStats(),
-            predivide_factor=gradient_predivide_factor,
-            reduce_method=gradient_reduction_method("auto", process_group),
-        )
-        super().__init__(module, config, chunk_manager, GeminiManager(placement, chunk_manager))
+        chunk_manager = chunk_manager_for(config, CommStats())
+        super().__init__(module, config, chunk_manager, gemini_manager_for(config, chunk_manager))
         self.reuse_fp16_shard = reuse_fp16_shard
         if reuse_fp16_shard:
             for chunk in self.chunk_manager.trainable_chunks():
@@ -143,7 +144,7 @@ class ShardedModelV2(ZeroModel):
         for group in self.shard_strategy.groups(self.module):
             for _, param in group:
                 if sliced(param):
-                    unslice(param, self.comm_stats, self.config.process_group)
+                    unslice(param, self.comm_stats, self.config.topology.process_group)
             chunk_manager.chunk_size_numel = max(1, sum(p.numel() for _, p in group))
             chunk_manager.register(group, values_agree=values_agree)
 
@@ -234,7 +235,7 @@ class ShardedOptimizerV2(ZeroOptimizer):
         if isinstance(optimizer, ShardedOptimizerV2):
             raise TypeError("optimizer is already a ShardedOptimizerV2; pass the inner optimizer")
         _check_margin_ratio(sharded_model, gpu_margin_mem_ratio)
-        own_group = sharded_model.config.process_group
+        own_group = sharded_model.config.topology.process_group
         if dp_process_group not in (None, own_group) and not (
             own_group is None and dp_process_group is dist.group.WORLD
         ):

@@ -9,17 +9,10 @@ import torch
 from torch import nn
 
 from shardwise.amp import LossScaleConfig
-from shardwise.zero.config import (
-    DEFAULT_REDUCE_BUCKET_NUMEL,
-    MixedPrecision,
-    ZeroConfig,
-    compute_device,
-)
-from shardwise.zero.gemini_ddp import GeminiDDP, gemini_ddp_from_config
+from shardwise.zero import front_door
+from shardwise.zero.gemini_ddp import GeminiDDP
 from shardwise.zero.model import ZeroModel
 from shardwise.zero.optimizer import ZeroOptimizer, check_no_optimizer_yet, grad_scaler_for
-
-_OPTIM_CONFIG_KEYS = ("reduce_bucket_size", "overlap_communication", "overlap_param_gather")
 
 
 def zero_model_wrapper(
@@ -27,10 +20,12 @@ def zero_model_wrapper(
 ) -> ZeroModel:
     """Wrap `model` for ZeRO data parallelism at `zero_stage` (1, 2 or 3).
 
-    Stage 3 builds a `GeminiDDP` from `gemini_config` (see `GeminiDDP` for its keys: device,
-    placement_policy, chunk_size, mixed_precision, shard_size, ...). Stages 1 and 2 take
-    `device`, `mixed_precision`, `process_group` and `shard_size` from it; their bucket size
-    comes from `zero_optim_wrapper`'s `optim_config["reduce_bucket_size"]`.
+    Stage 3 builds a `GeminiDDP` from `gemini_config` (its keys: device, placement_policy,
+    chunk_size_numel, mixed_precision, shard_size, ...: `front_door.GEMINI_CONFIG_KEYS`, each
+    a field of `EngineConfig`). Stages 1 and 2 take `device`, `mixed_precision`,
+    `process_group`, `force_outputs_fp32`, `gradient_reduction`, `param_init_fn` and
+    `shard_size` from it; their bucket size comes from `zero_optim_wrapper`'s
+    `optim_config["reduce_bucket_size"]`, and they pack the parameters once it is known.
 
     Args:
         model: the module to wrap.
@@ -39,48 +34,10 @@ def zero_model_wrapper(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    config = dict(gemini_config or {})
-    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int):
-        raise TypeError(f"zero_stage must be an int (1, 2 or 3), got {zero_stage!r}")
-    if zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
-    if zero_stage == 3:
-        return gemini_ddp_from_config(model, config)
-    allowed = (
-        "device",
-        "mixed_precision",
-        "process_group",
-        "force_outputs_fp32",
-        "gradient_reduction",
-        "param_init_fn",
-        "shard_size",
-    )
-    unknown = sorted(set(config) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"gemini_config keys {unknown} have no meaning at stage {zero_stage}; "
-            f"stages 1 and 2 take {list(allowed)}"
-        )
-    return _LowLevelZeroModel(
-        model,
-        ZeroConfig(
-            stage=zero_stage,
-            chunk_size_numel=DEFAULT_REDUCE_BUCKET_NUMEL,
-            device=compute_device(config.get("device")),
-            mixed_precision=config.get("mixed_precision", MixedPrecision()),
-            process_group=config.get("process_group"),
-            force_outputs_fp32=config.get("force_outputs_fp32", False),
-            gradient_reduction=config.get("gradient_reduction", "auto"),
-            param_init_fn=config.get("param_init_fn"),
-            shard_size=config.get("shard_size"),
-        ),
-    )
-
-
-class _LowLevelZeroModel(ZeroModel):
-    """Stages 1 and 2, whose gradient bucket size is only known once the optimizer is wrapped:
-    `zero_optim_wrapper` re-packs the chunks when its `reduce_bucket_size` differs from the
-    size they were packed with (see `ZeroModel.configure_reduction`)."""
+    config = front_door.engine_config(zero_stage, gemini_config)
+    if config.stage == 3:
+        return GeminiDDP.from_config(model, config)
+    return ZeroModel(model, config)
 
 
 def zero_optim_wrapper(
@@ -119,7 +76,7 @@ def zero_optim_wrapper(
             while backward goes on, as DDP does; stage 1 reduces at the step either way) and
             `overlap_param_gather` (bool, default True: let the all-gather of updated
             parameters run into the next forward, any read of a parameter before it waiting
-            for its chunk; False waits for it in `step()`; see `ZeroConfig`).
+            for its chunk; False waits for it in `step()`; see `Overlap`).
         warn_after_skipped_steps: warn when this many steps in a row were skipped for inf or
             nan gradients with no loss scale left to lower (see `ZeroOptimizer`).
         loss_scale: the seven scaler settings as one `LossScaleConfig`, in place of the
@@ -148,35 +105,12 @@ def zero_optim_wrapper(
             "pass the loss-scale settings either as loss_scale=LossScaleConfig(...) or as "
             "separate arguments, not both"
         )
-    options = dict(optim_config or {})
-    unknown = sorted(set(options) - set(_OPTIM_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(
-            f"optim_config keys {unknown} are unknown; known keys: {list(_OPTIM_CONFIG_KEYS)}"
-        )
-    if model.stage == 3 and options:
-        raise ValueError(
-            f"optim_config {sorted(options)} applies to stages 1 and 2; at stage 3 the chunk "
-            f"size (gemini_config['chunk_size_numel']) sets the reduction granularity"
-        )
-    if isinstance(model, _LowLevelZeroModel):
-        bucket = options.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_NUMEL)
-        # Overlapping was faster in every interleaved stage-2 measurement here, and costs only
-        # the in-flight buckets' receive buffers until backward ends.
-        overlap = options.get("overlap_communication", True)
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap_communication must be a bool, got {overlap!r}")
-        # Deferred: the all-gather of updated parameters is the one collective of stages 1-2
-        # nothing else overlaps (2-5% of DDP's step time here when waited in the step), and a
-        # read of a parameter before the next forward waits for it (PendingParameter).
-        param_gather = options.get("overlap_param_gather", True)
-        if not isinstance(param_gather, bool):
-            raise TypeError(f"overlap_param_gather must be a bool, got {param_gather!r}")
-        model.configure_reduction(
-            chunk_size_numel=bucket,
-            overlap_communication=overlap,
-            overlap_param_gather=param_gather,
-        )
+    if model.stage < 3 or optim_config:
+        # Stages 1-2 pack their chunks now, with this bucket size (see [Note: packed once the
+        # bucket size is known] in zero/model.py); stage 3 refuses optim_config there.
+        configured = front_door.with_optim_config(model.config, optim_config)
+        if model.stage < 3:
+            model.configure_reduction(configured)
     return ZeroOptimizer(
         model,
         optimizer,

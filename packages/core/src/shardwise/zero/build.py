@@ -1,0 +1,115 @@
+"""The one build path: an `EngineConfig` and the user's module to the engine's collaborators.
+
+In order (each step needs the one before): the chunk size (given, or searched over the
+module's parameters at stage 3), the chunk manager over the topology's groups, and at stage 3
+the memory manager placing its chunks. `ZeroModel` receives them built; every front door
+reaches the engine through here (see [Note: one configuration] in zero/front_door.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.chunk import ChunkManager
+from shardwise.chunk.search import default_chunk_search
+from shardwise.comm import CommStats
+from shardwise.comm.topology import topology_for
+from shardwise.gemini import GeminiManager
+from shardwise.zero.config import EngineConfig, gradient_reduction_method
+from shardwise.zero.ignore import is_ignored
+from shardwise.zero.init_context import whole_numel
+
+_log = logging.getLogger(__name__)
+
+
+def settle_chunk_size(module: nn.Module, config: EngineConfig) -> tuple[EngineConfig, str]:
+    """`config` with its chunk size known (rounded up to `hidden_dim`; searched at stage 3
+    when not given), and why that size."""
+    chunking = config.chunking
+    if chunking.size_numel is None and config.stage == 3:
+        size, reason = _searched(module, config)
+    elif chunking.size_numel is None:
+        size, reason = (
+            config.chunk_size_numel,
+            f"chunk_size_numel {config.chunk_size_numel} (default)",
+        )
+    else:
+        size, reason = chunking.size_numel, f"chunk_size_numel {chunking.size_numel} as set"
+        if chunking.hidden_dim is not None:
+            size = -(-size // chunking.hidden_dim) * chunking.hidden_dim
+            reason += f", rounded up to a multiple of hidden_dim {chunking.hidden_dim}: {size}"
+    return replace(config, chunking=replace(chunking, size_numel=size)), reason
+
+
+def chunk_manager_for(config: EngineConfig, stats: CommStats, reason: str = "") -> ChunkManager:
+    """An empty chunk manager as `config` says (its chunk size settled): size, device,
+    dtypes, groups, reduction method, and whether chunks keep their payload gathered (stages
+    0-2)."""
+    topology = topology_for(
+        config.topology.process_group,
+        config.topology.shard_size,
+        secondary_shard_size=config.topology.secondary_shard_size,
+    )
+    manager = ChunkManager(
+        chunk_size_numel=config.chunk_size_numel,
+        device=config.device,
+        dtypes=config.precision.chunk_dtypes(),
+        stats=stats,
+        keep_gathered=config.stage < 3,
+        predivide_factor=config.reduction.predivide_factor,
+        reduce_method=gradient_reduction_method(config.reduction.method, topology.shard),
+        topology=topology,
+    )
+    if reason:
+        manager.chunk_size_reason = reason
+    return manager
+
+
+def gemini_manager_for(config: EngineConfig, chunk_manager: ChunkManager) -> GeminiManager:
+    """Stage 3's memory manager over `chunk_manager`, placing as `config.placement` says."""
+    placement = config.placement
+    return GeminiManager(
+        placement.policy,
+        chunk_manager,
+        device_budget_bytes=placement.device_budget_bytes,
+        pin_memory=placement.pin_memory,
+    )
+
+
+def _searched(module: nn.Module, config: EngineConfig) -> tuple[int, str]:
+    """Search a chunk size with the seeds' knobs (see `default_chunk_search`); the choice and
+    its reason are logged."""
+    precision, chunking = config.precision, config.chunking
+    element_size = torch.empty((), dtype=precision.param_dtype).element_size()
+    # A gather allocates the payload and, when the compute dtype differs, its compute copy.
+    gathered_element_size = element_size
+    if precision.compute_dtype != precision.param_dtype:
+        gathered_element_size += torch.empty((), dtype=precision.compute_dtype).element_size()
+    unique = [p for p in dict.fromkeys(module.parameters()) if not is_ignored(p)]
+    groups = [
+        [whole_numel(p) for p in unique if p.requires_grad],
+        [whole_numel(p) for p in unique if not p.requires_grad],
+    ]
+    # Chunks are sharded over a shard group under hybrid sharding.
+    topology = config.topology
+    result = default_chunk_search(
+        groups,
+        world_size=topology.shard_size or comm.world_size(topology.process_group),
+        param_element_size=element_size,
+        gathered_element_size=gathered_element_size,
+        device_budget_bytes=config.placement.device_budget_bytes,
+        search_range_bytes=chunking.search_range_bytes,
+        min_chunk_bytes=chunking.min_chunk_bytes,
+        n_grids=chunking.search_n_grids,
+        hidden_dim=chunking.hidden_dim,
+    )
+    _log.info("stage 3 chunk size searched: %s", result.reason)
+    return result.chunk_size_numel, result.reason
+
+
+__all__ = ["chunk_manager_for", "gemini_manager_for", "settle_chunk_size"]

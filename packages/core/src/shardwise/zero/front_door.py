@@ -1,0 +1,197 @@
+"""The seed API's string-keyed options, parsed into the one `EngineConfig`, once.
+
+[Note: one configuration]
+Every front door (`zero_model_wrapper`'s `gemini_config`, `zero_optim_wrapper`'s arguments and
+`optim_config`, `GeminiDDP`'s managers, `ShardedModelV2`, the Lightning strategies, the Trainer
+callback) translates its arguments into an `EngineConfig` (zero/config.py), whose parts validate
+themselves when built; the model is built from that config alone (zero/build.py). A value is
+checked in one place: its config part. This module holds the translations of the dictionaries,
+the only place their keys are known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardwise.gemini import placement_policy
+from shardwise.zero.config import (
+    DEFAULT_REDUCE_BUCKET_NUMEL,
+    Chunking,
+    EngineConfig,
+    MixedPrecision,
+    Overlap,
+    Placement,
+    Reduction,
+    Topology,
+    compute_device,
+)
+
+GEMINI_CONFIG_KEYS = (
+    "device",
+    "placement_policy",
+    "pin_memory",
+    "force_outputs_fp32",
+    "strict_ddp_mode",
+    "chunk_size_numel",
+    "hidden_dim",
+    "mixed_precision",
+    "process_group",
+    "prefetch",
+    "device_budget_bytes",
+    "shard_param_frac",
+    "offload_optim_frac",
+    "offload_param_frac",
+    "chunk_search_range",
+    "chunk_search_n_grids",
+    "min_chunk_size",
+    "gpu_margin_mem_ratio",
+    "gradient_reduction",
+    "reduce_scatter_bucket_bytes",
+    "param_init_fn",
+    "gather_units",
+    "shard_size",
+    "secondary_shard_size",
+)
+# What stages 1 and 2 take from `gemini_config`; their bucket size is `optim_config`'s.
+LOW_LEVEL_KEYS = (
+    "device",
+    "mixed_precision",
+    "process_group",
+    "force_outputs_fp32",
+    "gradient_reduction",
+    "param_init_fn",
+    "shard_size",
+)
+OPTIM_CONFIG_KEYS = ("reduce_bucket_size", "overlap_communication", "overlap_param_gather")
+
+
+def engine_config(stage: int, gemini_config: Mapping[str, Any] | None) -> EngineConfig:
+    """`zero_model_wrapper`'s arguments as the engine configuration.
+
+    Stage 3 takes every key of `GEMINI_CONFIG_KEYS` (see `GeminiDDP`); stages 1 and 2 those of
+    `LOW_LEVEL_KEYS`, their bucket size and overlap coming from `zero_optim_wrapper`
+    (`with_optim_config`)."""
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise TypeError(f"zero_stage must be an int (1, 2 or 3), got {stage!r}")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {stage}")
+    options = dict(gemini_config or {})
+    known = GEMINI_CONFIG_KEYS if stage == 3 else LOW_LEVEL_KEYS
+    unknown = sorted(set(options) - set(known))
+    if unknown and stage == 3:
+        raise ValueError(f"gemini_config keys {unknown} are unknown; known keys: {list(known)}")
+    if unknown:
+        raise ValueError(
+            f"gemini_config keys {unknown} have no meaning at stage {stage}; "
+            f"stages 1 and 2 take {list(known)}"
+        )
+    for name in ("pin_memory", "force_outputs_fp32", "strict_ddp_mode", "prefetch"):
+        if not isinstance(options.get(name, name == "prefetch"), bool):
+            raise TypeError(f"{name} must be a bool, got {options[name]!r}")
+    if options.get("strict_ddp_mode", False):
+        raise ValueError(
+            "strict_ddp_mode=True replicates every tensor, which is plain data parallelism: "
+            "use ColoDDP(module) or zero_model_wrapper(model, zero_stage=1) instead"
+        )
+    return EngineConfig(
+        stage=stage,
+        device=compute_device(options.get("device")),
+        precision=_precision(options.get("mixed_precision", MixedPrecision())),
+        chunking=_chunking(options) if stage == 3 else Chunking(),
+        placement=_placement(options) if stage == 3 else Placement(),
+        reduction=Reduction(
+            method=options.get("gradient_reduction", "auto"),
+            bucket_bytes=options.get("reduce_scatter_bucket_bytes", 0),
+        ),
+        overlap=Overlap(prefetch=options.get("prefetch", True)),
+        topology=Topology(
+            process_group=options.get("process_group"),
+            shard_size=options.get("shard_size"),
+            secondary_shard_size=options.get("secondary_shard_size"),
+        ),
+        gather_units=_gather_units(options.get("gather_units", ())),
+        force_outputs_fp32=options.get("force_outputs_fp32", False),
+        param_init_fn=options.get("param_init_fn"),
+    )
+
+
+def with_optim_config(config: EngineConfig, optim_config: Mapping[str, Any] | None) -> EngineConfig:
+    """`config` with `zero_optim_wrapper`'s `optim_config`: stages 1-2 take their bucket size
+    (`reduce_bucket_size`, elements) and overlap settings there; stage 3 none of them."""
+    options = dict(optim_config or {})
+    unknown = sorted(set(options) - set(OPTIM_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"optim_config keys {unknown} are unknown; known keys: {list(OPTIM_CONFIG_KEYS)}"
+        )
+    if config.stage == 3:
+        if options:
+            raise ValueError(
+                f"optim_config {sorted(options)} applies to stages 1 and 2; at stage 3 the "
+                f"chunk size (gemini_config['chunk_size_numel']) sets the reduction granularity"
+            )
+        return config
+    bucket = options.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_NUMEL)
+    # Overlapping was faster in every interleaved stage-2 measurement here, and costs only the
+    # buckets in flight. Deferred parameter gathers: the all-gather of updated parameters is
+    # the one collective of stages 1-2 nothing else overlaps (2-5% of DDP's step time here when
+    # waited in the step), and a read of a parameter before the next forward waits for it.
+    overlap = Overlap(
+        communication=options.get("overlap_communication", True),
+        param_gather=options.get("overlap_param_gather", True),
+        prefetch=config.overlap.prefetch,
+    )
+    return replace_parts(config, chunking=Chunking(size_numel=bucket), overlap=overlap)
+
+
+def replace_parts(config: EngineConfig, **parts: Any) -> EngineConfig:
+    """`config` with some parts replaced (validated again as a whole)."""
+    from dataclasses import replace
+
+    return replace(config, **parts)
+
+
+def _precision(value: object) -> MixedPrecision:
+    if isinstance(value, torch.dtype):
+        return MixedPrecision(param_dtype=value)
+    if not isinstance(value, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a MixedPrecision or torch.dtype, got {value!r}")
+    return value
+
+
+def _chunking(options: Mapping[str, Any]) -> Chunking:
+    defaults = Chunking()
+    return Chunking(
+        size_numel=options.get("chunk_size_numel"),
+        search_range_bytes=options.get("chunk_search_range", defaults.search_range_bytes),
+        search_n_grids=options.get("chunk_search_n_grids", defaults.search_n_grids),
+        min_chunk_bytes=options.get("min_chunk_size", defaults.min_chunk_bytes),
+        hidden_dim=options.get("hidden_dim"),
+    )
+
+
+def _placement(options: Mapping[str, Any]) -> Placement:
+    policy = placement_policy(
+        options.get("placement_policy", "cuda"),
+        shard_param_frac=options.get("shard_param_frac", 1.0),
+        offload_optim_frac=options.get("offload_optim_frac", 0.0),
+        offload_param_frac=options.get("offload_param_frac", 0.0),
+        gpu_margin_mem_ratio=options.get("gpu_margin_mem_ratio"),
+    )
+    return Placement(
+        policy=policy,
+        device_budget_bytes=options.get("device_budget_bytes"),
+        pin_memory=options.get("pin_memory", False),
+    )
+
+
+def _gather_units(value: object) -> tuple[Any, ...]:
+    if isinstance(value, (str, type)) or not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"gather_units must be a list of module classes or qualified module names, "
+            f"got {value!r}"
+        )
+    return tuple(value)
