@@ -1,0 +1,142 @@
+"""GeminiManager on one process: where each placement policy puts chunks' payloads and
+optimizer sides, the bytes it reports per pool, and the device budget check.
+
+On a host without GPUs both pools are host memory, but they are still accounted apart (see
+`Pool`), so placement and budgets are testable here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise
+from shardwise import ChunkManager, GeminiManager
+from shardwise.chunk import ChunkState, Pool
+from shardwise.chunk.reduction import reduce_now
+from shardwise.gemini.errors import DeviceBudgetExceeded
+
+CPU = torch.device("cpu")
+CHUNK_BYTES = 20 * 4  # one Linear(4, 4) per chunk, fp32; one rank: the shard is the chunk
+
+
+def _placed(policy: str, **options: object) -> tuple[GeminiManager, ChunkManager]:
+    """Four chunks: three trainable Linear(4, 4), then a frozen one (no optimizer side)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+    model[3].requires_grad_(False)
+    manager = ChunkManager(chunk_size_numel=20, device=CPU, keep_gathered=False)
+    gemini = GeminiManager(policy, manager, **options)  # type: ignore[arg-type]
+    manager.register(model.named_parameters(), sharded_fraction=gemini.sharded_fraction)
+    gemini.place_chunks()
+    return gemini, manager
+
+
+def _letters(values: list[object]) -> str:
+    return "".join(str(v)[0] for v in values)
+
+
+# Per chunk: s(harded) or g(athered); payload pool and optim pool, d(evice) or h(ost).
+PLACEMENTS = [
+    ("cuda", {}, "ssss", "dddd", "dddd"),
+    # The frozen chunk has no optimizer side to offload.
+    ("cpu", {}, "ssss", "hhhh", "hhhd"),
+    # ceil(0.5 x 4) chunks sharded, the optimizer sides of floor(0.5 x 4) in host memory.
+    ("static", {"shard_param_frac": 0.5, "offload_optim_frac": 0.5}, "ssgg", "dddd", "hhdd"),
+    ("static", {"offload_param_frac": 0.25, "offload_optim_frac": 0.75}, "ssss", "hddd", "hhhd"),
+]
+
+
+@pytest.mark.parametrize(("policy", "options", "sharded", "payload", "optim"), PLACEMENTS)
+def test_each_policy_places_chunks_as_documented(
+    policy: str, options: dict[str, float], sharded: str, payload: str, optim: str
+) -> None:
+    _, manager = _placed(policy, **options)
+    chunks = manager.chunks
+    assert _letters(["g" if c.keep_gathered else "s" for c in chunks]) == sharded
+    assert _letters([c.payload_pool.value for c in chunks]) == payload
+    assert _letters([c.optim_pool.value for c in chunks]) == optim
+    for chunk in chunks:
+        # An fp32 master shares the shard's memory when both live in one pool.
+        if chunk.requires_grad:
+            assert (chunk.master is chunk.shard) == (chunk.payload_pool is chunk.optim_pool)
+        assert chunk.state is (ChunkState.GATHERED if chunk.keep_gathered else ChunkState.SHARDED)
+
+
+# (device, host) at rest, in CHUNK_BYTES, counted by hand: each chunk's payload (its shard,
+# or the whole gathered payload) and, for the three trainable ones, a gradient shard, a
+# master where it cannot be the shard, and 2 x 4 bytes of optimizer state per element.
+STATE = 2 * CHUNK_BYTES
+MEMORY = [
+    ("cuda", {}, 4 + 3 + 3 * 2, 0),
+    ("cpu", {}, 0, 4 + 3 + 3 * 2),
+    # Chunks 0 and 1 keep payload on the device, master, gradient and state on the host.
+    ("static", {"shard_param_frac": 0.5, "offload_optim_frac": 0.5}, 7, 8),
+    # Chunk 0 is all on the host; chunks 1 and 2 have their masters apart from their shards.
+    ("static", {"offload_param_frac": 0.25, "offload_optim_frac": 0.75}, 3, 12),
+]
+
+
+@pytest.mark.parametrize(("policy", "options", "device", "host"), MEMORY)
+def test_memory_by_pool_counts_every_buffer_and_optimizer_state(
+    policy: str, options: dict[str, float], device: int, host: int
+) -> None:
+    gemini, manager = _placed(policy, **options)
+    device, host = device * CHUNK_BYTES, host * CHUNK_BYTES
+    gemini.attach_optimizer(lambda c: STATE if c.requires_grad else 0, lambda c: None)
+    assert gemini.memory_by_pool() == {"device": device, "host": host}
+    chunk = manager.chunks[0]
+    chunk.gather()  # a gathered payload always lives on the device
+    assert gemini.memory_by_pool() == {"device": device + CHUNK_BYTES, "host": host}
+    chunk.add_grad(0, torch.ones(4, 4))  # so does the gradient buffer
+    assert gemini.memory_by_pool() == {"device": device + 2 * CHUNK_BYTES, "host": host}
+    chunk.release()
+    reduce_now([chunk], keep_full=False)  # frees the gradient buffer into the gradient shard
+    assert gemini.memory_by_pool() == {"device": device, "host": host}
+    # The tally the budget check reads agrees with the pools.
+    assert gemini.tally.device_bytes() == device
+
+
+def test_a_gather_past_the_device_budget_raises_with_the_bytes() -> None:
+    # "cuda" keeps 7 chunks' worth on the device at rest (payloads and gradient shards).
+    gemini, manager = _placed("cuda", device_budget_bytes=7 * CHUNK_BYTES + 40)
+    gemini.check_budget("at rest")
+    chunk = manager.chunks[0]
+    chunk.gather()
+    with pytest.raises(DeviceBudgetExceeded) as raised:
+        gemini.after_gather([chunk], "before forward of Linear")
+    message = str(raised.value)
+    assert message.startswith("before forward of Linear: the device would hold 640 bytes")
+    assert "over its budget of 600 by 40" in message
+    assert gemini.peak_device_bytes == 640
+    # "cpu" keeps nothing on the device at rest: every chunk gathered at once fits.
+    gemini, manager = _placed("cpu", device_budget_bytes=7 * CHUNK_BYTES + 40)
+    for chunk in manager.chunks:
+        chunk.gather()
+        gemini.after_gather([chunk], f"chunk {chunk.chunk_id}")
+    assert gemini.peak_device_bytes == 4 * CHUNK_BYTES
+
+
+@pytest.mark.parametrize(("policy", "raises"), [("cuda", True), ("cpu", False)])
+def test_the_wrapped_model_checks_the_budget_at_each_gather(policy: str, raises: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+    config = {
+        "device": CPU,
+        "chunk_size_numel": 20,
+        "placement_policy": policy,
+        # "cuda" holds 8 chunks' worth at rest: a gather of one more passes the budget.
+        "device_budget_bytes": 8 * CHUNK_BYTES + 40,
+    }
+    wrapped = shardwise.zero_model_wrapper(model, 3, config)
+    if raises:
+        with pytest.raises(DeviceBudgetExceeded, match=r"would hold 720 bytes .* budget of 680"):
+            wrapped(torch.randn(2, 4))
+    else:
+        wrapped(torch.randn(2, 4)).sum().backward()
+        assert wrapped.gemini_manager is not None
+        assert wrapped.gemini_manager.peak_device_bytes <= config["device_budget_bytes"]
+    assert all(
+        c.payload_pool is (Pool.DEVICE if raises else Pool.HOST)
+        for c in wrapped.chunk_manager.chunks
+    )
