@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
 from shardwise.comm import CommOp, CommStats
+from shardwise.engine.model import ZeroModel
+from shardwise.engine.optimizer import ZeroOptimizer
 from shardwise.testing import GPT, GPTConfig, gpt_batch, run_ranks
-from shardwise.zero.model import ZeroModel
-from shardwise.zero.optimizer import ZeroOptimizer
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 BEGIN, END = "<!-- hybrid-sharding:begin -->", "<!-- hybrid-sharding:end -->"

@@ -22,8 +22,8 @@ from helpers import CHUNK_NUMEL, CONFIG, batch_slice
 from shardwise import CommOp, zero_model_wrapper, zero_optim_wrapper
 from shardwise.chunk import ChunkState
 from shardwise.comm import ReduceScatterMethod
+from shardwise.engine.config import gradient_reduction_method
 from shardwise.testing import GPT, run_ranks
-from shardwise.zero.config import gradient_reduction_method
 
 
 def _measure(stage: int, reduction: str = "reduce_scatter") -> dict[str, float]:

@@ -3,7 +3,7 @@
 Frameworks call it so: the Hugging Face Trainer evaluates `trainer.model`, and `generate()`
 runs the inner model. At stage 3 its parameters are shards between calls, so the wrapper's
 per-call work runs in hooks on the inner module (see [Note: the inner module works on its
-own] in zero/model.py).
+own] in engine/model.py).
 """
 
 from __future__ import annotations

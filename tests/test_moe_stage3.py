@@ -20,10 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from shardwise import zero_model_wrapper, zero_optim_wrapper
+from shardwise.engine.config import EngineConfig
+from shardwise.runtime.gather_units import find_gather_units
+from shardwise.runtime.rank_sync import RanksOutOfStep
 from shardwise.testing import run_ranks
-from shardwise.zero.config import EngineConfig
-from shardwise.zero.gather_units import find_gather_units
-from shardwise.zero.rank_sync import RanksOutOfStep
 
 WIDTH = 16
 NUM_EXPERTS = 4

@@ -22,9 +22,9 @@ from shardwise import (
     zero_model_wrapper,
     zero_optim_wrapper,
 )
+from shardwise.engine.optimizer import SkippedStepsWarning, optimizer_of
+from shardwise.runtime.rank_sync import RanksOutOfStep
 from shardwise.testing import run_ranks
-from shardwise.zero.optimizer import SkippedStepsWarning
-from shardwise.zero.rank_sync import RanksOutOfStep
 
 CPU = torch.device("cpu")
 
@@ -189,7 +189,7 @@ def test_a_second_optimizer_over_one_model_is_refused_until_the_first_is_closed(
         zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
     first.close()
     second = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert wrapped.zero_optimizer is second
+    assert optimizer_of(wrapped) is second
     with pytest.raises(ValueError, match="closed"):
         first.step()
 

@@ -52,7 +52,7 @@ def _train(strategy: str, options: dict[str, Any], steps: int = 4) -> dict[str, 
         gathers.append(model.comm_stats.calls(CommOp.ALL_GATHER))
         # Gradient reductions: reduce-scatters, or all-reduces less the gradient norm's and
         # the two pass checks at the start of forward and backward (gloo's default, see the
-        # note in chunk.py, and [Note: ranks in step] in zero/rank_sync.py).
+        # note in chunk.py, and [Note: ranks in step] in runtime/rank_sync.py).
         stats = model.comm_stats
         reduces.append(stats.calls(CommOp.REDUCE_SCATTER) + stats.calls(CommOp.ALL_REDUCE) - 3)
     return {

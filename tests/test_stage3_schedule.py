@@ -10,8 +10,8 @@ from helpers import CONFIG, batch_slice
 
 from shardwise import CommOp, zero_model_wrapper, zero_optim_wrapper
 from shardwise.chunk import ChunkState
+from shardwise.runtime import grad_reducer
 from shardwise.testing import GPT, run_ranks
-from shardwise.zero import grad_reducer
 
 
 def _gathered_during_forward(prefetch: bool) -> dict[str, object]:
@@ -176,7 +176,7 @@ def test_stage3_reductions_run_behind_backward_one_at_a_time() -> None:
 
 
 def test_prefetch_looks_past_module_calls_over_chunks_already_there() -> None:
-    from shardwise.zero.gather_scheduler import _Trace
+    from shardwise.runtime.gather_scheduler import _Trace
 
     trace = _Trace()
     trace.begin()

@@ -13,7 +13,7 @@ wrappers) that it is the data-parallel gradient: the mean of the ranks' local gr
 from a plain copy of the net.
 
 Added (the numerical acceptance test of our semantics, see [Note: ignored parameters] in
-zero/ignore.py), against plain torch on each rank's own copy of the model: the non-ignored
+prepare/ignore.py), against plain torch on each rank's own copy of the model: the non-ignored
 weight trains as data parallel SGD over both ranks' batches (mean of the local gradients; fp32,
 2 ranks: bit-exact), the ignored weight keeps each rank's own initial value, gets exactly each
 rank's local gradient, is left alone by the ZeRO optimizer and is stepped by the user's own

@@ -14,7 +14,7 @@ from torch import nn
 import shardwise
 from shardwise import CommOp, comm
 from shardwise.chunk import Chunk, ChunkState
-from shardwise.zero.gather_scheduler import _Trace
+from shardwise.runtime.gather_scheduler import _Trace
 
 
 class _Net(nn.Module):

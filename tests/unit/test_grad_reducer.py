@@ -12,7 +12,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
-from shardwise.zero.grad_reducer import GradReducer
+from shardwise.runtime.grad_reducer import GradReducer
 
 CPU = torch.device("cpu")
 Log = list[tuple[str, object]]

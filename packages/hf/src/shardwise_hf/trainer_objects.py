@@ -20,7 +20,7 @@ does nothing; `max_grad_norm` is the engine's clipping, over the shards of all r
 [Note: evaluation runs the user's model]
 `evaluate()` and `predict()` (and evaluation inside `train()`) call `trainer.model`, the user's
 model, not `model_wrapped`, under `torch.no_grad()`. The engine's hooks sit on that module (see
-[Note: the inner module works on its own] in shardwise/zero/model.py): at stage 3 each chunk is
+[Note: the inner module works on its own] in shardwise/engine/model.py): at stage 3 each chunk is
 gathered before the modules that use it and released after its last use, inputs and outputs
 are cast as for training, and no gradient reaches the chunks. The eval dataloader is sharded
 over the ranks by the Trainer itself. What the Trainer would otherwise do first, when
@@ -60,7 +60,7 @@ class TrainerModel(nn.Module):
         compile_options: `torch.compile`'s backend and mode when `TrainingArguments`'
             `torch_compile` is set: the engine is compiled as a whole, as accelerate would
             compile the model it prepares (see [Note: a model compiled as a whole] in
-            shardwise/zero/model.py); None runs it eagerly.
+            shardwise/engine/model.py); None runs it eagerly.
     """
 
     _run: Callable[..., Any]

@@ -46,7 +46,8 @@ from shardwise.checkpoint.consolidate import (
     read_whole,
 )
 from shardwise.checkpoint.layout import param_slices
-from shardwise.zero.ignore import is_ignored
+from shardwise.engine.optimizer import optimizer_of
+from shardwise.prepare.ignore import is_ignored
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
 
 StateDictType = Literal["sharded", "full"]
@@ -240,7 +241,7 @@ class ShardwiseStrategyBase(DDPStrategy):
                 "optimizers over shards (SGD, Adam, AdamW, HybridAdam, ...)"
             )
         assert self._zero_model is not None
-        previous = self._zero_model.zero_optimizer
+        previous = optimizer_of(self._zero_model)
         if previous is not None:
             # A later fit of the same sharded module: its new optimizer replaces the old one.
             previous.close()

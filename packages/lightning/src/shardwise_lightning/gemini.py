@@ -12,9 +12,9 @@ from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
 from shardwise.amp import LossScaleConfig
+from shardwise.engine.config import default_device
 from shardwise.gemini import placement_policy
 from shardwise.gemini.manager import device_budget
-from shardwise.zero.config import default_device
 from shardwise_lightning.base import ShardwiseStrategyBase
 
 

@@ -40,8 +40,8 @@ from shardwise.checkpoint.commit import (
 from shardwise.checkpoint.layout import ParamSlice, param_slices
 from shardwise.checkpoint.sharded_tensor import local_part, sharded_1d
 from shardwise.comm.topology import replica_index
-from shardwise.zero.model import ZeroModel
-from shardwise.zero.optimizer import ZeroOptimizer
+from shardwise.engine.model import ZeroModel
+from shardwise.engine.optimizer import ZeroOptimizer
 
 
 def save(

@@ -20,8 +20,8 @@ import torch
 from shardwise import comm
 from shardwise.checkpoint.commit import CheckpointError
 from shardwise.checkpoint.layout import param_slices
-from shardwise.zero.model import ZeroModel
-from shardwise.zero.state_dict import gather_parameters
+from shardwise.engine.model import ZeroModel
+from shardwise.engine.state_dict import gather_parameters
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.chunk import Chunk
-from shardwise.zero.model import ZeroModel
+from shardwise.engine.model import ZeroModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ compute buffer, whose storage the chunk frees on release and refills on gather (
 torch's FSDP uses: views autograd saved in forward see the re-gathered data in backward). The
 module's registration points at the compute face only while the gather unit that governs the
 parameter runs (its forward, and a forward re-run in backward), and at the sharded face
-otherwise (see [Note: gather units] in zero/unit_plan.py), so code compiled with
+otherwise (see [Note: gather units] in runtime/unit_plan.py), so code compiled with
 `torch.compile` sees the same plain parameter, with the same metadata, on every call, and
 never a tensor changing class or data behind its guards. Gradients accumulate on the compute
 face. FSDP2 does the same with its sharded DTensor and unsharded parameter.
@@ -111,7 +111,7 @@ class ShardedParameter(ChunkParameter):
     """The sharded face of a stage-3 parameter: its shape reads as built, its values cannot
     be used (see [Note: two faces of a stage-3 parameter]). While a model learns its gather
     units (its first forward), a use of one reaches `_on_use`, which returns the compute face
-    to use instead (see [Note: gather units] in zero/unit_plan.py)."""
+    to use instead (see [Note: gather units] in runtime/unit_plan.py)."""
 
     _chunk_name: str
     _on_use: Any  # None, or a callable taking the parameter and returning its compute face
@@ -153,7 +153,7 @@ class ShardedParameter(ChunkParameter):
 
 class PendingParameter(ChunkParameter):
     """A chunk parameter whose new values are still being all-gathered after a stage-1/2 step
-    (see [Note: deferred parameter gathers] in zero/param_gather.py): any use of its values
+    (see [Note: deferred parameter gathers] in runtime/param_gather.py): any use of its values
     first waits for that gather, so nothing reads a half-updated parameter."""
 
     _wait_for_values: Any  # the chunk's wait_publish

@@ -23,11 +23,11 @@ import time
 from typing import Any
 
 from shardwise import comm
+from shardwise.engine.model import ZeroModel
+from shardwise.engine.optimizer import ZeroOptimizer
 from shardwise.telemetry import events
 from shardwise.telemetry.emitter import TelemetryEmitter
 from shardwise.telemetry.sinks import HttpSink, JsonlSink, Sink
-from shardwise.zero.model import ZeroModel
-from shardwise.zero.optimizer import ZeroOptimizer
 
 
 class TelemetryRecorder:

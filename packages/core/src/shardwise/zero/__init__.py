@@ -1,6 +1,7 @@
-"""ZeRO stages 1-3 over the chunk engine: the wrapped model, its optimizer, the seed wrappers."""
+"""The ColossalAI-named API (`colossalai.zero`'s paths with `shardwise` for `colossalai`): each
+name translates its arguments into one `EngineConfig` and builds the engine (shardwise/engine)."""
 
-from shardwise.zero.config import (
+from shardwise.engine import (
     Chunking,
     EngineConfig,
     MixedPrecision,
@@ -8,11 +9,11 @@ from shardwise.zero.config import (
     Placement,
     Reduction,
     Topology,
+    ZeroModel,
+    ZeroOptimizer,
 )
 from shardwise.zero.gemini_ddp import GeminiDDP, ZeroDDP
 from shardwise.zero.init_context import ZeroInitContext
-from shardwise.zero.model import ZeroModel
-from shardwise.zero.optimizer import ZeroOptimizer
 from shardwise.zero.shard_strategy import (
     BaseShardStrategy,
     BucketTensorShardStrategy,

@@ -17,9 +17,9 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkDtypes, ChunkManager
 from shardwise.comm import CommStats
 from shardwise.comm.topology import replicated
-from shardwise.zero.grad_reducer import GradReducer
-from shardwise.zero.ignore import is_ignored, mark_ignored
-from shardwise.zero.model import _WRAPPED_MARK
+from shardwise.engine.model import _WRAPPED_MARK
+from shardwise.prepare.ignore import is_ignored, mark_ignored
+from shardwise.runtime.grad_reducer import GradReducer
 
 
 class ColoDDP(nn.Module):
@@ -110,7 +110,7 @@ class ColoDDP(nn.Module):
     def set_params_to_ignore(params_to_ignore: Iterable[torch.Tensor]) -> None:
         """Exclude these parameters from broadcast and reduction (call before wrapping): they
         keep their own values and local gradients on each rank (see [Note: ignored
-        parameters] in zero/ignore.py).
+        parameters] in prepare/ignore.py).
 
         Args:
             params_to_ignore: the parameters to leave alone.

@@ -3,8 +3,8 @@
 [Note: one configuration]
 Every front door (`zero_model_wrapper`'s `gemini_config`, `zero_optim_wrapper`'s arguments and
 `optim_config`, `GeminiDDP`'s managers, `ShardedModelV2`, the Lightning strategies, the Trainer
-callback) translates its arguments into an `EngineConfig` (zero/config.py), whose parts validate
-themselves when built; the model is built from that config alone (zero/build.py). A value is
+callback) translates its arguments into an `EngineConfig` (engine/config.py), whose parts validate
+themselves when built; the model is built from that config alone (engine/build.py). A value is
 checked in one place: its config part. This module holds the translations of the dictionaries,
 the only place their keys are known.
 """
@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from shardwise.gemini import placement_policy
-from shardwise.zero.config import (
+from shardwise.engine.config import (
     DEFAULT_REDUCE_BUCKET_NUMEL,
     Chunking,
     EngineConfig,
@@ -28,6 +27,7 @@ from shardwise.zero.config import (
     Topology,
     compute_device,
 )
+from shardwise.gemini import placement_policy
 
 GEMINI_CONFIG_KEYS = (
     "device",

@@ -10,9 +10,8 @@ from torch import nn
 from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
-from shardwise.gemini import GeminiManager
-from shardwise.zero.build import chunk_manager_for, gemini_manager_for, settle_chunk_size
-from shardwise.zero.config import (
+from shardwise.engine.build import chunk_manager_for, gemini_manager_for, settle_chunk_size
+from shardwise.engine.config import (
     Chunking,
     EngineConfig,
     MixedPrecision,
@@ -21,8 +20,9 @@ from shardwise.zero.config import (
     Reduction,
     Topology,
 )
-from shardwise.zero.ignore import mark_ignored
-from shardwise.zero.model import ZeroModel
+from shardwise.engine.model import ZeroModel
+from shardwise.gemini import GeminiManager
+from shardwise.prepare.ignore import mark_ignored
 
 
 class GeminiDDP(ZeroModel):
@@ -112,7 +112,7 @@ class GeminiDDP(ZeroModel):
     @classmethod
     def from_config(cls, module: nn.Module, config: EngineConfig) -> GeminiDDP:
         """Stage 3 from the engine configuration (`zero_model_wrapper`'s path and the
-        adapters'): the chunk size settled, the managers built from it (zero/build.py)."""
+        adapters'): the chunk size settled, the managers built from it (engine/build.py)."""
         config, reason = settle_chunk_size(module, config)
         chunk_manager = chunk_manager_for(config, CommStats(), reason)
         model = cls.__new__(cls)
@@ -145,7 +145,7 @@ class GeminiDDP(ZeroModel):
         not unscaled or clipped by the ZeRO optimizer: under fp16 loss scaling they carry the
         loss scale (`optimizer.loss_scale`). `state_dict()` holds them as they are (rank 0's
         values when `only_rank_0`), and `load_state_dict()` copies them in on every rank (see
-        [Note: ignored parameters] in zero/ignore.py).
+        [Note: ignored parameters] in prepare/ignore.py).
 
         Args:
             params_to_ignore: the parameters to leave out.

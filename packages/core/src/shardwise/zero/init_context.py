@@ -31,46 +31,8 @@ from torch.utils._pytree import tree_flatten
 
 from shardwise import comm
 from shardwise.comm import CommStats
+from shardwise.prepare.slicing import SLICE_ATTRIBUTE, ParamSlice, gather_whole, sliced
 from shardwise.zero.shard_strategy import BaseShardStrategy
-
-_SLICE = "_shardwise_slice"
-
-
-class _Slice:
-    """This rank's slice of a parameter built in a ZeroInitContext."""
-
-    __slots__ = ("numel", "shape", "values")
-
-    def __init__(self, values: torch.Tensor, shape: torch.Size, numel: int) -> None:
-        self.values = values
-        self.shape = shape
-        self.numel = numel
-
-
-def unslice(param: nn.Parameter, stats: CommStats, group: ProcessGroup | None) -> None:
-    """Give a sliced parameter its whole values again and forget the slice."""
-    param.data = gather_whole(param, stats, group)
-    delattr(param, _SLICE)
-
-
-def sliced(param: torch.Tensor) -> bool:
-    """Whether `param` holds only this rank's slice (built in a ZeroInitContext)."""
-    return getattr(param, _SLICE, None) is not None
-
-
-def whole_numel(param: torch.Tensor) -> int:
-    """Elements of `param` as built, also when it holds only this rank's slice."""
-    piece: _Slice | None = getattr(param, _SLICE, None)
-    return piece.numel if piece is not None else param.numel()
-
-
-def gather_whole(param: nn.Parameter, stats: CommStats, group: ProcessGroup | None) -> torch.Tensor:
-    """The whole values of a sliced parameter, gathered from every rank's slice."""
-    piece: _Slice = getattr(param, _SLICE)
-    values = piece.values
-    full = values.new_empty(values.numel() * comm.world_size(group))
-    comm.all_gather(full, piece.values, stats, group)
-    return full[: piece.numel].view(piece.shape)
 
 
 class ZeroInitContext(TorchFunctionMode):
@@ -172,7 +134,7 @@ class ZeroInitContext(TorchFunctionMode):
         begin, end = rank * per_rank, min(numel, (rank + 1) * per_rank)
         if end > begin:
             values[: end - begin].copy_(flat[begin:end])
-        setattr(param, _SLICE, _Slice(values, param.shape, numel))
+        setattr(param, SLICE_ATTRIBUTE, ParamSlice(values, param.shape, numel))
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._sliced[id(param)] = param
 
@@ -188,7 +150,7 @@ class ZeroInitContext(TorchFunctionMode):
     def _cut(self, param: nn.Parameter) -> None:
         """Write a whole parameter's (possibly changed) values back into this rank's slice."""
         with torch._C.DisableTorchFunction():
-            piece: _Slice = getattr(param, _SLICE)
+            piece: ParamSlice = getattr(param, SLICE_ATTRIBUTE)
             rank = comm.rank(self.process_group)
             per_rank = piece.values.numel()
             flat = param.data.reshape(-1)

@@ -19,9 +19,8 @@ from torch.distributed import ProcessGroup
 from shardwise.amp import LossScaleConfig
 from shardwise.chunk import ChunkManager, Pool
 from shardwise.comm import CommStats
-from shardwise.gemini import MemoryTracer, placement_policy
-from shardwise.zero.build import chunk_manager_for, gemini_manager_for
-from shardwise.zero.config import (
+from shardwise.engine.build import chunk_manager_for, gemini_manager_for
+from shardwise.engine.config import (
     Chunking,
     EngineConfig,
     MixedPrecision,
@@ -30,10 +29,11 @@ from shardwise.zero.config import (
     Topology,
     default_device,
 )
-from shardwise.zero.ignore import is_ignored
-from shardwise.zero.init_context import sliced, unslice
-from shardwise.zero.model import ZeroModel
-from shardwise.zero.optimizer import ZeroOptimizer, grad_scaler_for
+from shardwise.engine.model import ZeroModel
+from shardwise.engine.optimizer import ZeroOptimizer, grad_scaler_for
+from shardwise.gemini import MemoryTracer, placement_policy
+from shardwise.prepare.ignore import is_ignored
+from shardwise.prepare.slicing import sliced, unslice
 from shardwise.zero.shard_strategy import BaseShardStrategy
 
 _logger = logging.getLogger("shardwise.sharded_v2")

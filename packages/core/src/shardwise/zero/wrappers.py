@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from shardwise.amp import LossScaleConfig
+from shardwise.engine.model import ZeroModel
+from shardwise.engine.optimizer import ZeroOptimizer, check_no_optimizer_yet, grad_scaler_for
 from shardwise.zero import front_door
 from shardwise.zero.gemini_ddp import GeminiDDP
-from shardwise.zero.model import ZeroModel
-from shardwise.zero.optimizer import ZeroOptimizer, check_no_optimizer_yet, grad_scaler_for
 
 
 def zero_model_wrapper(
@@ -107,7 +107,7 @@ def zero_optim_wrapper(
         )
     if model.stage < 3 or optim_config:
         # Stages 1-2 pack their chunks now, with this bucket size (see [Note: packed once the
-        # bucket size is known] in zero/model.py); stage 3 refuses optim_config there.
+        # bucket size is known] in engine/model.py); stage 3 refuses optim_config there.
         configured = front_door.with_optim_config(model.config, optim_config)
         if model.stage < 3:
             model.configure_reduction(configured)

@@ -46,7 +46,7 @@ from shardwise.chunk.reduction import (
     reduce_now,
     start_reduction,
 )
-from shardwise.zero.gather_units import UnitMap
+from shardwise.runtime.gather_units import UnitMap
 
 
 class GradReducer:
@@ -73,7 +73,7 @@ class GradReducer:
             memory budget check: the only moment backward's model-state bytes grow).
         units: stage 3's conditional units: a chunk holding tensors of a unit is complete
             once the unit's backward is done on this rank, whichever of them got gradients
-            here (see [Note: conditional units] in zero/gather_units.py).
+            here (see [Note: conditional units] in runtime/gather_units.py).
         learn_order: after the first synchronised backward, reduce in the order chunks
             completed there (rank 0's); otherwise keep the initial (or suggested) order.
     """

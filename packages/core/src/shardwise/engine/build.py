@@ -19,10 +19,10 @@ from shardwise.chunk import ChunkManager
 from shardwise.chunk.search import default_chunk_search
 from shardwise.comm import CommStats
 from shardwise.comm.topology import topology_for
+from shardwise.engine.config import EngineConfig, gradient_reduction_method
 from shardwise.gemini import GeminiManager
-from shardwise.zero.config import EngineConfig, gradient_reduction_method
-from shardwise.zero.ignore import is_ignored
-from shardwise.zero.init_context import whole_numel
+from shardwise.prepare.ignore import is_ignored
+from shardwise.prepare.slicing import whole_numel
 
 _log = logging.getLogger(__name__)
 

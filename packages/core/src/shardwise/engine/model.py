@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,27 +14,23 @@ from torch.utils._pytree import tree_map
 from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
-from shardwise.gemini import GeminiManager
-from shardwise.zero.build import chunk_manager_for
-from shardwise.zero.config import EngineConfig
-from shardwise.zero.gather_scheduler import GatherScheduler
-from shardwise.zero.gather_units import UnitMap, find_gather_units
-from shardwise.zero.grad_reducer import GradReducer
-from shardwise.zero.ignore import is_ignored, keep_ignored_local
-from shardwise.zero.init_context import sliced, unslice, whole_numel
-from shardwise.zero.meta_init import MetaMaterializer, has_meta_tensors
-from shardwise.zero.param_gather import DeferredParamGather
-from shardwise.zero.rank_sync import RankSync
-from shardwise.zero.state_dict import (
+from shardwise.engine.build import chunk_manager_for
+from shardwise.engine.config import EngineConfig
+from shardwise.engine.state_dict import (
     gather_full_grads,
     gather_full_state_dict,
     load_full_state_dict,
 )
-from shardwise.zero.unit_plan import compiled, plan_gather_units
-
-if TYPE_CHECKING:
-    from shardwise.zero.optimizer import ZeroOptimizer
-
+from shardwise.gemini import GeminiManager
+from shardwise.prepare.ignore import is_ignored, keep_ignored_local
+from shardwise.prepare.meta_init import MetaMaterializer, has_meta_tensors
+from shardwise.prepare.slicing import sliced, unslice, whole_numel
+from shardwise.runtime.gather_scheduler import GatherScheduler
+from shardwise.runtime.gather_units import UnitMap, find_gather_units
+from shardwise.runtime.grad_reducer import GradReducer
+from shardwise.runtime.param_gather import DeferredParamGather
+from shardwise.runtime.rank_sync import RankSync
+from shardwise.runtime.unit_plan import compiled, plan_gather_units
 
 # Set on a module once an engine has taken over its parameters: wrapping it again would pack
 # chunk views into new chunks (at stage 3, empty placeholders).
@@ -84,7 +79,7 @@ class ZeroModel(nn.Module):
         super().__init__()
         object.__setattr__(module, _WRAPPED_MARK, True)
         comm.destroy_default_group_at_exit()  # see [Note: gloo at exit] in comm/lifecycle.py
-        # See [Note: meta-device models] in zero/meta_init.py.
+        # See [Note: meta-device models] in prepare/meta_init.py.
         self._meta = (
             MetaMaterializer(module, config.device, config.param_init_fn)
             if has_meta_tensors(module)
@@ -101,8 +96,6 @@ class ZeroModel(nn.Module):
             raise ValueError("chunk_manager already holds chunks; pass a fresh ChunkManager")
         self.comm_stats = chunk_manager.stats
         self.gemini_manager = gemini_manager
-        # The ZeroOptimizer stepping this model's shards, if any (one at a time).
-        self.optimizer_ref: weakref.ref[ZeroOptimizer] | None = None
         self.rank_sync = RankSync(
             self.comm_stats, config.topology.process_group, check_passes=config.stage == 3
         )
@@ -217,7 +210,7 @@ class ZeroModel(nn.Module):
                 self.config.overlap.communication
                 and self.config.placement.policy.allows_overlapped_reduction
             ),
-            # See [Note: gradients in flight] in zero/grad_reducer.py.
+            # See [Note: gradients in flight] in runtime/grad_reducer.py.
             max_in_flight=2 if self.config.stage == 2 else 1,
             bucket_bytes=self.config.reduction.bucket_bytes,
             on_reduced=self.scheduler.release_done if self.scheduler else None,
@@ -295,11 +288,6 @@ class ZeroModel(nn.Module):
     def stage(self) -> int:
         return self.config.stage
 
-    @property
-    def zero_optimizer(self) -> ZeroOptimizer | None:
-        """The optimizer wrapped over this model, while it is alive and not closed."""
-        return self.optimizer_ref() if self.optimizer_ref is not None else None
-
     def _sync_buffers(self) -> None:
         """Start every rank from rank 0's buffers, in the compute dtype."""
         compute = self._dtypes.compute
@@ -325,10 +313,10 @@ class ZeroModel(nn.Module):
     # `torch.compile(model)` traces this forward. Its first call runs eagerly instead (a
     # function dynamo does not trace), which sets the engine up for compiled code: at stage 3
     # the gather units become the model's blocks (see [Note: gather units] in
-    # zero/unit_plan.py), and that eager pass learns the uses of parameters outside their
+    # runtime/unit_plan.py), and that eager pass learns the uses of parameters outside their
     # units, which only an eager pass can see; at stages 1 and 2 the deferred gathers of
     # updated parameters are all waited for before the model runs (see [Note: deferred
-    # parameter gathers] in zero/param_gather.py), so compiled code never meets a parameter
+    # parameter gathers] in runtime/param_gather.py), so compiled code never meets a parameter
     # still being gathered. Later calls are traced, with a graph break at each unit's hooks;
     # `_compiled_as_a_whole` is read by dynamo's guards, so that switch costs one
     # recompilation, once. A model holding compiled blocks waits at its root the same way.
@@ -355,7 +343,7 @@ class ZeroModel(nn.Module):
         self._ensure_packed()
         if self.param_gather is not None and self._holds_compiled_code():
             self.param_gather.wait_all()  # see [Note: a model compiled as a whole]
-        # Before any gather of this pass: see [Note: ranks in step] in zero/rank_sync.py.
+        # Before any gather of this pass: see [Note: ranks in step] in runtime/rank_sync.py.
         self.rank_sync.forward_started(self.config.device)
         compute = self._dtypes.compute
         if compute != torch.float32:

@@ -32,10 +32,10 @@ import torch
 
 from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler, LossScaleConfig
 from shardwise.chunk import Chunk
+from shardwise.engine.grad_norm import global_grad_norm
+from shardwise.engine.model import ZeroModel
 from shardwise.optim import HybridAdam
-from shardwise.zero.grad_norm import global_grad_norm
-from shardwise.zero.ignore import is_ignored
-from shardwise.zero.model import ZeroModel
+from shardwise.prepare.ignore import is_ignored
 
 
 class ZeroOptimizer:
@@ -131,13 +131,13 @@ class ZeroOptimizer:
         self._swap_params_for_shards()
         if model.gemini_manager is not None:
             model.gemini_manager.attach_optimizer(self.chunk_state_bytes, self.rebind_chunk)
-        model.optimizer_ref = weakref.ref(self)
+        _OPTIMIZER_OF[model] = weakref.ref(self)
 
     def close(self) -> None:
         """Detach from the model so that another optimizer can be wrapped over it (a second
         `fit` with a new optimizer); this one can no longer step."""
-        if self.model.zero_optimizer is self:
-            self.model.optimizer_ref = None
+        if optimizer_of(self.model) is self:
+            del _OPTIMIZER_OF[self.model]
         self._closed = True
 
     def _swap_params_for_shards(self) -> None:
@@ -358,9 +358,22 @@ class ZeroOptimizer:
         return f"ZeroOptimizer(stage={self.model.stage}, optim={name}, scale={self.loss_scale})"
 
 
+# The ZeroOptimizer stepping each model's shards (one at a time), held weakly both ways: kept
+# here rather than on the model, which knows nothing of the optimizer above it.
+_OPTIMIZER_OF: weakref.WeakKeyDictionary[ZeroModel, weakref.ref[ZeroOptimizer]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def optimizer_of(model: ZeroModel) -> ZeroOptimizer | None:
+    """The optimizer wrapped over `model`, while it is alive and not closed."""
+    ref = _OPTIMIZER_OF.get(model)
+    return ref() if ref is not None else None
+
+
 def check_no_optimizer_yet(model: ZeroModel) -> None:
     """Refuse a second optimizer over one model: both would step the same shards."""
-    current = model.zero_optimizer
+    current = optimizer_of(model)
     if current is not None:
         raise ValueError(
             f"this model already has a ZeroOptimizer ({current!r}); one optimizer drives a "

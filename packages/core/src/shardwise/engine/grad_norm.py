@@ -44,8 +44,8 @@ def global_grad_norm(
     gradient holds one: that is how an overflow is found, everywhere at once.
 
     Two things ride in the same all-reduce: `signature` (small integers, e.g. pass counters;
-    see [Note: ranks in step] in zero/rank_sync.py), and `got_grad`, this rank's flag per
-    tensor (see [Note: tensors without gradients] in zero/optimizer.py).
+    see [Note: ranks in step] in runtime/rank_sync.py), and `got_grad`, this rank's flag per
+    tensor (see [Note: tensors without gradients] in engine/optimizer.py).
 
     Under hybrid sharding `group` is every rank and each shard is held by `replicas` of them:
     each rank's sum is divided by that count (exact for a power of two)."""

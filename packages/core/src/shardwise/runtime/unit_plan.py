@@ -12,7 +12,7 @@ block, or of the whole model with a graph break at each unit, traces plain tenso
 The units, outermost first:
   1. blocks whose children may run on some ranks and not others (experts behind a router),
      and the modules named in `gather_units` (see [Note: conditional units] in
-     zero/gather_units.py);
+     runtime/gather_units.py);
   2. modules compiled on their own (`torch.compile(block)`, `block.compile()`), other than the
      model itself;
   3. when the model is compiled as a whole (before wrapping, or by `torch.compile` of the

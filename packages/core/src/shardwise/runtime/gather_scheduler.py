@@ -2,7 +2,7 @@
 
 [Note: recorded execution order]
 The first forward and backward of a model record which chunks each gather unit's call needs
-(see [Note: gather units] in zero/unit_plan.py), in order. From then on that record drives
+(see [Note: gather units] in runtime/unit_plan.py), in order. From then on that record drives
 three things: a chunk is released in forward right after the last unit call that uses it ends
 (so a tied embedding used again by the head stays gathered); the next chunk the record needs,
 beyond those of the current call, is gathered asynchronously while the current units compute;
@@ -14,7 +14,7 @@ of that pass falls back to on-demand gathers and releases at the end of forward:
 wrong. Every rank must run the same units in the same order, as with any ZeRO-3 engine, since
 gathers are collectives; a block whose children run on some ranks only (experts behind a
 router) is one gather unit, so its children issue none (see [Note: conditional units] in
-zero/gather_units.py).
+runtime/gather_units.py).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, TensorState
 from shardwise.chunk.parameters import ShardedParameter, on_use
 from shardwise.gemini import GeminiManager
-from shardwise.zero.gather_units import UnitMap
-from shardwise.zero.rank_sync import VisitTrail
-from shardwise.zero.unit_plan import GatherUnit, compiled
+from shardwise.runtime.gather_units import UnitMap
+from shardwise.runtime.rank_sync import VisitTrail
+from shardwise.runtime.unit_plan import GatherUnit, compiled
 
 # How many unit calls ahead a prefetch looks for the next chunk the pass needs.
 _LOOKAHEAD = 256
@@ -84,7 +84,7 @@ class _Trace:
 
 
 class GatherScheduler:
-    """Hooks on every gather unit (see [Note: gather units] in zero/unit_plan.py): gather the
+    """Hooks on every gather unit (see [Note: gather units] in runtime/unit_plan.py): gather the
     chunks of the parameters a unit governs before it runs, register their compute faces
     while it runs, release the chunks after their last use.
 
@@ -262,7 +262,7 @@ class GatherScheduler:
             self._prefetch(trace)
             if self._learning:
                 # A parameter handed in from outside (the unit may be compiled, and would
-                # trace it sharded): used here, see [Note: gather units] in zero/unit_plan.py.
+                # trace it sharded): used here, see [Note: gather units] in runtime/unit_plan.py.
                 return tree_map(self._face_if_sharded, (args, kwargs))
             if is_compiled:
                 _refuse_sharded_arguments(unit, (args, kwargs))
@@ -495,7 +495,7 @@ def _refuse_sharded_arguments(unit: GatherUnit, arguments: Any) -> None:
 def _outside_compiled(hook: Callable[..., Any]) -> Callable[..., Any]:
     """`hook`, run eagerly even where it is called inside a region `torch.compile` traces:
     gathers are collectives, and registering faces changes what the region reads (a graph
-    break at each unit; see [Note: gather units] in zero/unit_plan.py)."""
+    break at each unit; see [Note: gather units] in runtime/unit_plan.py)."""
     return torch._dynamo.disable(hook, recursive=True)  # type: ignore[no-any-return]
 
 

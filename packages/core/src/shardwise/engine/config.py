@@ -238,10 +238,10 @@ class Overlap:
 
     communication: bool = True
     """Reduce gradients asynchronously while backward goes on (stages 2-3; see [Note:
-    gradients in flight] in zero/grad_reducer.py)."""
+    gradients in flight] in runtime/grad_reducer.py)."""
     param_gather: bool = False
     """Stages 1-2: let the all-gather of updated parameters run into the next forward (see
-    [Note: deferred parameter gathers] in zero/param_gather.py)."""
+    [Note: deferred parameter gathers] in runtime/param_gather.py)."""
     prefetch: bool = True
     """Stage 3: gather the next chunk of the recorded order while the current one computes."""
 
@@ -289,7 +289,7 @@ class Topology:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
     """How a model is sharded: the one configuration every front door translates into, parsed
-    and validated once (zero/front_door.py), from which the model is built (zero/build.py)."""
+    and validated once (zero/front_door.py), from which the model is built (engine/build.py)."""
 
     stage: int
     """0 (replicated), 1 (optimizer state sharded), 2 (gradients too), 3 (parameters too)."""
@@ -304,12 +304,12 @@ class EngineConfig:
     topology: Topology = field(default_factory=Topology)
     gather_units: tuple[type[torch.nn.Module] | str, ...] = ()
     """Stage 3: module classes or qualified names to gather as one conditional unit, besides
-    the blocks that hold experts (see [Note: conditional units] in zero/gather_units.py)."""
+    the blocks that hold experts (see [Note: conditional units] in runtime/gather_units.py)."""
     force_outputs_fp32: bool = False
     """Cast the model's floating-point outputs to fp32."""
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     """A model built on the meta device: `fn(module)` initialises one module's own tensors
-    (see [Note: meta-device models] in zero/meta_init.py); None calls `reset_parameters()`."""
+    (see [Note: meta-device models] in prepare/meta_init.py); None calls `reset_parameters()`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int):
@@ -363,7 +363,7 @@ class EngineConfig:
     @property
     def chunk_size_numel(self) -> int:
         """Elements per chunk once known (stage 3 searches it before building: see
-        zero/build.py)."""
+        engine/build.py)."""
         if self.chunking.size_numel is not None:
             return self.chunking.size_numel
         if self.stage < 3:

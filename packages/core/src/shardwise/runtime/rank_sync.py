@@ -18,7 +18,7 @@ all-gather, on the error path only).
 
 The stage-3 check also carries a fingerprint of the modules whose gather hooks ran since the
 previous check (`VisitTrail`). Ranks that called different modules (a branch taken on some
-ranks only, outside a conditional unit: see [Note: conditional units] in zero/gather_units.py)
+ranks only, outside a conditional unit: see [Note: conditional units] in runtime/gather_units.py)
 issue different gathers; where that did not already hang (the branch's chunks were gathered
 anyway), every rank raises here, naming the modules and the block to gather as one, before a
 later step's divergence hangs.
@@ -34,7 +34,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from shardwise import comm
 from shardwise.comm import CommStats
 
-# Counters travel in float64 sums of squares (see zero/grad_norm.py): keep them small.
+# Counters travel in float64 sums of squares (see engine/grad_norm.py): keep them small.
 _WRAP = 1 << 20
 _HASH_MODULUS = 1_048_573  # a prime below 2**20
 
