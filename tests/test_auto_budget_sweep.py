@@ -13,6 +13,7 @@ import torch.distributed as dist
 from helpers import CHUNK_NUMEL, batch_slice, make_model
 
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
+from shardwise.chunk import Chunk
 from shardwise.gemini import DeviceBudgetExceeded
 from shardwise.testing import run_ranks
 
@@ -207,14 +208,23 @@ def _steady_waits(budget: int, mixed_precision: MixedPrecision) -> dict[str, int
     gemini = wrapped.gemini_manager
     assert gemini is not None and gemini.auto is not None
     auto = gemini.auto
-    drain, drains = auto.drain, 0
+    reductions, drains = auto.reductions, 0
 
-    def counted() -> None:
-        nonlocal drains
-        drains += 1
-        drain()
+    class Counted:
+        """The model's reductions, counting how often "auto" finishes them for room."""
 
-    auto.drain = counted
+        def finish_in_flight(self) -> None:
+            nonlocal drains
+            drains += 1
+            reductions.finish_in_flight()
+
+        def in_flight_bytes(self) -> int:
+            return reductions.in_flight_bytes()
+
+        def retiring_bytes(self, chunks: list[Chunk]) -> int:
+            return reductions.retiring_bytes(chunks)
+
+    auto.reductions = Counted()
     for step in range(STEPS):
         optimizer.zero_grad()
         optimizer.backward(wrapped(*batch_slice(step, 0, rank, 2)))

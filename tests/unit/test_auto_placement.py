@@ -22,6 +22,7 @@ def _placer() -> tuple[AutoPlacer, ChunkManager]:
         device_bytes=lambda: 0,
         chunk_device_bytes=lambda chunk: 0,
         tracer=MemoryTracer(torch.device("cpu"), lambda: 0),
+        evict_optim=lambda chunk: None,
     )
     return placer, manager
 

@@ -12,8 +12,9 @@ from torch import nn
 
 import shardwise
 from shardwise import ChunkManager, GeminiManager
-from shardwise.chunk import ChunkState, Pool
+from shardwise.chunk import Chunk, ChunkState, Pool
 from shardwise.chunk.reduction import reduce_now
+from shardwise.gemini.collaborators import NoOptimizer
 from shardwise.gemini.errors import DeviceBudgetExceeded
 
 CPU = torch.device("cpu")
@@ -77,13 +78,20 @@ MEMORY = [
 ]
 
 
+class _FixedState(NoOptimizer):
+    """An optimizer keeping STATE bytes for each trainable chunk."""
+
+    def chunk_state_bytes(self, chunk: Chunk) -> int:
+        return STATE if chunk.requires_grad else 0
+
+
 @pytest.mark.parametrize(("policy", "options", "device", "host"), MEMORY)
 def test_memory_by_pool_counts_every_buffer_and_optimizer_state(
     policy: str, options: dict[str, float], device: int, host: int
 ) -> None:
     gemini, manager = _placed(policy, **options)
     device, host = device * CHUNK_BYTES, host * CHUNK_BYTES
-    gemini.attach_optimizer(lambda c: STATE if c.requires_grad else 0, lambda c: None)
+    gemini.attach_optimizer(_FixedState())
     assert gemini.memory_by_pool() == {"device": device, "host": host}
     chunk = manager.chunks[0]
     chunk.gather()  # a gathered payload always lives on the device

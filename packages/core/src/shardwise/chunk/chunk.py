@@ -92,6 +92,14 @@ class Chunk(GradSide):
             and reduced gradients are sharded then.
         requires_grad: whether the chunk's parameters are trainable (frozen ones get a chunk of
             their own, with no gradient or master buffers).
+        reduce_method: how its gradients are reduced (see [Note: reducing gradients]).
+        predivide_factor: gradients are divided by this before the reduction and by N / this
+            after it, which keeps fp16 sums of many ranks from overflowing.
+        replicate_group: hybrid sharding: the same shard's holders in the other shard groups
+            (see [Note: hybrid sharding] in comm/topology.py); the initial broadcast reaches
+            them too.
+        secondary_group: hpZ: the group gathers from `secondary` run on (see [Note: secondary
+            shards]).
     """
 
     full = Resident[torch.Tensor](transient=True)
@@ -116,6 +124,10 @@ class Chunk(GradSide):
         stats: CommStats,
         keep_gathered: bool,
         requires_grad: bool,
+        reduce_method: comm.ReduceScatterMethod = comm.ReduceScatterMethod.NATIVE,
+        predivide_factor: float = 1.0,
+        replicate_group: ProcessGroup | None = None,
+        secondary_group: ProcessGroup | None = None,
     ) -> None:
         self.chunk_id = chunk_id
         # Told whenever a buffer is replaced, resized or moved (see [Note: resident changes]
@@ -165,16 +177,10 @@ class Chunk(GradSide):
         self.pin_memory = False
         self.bytes_to_device = 0
         self.bytes_to_host = 0
-        # Gradients are divided by this before the reduction and by N / this after it, which
-        # keeps fp16 sums of many ranks from overflowing.
-        self.predivide_factor = 1.0
-        # See [Note: reducing gradients].
-        self.reduce_method = comm.ReduceScatterMethod.NATIVE
-        # Hybrid sharding: the same shard's holders in the other shard groups (see [Note:
-        # hybrid sharding] in comm/topology.py); the initial broadcast reaches them too.
-        self.replicate_group: ProcessGroup | None = None
-        # hpZ: the group gathers from `secondary` run on (see [Note: secondary shards]).
-        self.secondary_group: ProcessGroup | None = None
+        self.predivide_factor = predivide_factor
+        self.reduce_method = reduce_method
+        self.replicate_group = replicate_group
+        self.secondary_group = secondary_group
         self.secondary = None
 
     # ---- packing ---------------------------------------------------------------------------

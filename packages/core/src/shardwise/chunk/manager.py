@@ -135,11 +135,11 @@ class ChunkManager:
                 stats=self.stats,
                 keep_gathered=self.keep_gathered or position >= num_sharded,
                 requires_grad=layout.trainable,
+                reduce_method=self.reduce_method,
+                predivide_factor=self.predivide_factor,
+                replicate_group=self.topology.replicate,
+                secondary_group=self.topology.secondary,
             )
-            chunk.predivide_factor = self.predivide_factor
-            chunk.reduce_method = self.reduce_method
-            chunk.replicate_group = self.topology.replicate
-            chunk.secondary_group = self.topology.secondary
             owner.update(dict.fromkeys(layout.members, chunk))
             last[layout.members[-1]] = chunk
             new_chunks.append(chunk)

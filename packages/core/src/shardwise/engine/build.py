@@ -77,7 +77,6 @@ def gemini_manager_for(config: EngineConfig, chunk_manager: ChunkManager) -> Gem
         placement.policy,
         chunk_manager,
         device_budget_bytes=placement.device_budget_bytes,
-        pin_memory=placement.pin_memory,
     )
 
 

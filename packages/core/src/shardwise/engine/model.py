@@ -29,7 +29,7 @@ from shardwise.runtime.gather_scheduler import GatherScheduler
 from shardwise.runtime.gather_units import UnitMap, find_gather_units
 from shardwise.runtime.grad_reducer import GradReducer
 from shardwise.runtime.param_gather import DeferredParamGather
-from shardwise.runtime.rank_sync import RankSync
+from shardwise.runtime.rank_sync import RankSync, VisitTrail
 from shardwise.runtime.unit_plan import compiled, plan_gather_units
 
 # Set on a module once an engine has taken over its parameters: wrapping it again would pack
@@ -96,8 +96,13 @@ class ZeroModel(nn.Module):
             raise ValueError("chunk_manager already holds chunks; pass a fresh ChunkManager")
         self.comm_stats = chunk_manager.stats
         self.gemini_manager = gemini_manager
+        # Stage 3's gather schedule records the modules it ran; the pass checks compare them.
+        self._trail = VisitTrail() if config.stage == 3 else None
         self.rank_sync = RankSync(
-            self.comm_stats, config.topology.process_group, check_passes=config.stage == 3
+            self.comm_stats,
+            config.topology.process_group,
+            check_passes=config.stage == 3,
+            trail=self._trail,
         )
         # See [Note: packed once the bucket size is known].
         self._to_pack: ChunkManager | None = chunk_manager
@@ -172,7 +177,7 @@ class ZeroModel(nn.Module):
             values_agree=values_agree,
         )
         if gemini is not None:
-            gemini.place_chunks()
+            gemini.place_chunks(pin_memory=self.config.placement.pin_memory)
         if self.config.stage == 1:
             for chunk in chunk_manager.trainable_chunks():
                 chunk.share_grad_shard_with_full()
@@ -197,10 +202,10 @@ class ZeroModel(nn.Module):
                 gemini=gemini,
                 on_backward=lambda: self.rank_sync.backward_started(self.config.device),
                 units=units,
+                trail=self._trail,
             )
-            self.rank_sync.trail = self.scheduler.trail
         self.param_gather = None
-        if self.config.overlap.param_gather:
+        if self.config.defers_param_gather:
             self.param_gather = DeferredParamGather(self.module, chunk_manager)
         self._reducer = GradReducer(
             chunk_manager,
@@ -219,11 +224,7 @@ class ZeroModel(nn.Module):
             units=units,
         )
         if gemini is not None:
-            gemini.attach_reducer(
-                self._reducer.finish_in_flight,
-                self._reducer.in_flight_bytes,
-                self._reducer.retiring_bytes,
-            )
+            gemini.attach_reducer(self._reducer)
 
     def _remove_hooks(self) -> None:
         self._reducer.remove()

@@ -130,7 +130,7 @@ class ZeroOptimizer:
         self._views_of_chunk: dict[int, list[torch.Tensor]] = {}
         self._swap_params_for_shards()
         if model.gemini_manager is not None:
-            model.gemini_manager.attach_optimizer(self.chunk_state_bytes, self.rebind_chunk)
+            model.gemini_manager.attach_optimizer(self)
         _OPTIMIZER_OF[model] = weakref.ref(self)
 
     def close(self) -> None:
@@ -254,7 +254,7 @@ class ZeroOptimizer:
                 torch._foreach_mul_(grads, coef)
             self.optim.step()
         for chunk in self._chunks:
-            chunk.publish_master(wait=not self.model.config.overlap.param_gather)
+            chunk.publish_master(wait=not self.model.config.defers_param_gather)
             chunk.end_step()
         self._after_step()
         return True

@@ -58,6 +58,7 @@ import torch
 
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, Pool
 from shardwise.chunk.accounting import gathered_bytes, gathered_held_bytes
+from shardwise.gemini.collaborators import NoReductions, ReductionsInFlight
 from shardwise.gemini.tracer import MemoryTracer
 
 
@@ -73,6 +74,8 @@ class AutoPlacer:
         chunk_device_bytes: the same for one chunk (evictions subtract what they freed
             rather than count every chunk again).
         tracer: the non-model memory sampler.
+        evict_optim: sends a chunk's optimizer side to host memory (the manager's move, which
+            re-points the optimizer too).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class AutoPlacer:
         device_bytes: Callable[[], int],
         chunk_device_bytes: Callable[[Chunk], int],
         tracer: MemoryTracer,
+        evict_optim: Callable[[Chunk], None],
     ) -> None:
         self.chunk_manager = chunk_manager
         self.budget = budget
@@ -109,15 +113,11 @@ class AutoPlacer:
         # repeat the warm-up need no room made before their gathers (see [Note: auto
         # placement]).
         self.plan_holds = False
-        # Finishes the gradient reductions in flight (set by the model when it overlaps them),
-        # and the device bytes they hold.
-        self.drain: Callable[[], None] = lambda: None
-        self.in_flight_bytes: Callable[[], int] = lambda: 0
-        # What the next reduction's start frees, when that reduction is one of the given
-        # chunks' (GradReducer.retiring_bytes).
-        self.retiring_bytes: Callable[[list[Chunk]], int] = lambda chunks: 0
-        # Sends a chunk's optimizer side back to host memory (set by the manager).
-        self.evict_optim: Callable[[Chunk], None] = lambda chunk: None
+        # The model's gradient reductions in flight, once the model attaches its reducer
+        # (GeminiManager.attach_reducer): what they hold, finished to make room.
+        self.reductions: ReductionsInFlight = NoReductions()
+        # Sends a chunk's optimizer side back to host memory (the manager's move).
+        self.evict_optim = evict_optim
         self._position = 0
         # After warm-up: the traced non-model bytes at the current position of the step.
         self._planned_non_model = 0
@@ -178,7 +178,7 @@ class AutoPlacer:
         # moment later.)
         need = gathers
         if grads:
-            need += max(0, grads - self.retiring_bytes(chunks))
+            need += max(0, grads - self.reductions.retiring_bytes(chunks))
         room = self.budget - self.non_model_now()
         if self._device_bytes() + need <= room:
             return
@@ -237,9 +237,9 @@ class AutoPlacer:
         take the reductions' overlap with backward away, at every gather and gradient of the
         step ("cpu" placement, which does not count activations, keeps it)."""
         before = self._device_bytes()
-        if excess > self.in_flight_bytes() and before + need <= self.budget:
+        if excess > self.reductions.in_flight_bytes() and before + need <= self.budget:
             return 0
-        self.drain()
+        self.reductions.finish_in_flight()
         return before - self._device_bytes()
 
     def _move(self, chunk: Chunk, move: Callable[[Chunk], None]) -> int:

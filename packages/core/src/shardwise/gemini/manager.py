@@ -15,7 +15,6 @@ Every choice depends only on chunk order, so every rank and every run decides al
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
 from shardwise.chunk.accounting import resident_bytes_by_pool
 from shardwise.gemini.auto_placement import AutoPlacer
+from shardwise.gemini.collaborators import NoOptimizer, OptimizerSide, ReductionsInFlight
 from shardwise.gemini.device_tally import DeviceTally
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.policies import AutoPlacement, PlacementPolicy
@@ -41,7 +41,6 @@ class GeminiManager:
         device_budget_bytes: the most bytes of model state the compute device may hold at any
             point of a step; checked after every gather and gradient copy. None: unlimited
             (default; on CUDA, the device's capacity less 10%).
-        pin_memory: pin host buffers when computing on CUDA.
         shard_param_frac, offload_optim_frac, offload_param_frac: the "static" policy's
             fractions, each in [0, 1].
         gpu_margin_mem_ratio: the "auto" policy's share, in [0, 1], of the device room left
@@ -55,7 +54,6 @@ class GeminiManager:
         chunk_manager: ChunkManager,
         *,
         device_budget_bytes: int | None = None,
-        pin_memory: bool = False,
         shard_param_frac: float = 1.0,
         offload_optim_frac: float = 0.0,
         offload_param_frac: float = 0.0,
@@ -84,7 +82,6 @@ class GeminiManager:
             )
         self.placement_policy = self.policy.name
         self.chunk_manager = chunk_manager
-        self.pin_memory = pin_memory
         self.device_budget_bytes = device_budget(
             self.policy, device_budget_bytes, chunk_manager.device
         )
@@ -92,11 +89,11 @@ class GeminiManager:
         # Model state alone, which the budget bounds ("auto" may pass it only by activations
         # it could not make room for: those cannot move to the host).
         self.peak_model_device_bytes = 0
-        self._optimizer_bytes: Callable[[Chunk], int] = lambda chunk: 0
+        # See gemini/collaborators.py: the layers above, as the manager needs them.
+        self._optimizer: OptimizerSide = NoOptimizer()
         # See [Note: device tally]; it counts optimizer state through `attach_optimizer`'s
         # function, looked up at each count.
-        self.tally = DeviceTally(chunk_manager, lambda chunk: self._optimizer_bytes(chunk))
-        self._rebind: Callable[[Chunk], None] = lambda chunk: None
+        self.tally = DeviceTally(chunk_manager, self._optimizer_bytes)
         self.auto: AutoPlacer | None = None
         if isinstance(self.policy, AutoPlacement):
             assert self.device_budget_bytes is not None
@@ -108,47 +105,39 @@ class GeminiManager:
                 device_bytes=self.tally.device_bytes,
                 chunk_device_bytes=self.tally.chunk_device_bytes,
                 tracer=tracer,
+                evict_optim=self._move_optim_to_host,
             )
-            self.auto.evict_optim = self._move_optim_to_host
 
     @property
     def sharded_fraction(self) -> float:
         return self.policy.sharded_fraction
 
-    def place_chunks(self) -> None:
-        """Apply the policy to the packed chunks (see [Note: placement policies])."""
+    def place_chunks(self, *, pin_memory: bool = False) -> None:
+        """Apply the policy to the packed chunks (see [Note: placement policies]); host copies
+        are pinned with `pin_memory` when the compute device is CUDA."""
         chunks = self.chunk_manager.chunks
         host_payload, host_optim = self.policy.host_chunks(chunks)
         for chunk in chunks:
             chunk.place(
                 payload=Pool.HOST if id(chunk) in host_payload else Pool.DEVICE,
                 optim=Pool.HOST if id(chunk) in host_optim else Pool.DEVICE,
-                pin_memory=self.pin_memory,
+                pin_memory=pin_memory,
             )
 
-    def attach_optimizer(
-        self, state_bytes_of: Callable[[Chunk], int], rebind: Callable[[Chunk], None]
-    ) -> None:
-        """Tell the manager how to count the optimizer state of a chunk (in its optim pool),
-        and how to re-point the optimizer at a chunk whose optimizer side moved."""
-        self._optimizer_bytes = state_bytes_of
+    def attach_optimizer(self, optimizer: OptimizerSide) -> None:
+        """Count `optimizer`'s state of each chunk (in its optim pool), and re-point it at a
+        chunk whose optimizer side moved."""
+        self._optimizer = optimizer
         self.tally.forget_optimizer()
-        self._rebind = rebind
 
-    def attach_reducer(
-        self,
-        drain: Callable[[], None],
-        in_flight_bytes: Callable[[], int] = lambda: 0,
-        retiring_bytes: Callable[[list[Chunk]], int] = lambda chunks: 0,
-    ) -> None:
-        """Tell the manager how to finish the gradient reductions in flight (each holds a
-        gathered chunk and its gradient buffer), so that "auto" can free them for room, how
-        many device bytes they hold, and how many the next reduction's start frees when it is
-        one of the given chunks' (`GradReducer.retiring_bytes`)."""
+    def attach_reducer(self, reductions: ReductionsInFlight) -> None:
+        """The model's gradient reductions in flight: "auto" finishes them to free room, and
+        counts what they hold and what the next one's start frees."""
         if self.auto is not None:
-            self.auto.drain = drain
-            self.auto.in_flight_bytes = in_flight_bytes
-            self.auto.retiring_bytes = retiring_bytes
+            self.auto.reductions = reductions
+
+    def _optimizer_bytes(self, chunk: Chunk) -> int:
+        return self._optimizer.chunk_state_bytes(chunk)
 
     @property
     def prefetch_planned(self) -> bool:
@@ -216,12 +205,12 @@ class GeminiManager:
 
     def _move_optim_to_device(self, chunk: Chunk) -> None:
         chunk.move_optim(Pool.DEVICE)
-        self._rebind(chunk)
+        self._optimizer.rebind_chunk(chunk)
         self.tally.forget_optimizer(chunk)
 
     def _move_optim_to_host(self, chunk: Chunk) -> None:
         chunk.move_optim(Pool.HOST)
-        self._rebind(chunk)
+        self._optimizer.rebind_chunk(chunk)
         self.tally.forget_optimizer(chunk)
 
     def memory_by_pool(self) -> dict[str, int]:

@@ -100,6 +100,8 @@ class GatherScheduler:
         on_backward: called when a backward pass starts, before its first gather.
         units: the conditional blocks, whose backward signals their chunks' completion (see
             [Note: conditional units]); none when not given.
+        trail: where the modules whose hooks ran are recorded, for the ranks' pass checks
+            (`RankSync`); a trail of its own when not given.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class GatherScheduler:
         gemini: GeminiManager | None = None,
         on_backward: Callable[[], None] | None = None,
         units: UnitMap | None = None,
+        trail: VisitTrail | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
         self._module = module
@@ -129,7 +132,7 @@ class GatherScheduler:
         self._unit_handles: list[torch.utils.hooks.RemovableHandle] = []
         self.units = units if units is not None else UnitMap(module, chunk_manager, {})
         # The modules whose hooks ran since the last pass check, compared across ranks there.
-        self.trail = VisitTrail()
+        self.trail = trail if trail is not None else VisitTrail()
         # The units running now, innermost last, and how many calls of each are open.
         self._active: list[GatherUnit] = []
         self._open: dict[int, int] = {}

@@ -92,14 +92,24 @@ class RankSync:
         stats: counts the checks' bytes.
         group: the data-parallel group.
         check_passes: check at the start of every pass too (stage 3).
+        trail: the modules whose hooks ran since the last check (stage 3's gather schedule
+            records them), compared across ranks when the counters differ; None when there
+            is none to compare.
     """
 
-    def __init__(self, stats: CommStats, group: ProcessGroup | None, *, check_passes: bool):
+    def __init__(
+        self,
+        stats: CommStats,
+        group: ProcessGroup | None,
+        *,
+        check_passes: bool,
+        trail: VisitTrail | None = None,
+    ):
         self._stats = stats
         self._group = group
         self._check_passes = check_passes and comm.world_size(group) > 1
         self._position = _Position()
-        self.trail: VisitTrail | None = None  # stage 3's, once its scheduler exists
+        self.trail = trail
 
     def forward_started(self, device: torch.device) -> None:
         position = self._position

@@ -136,12 +136,10 @@ def with_optim_config(config: EngineConfig, optim_config: Mapping[str, Any] | No
         return config
     bucket = options.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_NUMEL)
     # Overlapping was faster in every interleaved stage-2 measurement here, and costs only the
-    # buckets in flight. Deferred parameter gathers: the all-gather of updated parameters is
-    # the one collective of stages 1-2 nothing else overlaps (2-5% of DDP's step time here when
-    # waited in the step), and a read of a parameter before the next forward waits for it.
+    # buckets in flight; see `Overlap` for the defaults.
     overlap = Overlap(
         communication=options.get("overlap_communication", True),
-        param_gather=options.get("overlap_param_gather", True),
+        param_gather=options.get("overlap_param_gather"),
         prefetch=config.overlap.prefetch,
     )
     return replace_parts(config, chunking=Chunking(size_numel=bucket), overlap=overlap)

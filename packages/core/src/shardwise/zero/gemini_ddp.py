@@ -9,8 +9,6 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import ChunkManager
-from shardwise.comm import CommStats
-from shardwise.engine.build import chunk_manager_for, gemini_manager_for, settle_chunk_size
 from shardwise.engine.config import (
     Chunking,
     EngineConfig,
@@ -21,6 +19,7 @@ from shardwise.engine.config import (
     Topology,
 )
 from shardwise.engine.model import ZeroModel
+from shardwise.engine.wrap import model_parts
 from shardwise.gemini import GeminiManager
 from shardwise.prepare.ignore import mark_ignored
 
@@ -113,10 +112,10 @@ class GeminiDDP(ZeroModel):
     def from_config(cls, module: nn.Module, config: EngineConfig) -> GeminiDDP:
         """Stage 3 from the engine configuration (`zero_model_wrapper`'s path and the
         adapters'): the chunk size settled, the managers built from it (engine/build.py)."""
-        config, reason = settle_chunk_size(module, config)
-        chunk_manager = chunk_manager_for(config, CommStats(), reason)
+        config, chunk_manager, gemini_manager = model_parts(module, config)
+        assert chunk_manager is not None and gemini_manager is not None  # stage 3's
         model = cls.__new__(cls)
-        model._build(module, config, chunk_manager, gemini_manager_for(config, chunk_manager))
+        model._build(module, config, chunk_manager, gemini_manager)
         return model
 
     def _build(
@@ -127,7 +126,6 @@ class GeminiDDP(ZeroModel):
         gemini_manager: GeminiManager,
     ) -> None:
         self.pin_memory = config.placement.pin_memory
-        gemini_manager.pin_memory = config.placement.pin_memory
         ZeroModel.__init__(self, module, config, chunk_manager, gemini_manager)
 
     @staticmethod

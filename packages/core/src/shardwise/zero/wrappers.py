@@ -10,7 +10,8 @@ from torch import nn
 
 from shardwise.amp import LossScaleConfig
 from shardwise.engine.model import ZeroModel
-from shardwise.engine.optimizer import ZeroOptimizer, check_no_optimizer_yet, grad_scaler_for
+from shardwise.engine.optimizer import ZeroOptimizer, check_no_optimizer_yet
+from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.zero import front_door
 from shardwise.zero.gemini_ddp import GeminiDDP
 
@@ -37,7 +38,7 @@ def zero_model_wrapper(
     config = front_door.engine_config(zero_stage, gemini_config)
     if config.stage == 3:
         return GeminiDDP.from_config(model, config)
-    return ZeroModel(model, config)
+    return wrap_model(model, config)
 
 
 def zero_optim_wrapper(
@@ -111,10 +112,10 @@ def zero_optim_wrapper(
         configured = front_door.with_optim_config(model.config, optim_config)
         if model.stage < 3:
             model.configure_reduction(configured)
-    return ZeroOptimizer(
+    return wrap_optimizer(
         model,
         optimizer,
-        grad_scaler=grad_scaler_for(model, loss_scale),
+        loss_scale=loss_scale,
         max_norm=max_norm,
         norm_type=norm_type,
         warn_after_skipped_steps=warn_after_skipped_steps,
