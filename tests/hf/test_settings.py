@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from shardwise import Placement
 from shardwise_hf import check_transformers_version
 from shardwise_hf.settings import CallbackOptions, resolve
 
@@ -33,9 +34,10 @@ def test_auto_values_come_from_training_arguments() -> None:
     assert settings.mixed_precision.compute_dtype == torch.float32  # CPU computes in fp32
     assert settings.max_grad_norm == 0.5
     # "auto" placement without a budget on a CPU host keeps chunks where they compute.
-    assert settings.gemini_config["placement_policy"] == "device"
+    assert settings.config.placement.policy.name == "cuda"  # "device" is its alias
     budgeted = resolve(CallbackOptions(device_budget_bytes=2**20), _args())
-    assert budgeted.gemini_config["placement_policy"] == "auto"
+    assert budgeted.config.placement.policy.name == "auto"
+    assert budgeted.config.placement.device_budget_bytes == 2**20
     assert budgeted.precision == "fp32"
 
 
@@ -46,8 +48,9 @@ def test_explicit_fp16_on_fp32_arguments_is_honoured() -> None:
 
 def test_stage_two_takes_the_chunk_size_as_bucket() -> None:
     settings = resolve(CallbackOptions(zero_stage=2, chunk_size=1024), _args())
-    assert settings.optim_config == {"reduce_bucket_size": 1024}
-    assert "placement_policy" not in settings.gemini_config
+    assert settings.config.chunk_size_numel == 1024
+    assert settings.config.defers_param_gather  # as zero_optim_wrapper's default
+    assert settings.config.placement == Placement()  # placement is stage 3's
 
 
 def test_every_conflict_is_reported_at_once() -> None:
@@ -105,13 +108,13 @@ def test_unsupported_transformers_is_refused() -> None:
 def test_shard_size_reaches_the_engine_at_every_stage() -> None:
     for stage in (1, 2, 3):
         settings = resolve(CallbackOptions(zero_stage=stage, shard_size=2), _args())
-        assert settings.gemini_config["shard_size"] == 2
-    assert "shard_size" not in resolve(CallbackOptions(), _args()).gemini_config
+        assert settings.config.topology.shard_size == 2
+    assert resolve(CallbackOptions(), _args()).config.topology.shard_size is None
 
 
 def test_secondary_shard_size_reaches_the_engine_at_stage_3_only() -> None:
     settings = resolve(CallbackOptions(zero_stage=3, secondary_shard_size=2), _args())
-    assert settings.gemini_config["secondary_shard_size"] == 2
-    assert "secondary_shard_size" not in resolve(CallbackOptions(), _args()).gemini_config
+    assert settings.config.topology.secondary_shard_size == 2
+    assert resolve(CallbackOptions(), _args()).config.topology.secondary_shard_size is None
     with pytest.raises(ValueError, match="only stage 3 does"):
         resolve(CallbackOptions(zero_stage=2, secondary_shard_size=2), _args())

@@ -104,7 +104,7 @@ def test_registered_names_build_their_strategies() -> None:
         mixed = pl.Trainer(strategy="shardwise_fsdp", accelerator="cpu", precision="bf16-mixed")
     assert isinstance(offload.strategy, FullyShardedStrategy) and offload.strategy.cpu_offload
     assert isinstance(gemini.strategy, GeminiStrategy)
-    assert gemini.strategy.gemini_config(torch.device("cpu"))["placement_policy"] == "cuda"
+    assert gemini.strategy.engine_config(torch.device("cpu")).placement.policy.name == "cuda"
     assert isinstance(mixed.strategy.precision_plugin, ShardwisePrecision)
     assert mixed.strategy.precision_plugin.precision == "bf16-mixed"
 

@@ -98,7 +98,7 @@ def test_fsdp_custom_mixed_precision() -> None:
         fp32_reduce_scatter=True,
         precision_plugin=ShardwisePrecision("bf16-mixed"),
     )
-    config = strategy.gemini_config(torch.device("cpu"))["mixed_precision"].chunk_dtypes()
+    config = strategy.engine_config(torch.device("cpu")).precision.chunk_dtypes()
     assert (config.payload, config.compute, config.reduce) == (
         torch.bfloat16,
         torch.bfloat16,
@@ -109,8 +109,8 @@ def test_fsdp_custom_mixed_precision() -> None:
 def test_fully_sharded_strategy_cpu_offload() -> None:
     strategy = FullyShardedStrategy(cpu_offload=True)
     assert strategy.cpu_offload is True
-    assert strategy.gemini_config(torch.device("cpu"))["placement_policy"] == "cpu"
-    assert FullyShardedStrategy().gemini_config(torch.device("cpu"))["placement_policy"] == "cuda"
+    assert strategy.engine_config(torch.device("cpu")).placement.policy.name == "cpu"
+    assert FullyShardedStrategy().engine_config(torch.device("cpu")).placement.policy.name == "cuda"
     # Deliberate difference: a bool, as for the fairscale strategy; torch's CPUOffload dataclass
     # (native FSDP's second spelling) is refused rather than read.
     with pytest.raises(TypeError, match="cpu_offload must be a bool"):

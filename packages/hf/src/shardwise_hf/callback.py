@@ -12,8 +12,9 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from shardwise import ZeroModel, ZeroOptimizer, telemetry, zero_model_wrapper, zero_optim_wrapper
+from shardwise import ZeroModel, ZeroOptimizer, telemetry
 from shardwise.amp import LossScaleConfig
+from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.telemetry import TelemetryRecorder
 from shardwise_hf import engine_state
 from shardwise_hf.compat import check_transformers_version, find_trainer
@@ -127,16 +128,10 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         settings = resolve(self.options, trainer.args, trainer)
         # In order: the engine takes over the module's parameters (same Parameter objects, now
         # views of chunks), so the optimizer the Trainer builds over them can be wrapped next.
-        model = zero_model_wrapper(
-            trainer.model, zero_stage=settings.zero_stage, gemini_config=settings.gemini_config
-        )
+        model = wrap_model(trainer.model, settings.config)
         inner = trainer.optimizer if trainer.optimizer is not None else trainer.create_optimizer()
-        optimizer = zero_optim_wrapper(
-            model,
-            inner,
-            max_norm=settings.max_grad_norm,
-            optim_config=settings.optim_config or None,
-            loss_scale=self.options.loss_scale,
+        optimizer = wrap_optimizer(
+            model, inner, loss_scale=self.options.loss_scale, max_norm=settings.max_grad_norm
         )
         facing = TrainerOptimizer(optimizer)
         trainer.model_wrapped = TrainerModel(model, _compile_options(trainer.args))

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise import MixedPrecision
+from shardwise import Chunking, EngineConfig, MixedPrecision, Placement, Topology
 from shardwise.amp import LossScaleConfig
+from shardwise.gemini import placement_policy
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,15 +36,17 @@ class CallbackOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineSettings:
-    """The resolved configuration handed to the core wrappers."""
+    """The resolved configuration: the engine's, and what the callback does around it."""
 
     zero_stage: int
     device: torch.device
     precision: str
-    mixed_precision: MixedPrecision
-    gemini_config: dict[str, Any]
-    optim_config: dict[str, Any]
+    config: EngineConfig
     max_grad_norm: float
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self.config.precision
 
 
 def _precision_of(args: Any) -> str:
@@ -153,28 +156,25 @@ def resolve(options: CallbackOptions, args: Any, trainer: Any = None) -> EngineS
         # "auto" placement needs a budget to decide against; on a CPU host both pools are host
         # memory, and keeping every chunk where it computes is the fastest choice.
         policy = "device"
-    gemini_config: dict[str, Any] = {
-        "device": device,
-        "mixed_precision": _mixed_precision(precision, device)
-        if precision != "fp32"
-        else MixedPrecision(),
-    }
-    if options.shard_size is not None:
-        gemini_config["shard_size"] = options.shard_size
-    if options.secondary_shard_size is not None:
-        gemini_config["secondary_shard_size"] = options.secondary_shard_size
-    if stage == 3:
-        gemini_config["placement_policy"] = policy
-        gemini_config["chunk_size_numel"] = chunk
-        if options.device_budget_bytes is not None:
-            gemini_config["device_budget_bytes"] = options.device_budget_bytes
-    optim_config = {"reduce_bucket_size": chunk} if stage != 3 and chunk is not None else {}
+    config = EngineConfig(
+        stage=stage,
+        device=device,
+        precision=_mixed_precision(precision, device) if precision != "fp32" else MixedPrecision(),
+        # Stages 1-2: elements per gradient bucket; stage 3: per chunk (None searches one).
+        chunking=Chunking(size_numel=chunk),
+        placement=Placement(
+            policy=placement_policy(policy), device_budget_bytes=options.device_budget_bytes
+        )
+        if stage == 3
+        else Placement(),
+        topology=Topology(
+            shard_size=options.shard_size, secondary_shard_size=options.secondary_shard_size
+        ),
+    )
     return EngineSettings(
         zero_stage=stage,
         device=device,
         precision=precision,
-        mixed_precision=gemini_config["mixed_precision"],
-        gemini_config=gemini_config,
-        optim_config=optim_config,
+        config=config,
         max_grad_norm=float(args.max_grad_norm or 0.0),
     )

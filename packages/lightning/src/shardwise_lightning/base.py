@@ -1,8 +1,8 @@
 """What both shardwise strategies share: wrapping, the optimizer, checkpoints, teardown.
 
-A subclass only translates its own arguments into the core's `gemini_config`; this class
-hands the LightningModule to `zero_model_wrapper(zero_stage=3)`, the optimizer from
-`configure_optimizers` to `zero_optim_wrapper`, and Lightning's checkpoints to
+A subclass only translates its own arguments into the engine's configuration
+(`shardwise.EngineConfig`); this class hands the LightningModule to `wrap_model`, the optimizer
+from `configure_optimizers` to `wrap_optimizer`, and Lightning's checkpoints to
 `shardwise.checkpoint`. It leans on Lightning's public strategy hooks only.
 """
 
@@ -30,12 +30,12 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from shardwise import (
+    EngineConfig,
     TensorShardStrategy,
+    Topology,
     ZeroInitContext,
     ZeroModel,
     ZeroOptimizer,
-    zero_model_wrapper,
-    zero_optim_wrapper,
 )
 from shardwise import checkpoint as sharded_checkpoint
 from shardwise.amp import LossScaleConfig
@@ -47,6 +47,7 @@ from shardwise.checkpoint.consolidate import (
 )
 from shardwise.checkpoint.layout import param_slices
 from shardwise.engine.optimizer import optimizer_of
+from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.prepare.ignore import is_ignored
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
 
@@ -104,15 +105,10 @@ class ShardwiseStrategyBase(DDPStrategy):
         if not isinstance(loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {loss_scale!r}")
         self._loss_scale = loss_scale
-        if shard_size is not None and (
-            isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1
-        ):
-            raise ValueError(f"shard_size must be a positive int of ranks, got {shard_size!r}")
-        # Hybrid sharding (see [Note: hybrid sharding] in shardwise/comm/topology.py).
-        self._shard_size = shard_size
+        # Hybrid sharding (see [Note: hybrid sharding] in shardwise/comm/topology.py) and
         # ZeRO++ hpZ (see [Note: secondary shards] in shardwise/chunk/chunk.py); the engine
-        # validates it against the world size when it wraps the module.
-        self._secondary_shard_size = secondary_shard_size
+        # checks the sizes against the world size when it wraps the module.
+        self.topology = Topology(shard_size=shard_size, secondary_shard_size=secondary_shard_size)
         self.state_dict_type = cast(StateDictType, state_dict_type)
         # Per optimizer parameter group, its parameters' names in group order: how torch
         # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
@@ -125,8 +121,8 @@ class ShardwiseStrategyBase(DDPStrategy):
 
     # ---- what a subclass provides -------------------------------------------------------------
 
-    def gemini_config(self, device: torch.device) -> dict[str, Any]:
-        """The `gemini_config` for `zero_model_wrapper(zero_stage=3)` on `device`."""
+    def engine_config(self, device: torch.device) -> EngineConfig:
+        """The engine's configuration on `device` (stage 3, with `self.topology`)."""
         raise NotImplementedError
 
     def state_dict_device(self) -> torch.device:
@@ -213,12 +209,7 @@ class ShardwiseStrategyBase(DDPStrategy):
             fn = self.lightning_module.trainer.state.fn
             self._check_all_managed(f"at the start of {getattr(fn, 'value', fn)}")
             return engine
-        config = self.gemini_config(self.root_device)
-        if self._shard_size is not None:
-            config["shard_size"] = self._shard_size
-        if self._secondary_shard_size is not None:
-            config["secondary_shard_size"] = self._secondary_shard_size
-        self._zero_model = zero_model_wrapper(model, zero_stage=3, gemini_config=config)
+        self._zero_model = wrap_model(model, self.engine_config(self.root_device))
         self._engines[id(model)] = self._zero_model
         return self._zero_model
 
@@ -251,12 +242,12 @@ class ShardwiseStrategyBase(DDPStrategy):
             for group in optimizer.param_groups
         ]
         clip = trainer.gradient_clip_val
-        engine = zero_optim_wrapper(
+        engine = wrap_optimizer(
             self._zero_model,
             optimizer,
+            loss_scale=self._loss_scale,
             max_norm=float(clip or 0.0),
             norm_type=2.0,
-            loss_scale=self._loss_scale,
         )
         self.optimizers = [cast(Optimizer, engine)]
 

@@ -12,8 +12,9 @@ from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
-from shardwise import MixedPrecision
+from shardwise import Chunking, EngineConfig, MixedPrecision, Placement, Reduction
 from shardwise.amp import LossScaleConfig
+from shardwise.gemini import placement_policy
 from shardwise_lightning.base import ShardwiseStrategyBase
 
 
@@ -153,20 +154,24 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         self.min_num_params = min_num_params
         self.state_dict_to_cpu = state_dict_to_cpu
 
-    def gemini_config(self, device: torch.device) -> dict[str, Any]:
-        """Our arguments as the core's `gemini_config` for `device`."""
-        return {
-            "device": device,
-            "placement_policy": "cpu" if self.cpu_offload else "cuda",
-            "pin_memory": self.cpu_offload and device.type == "cuda",
-            "chunk_size_numel": self.min_num_params,
-            "mixed_precision": self.precision_plugin.mixed_precision(
+    def engine_config(self, device: torch.device) -> EngineConfig:
+        """Our arguments as the engine's configuration on `device`."""
+        return EngineConfig(
+            stage=3,
+            device=device,
+            precision=self.precision_plugin.mixed_precision(
                 device,
                 compute_dtype=self.compute_dtype,
                 reduce_dtype=torch.float32 if self.fp32_reduce_scatter else None,
             ),
-            "reduce_scatter_bucket_bytes": max(0, int(self.bucket_cap_mb * 2**20)),
-        }
+            chunking=Chunking(size_numel=self.min_num_params),
+            placement=Placement(
+                policy=placement_policy("cpu" if self.cpu_offload else "cuda"),
+                pin_memory=self.cpu_offload and device.type == "cuda",
+            ),
+            reduction=Reduction(bucket_bytes=max(0, int(self.bucket_cap_mb * 2**20))),
+            topology=self.topology,
+        )
 
     def state_dict_device(self) -> torch.device:
         return torch.device("cpu") if self.state_dict_to_cpu else self.root_device

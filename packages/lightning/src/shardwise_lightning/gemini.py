@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -11,9 +12,10 @@ from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
+from shardwise import Chunking, EngineConfig, Placement
 from shardwise.amp import LossScaleConfig
 from shardwise.engine.config import default_device
-from shardwise.gemini import placement_policy
+from shardwise.gemini import placement_policy as placement_policy_object
 from shardwise.gemini.manager import device_budget
 from shardwise_lightning.base import ShardwiseStrategyBase
 
@@ -113,24 +115,33 @@ class GeminiStrategy(ShardwiseStrategyBase):
                 raise ValueError(
                     f"chunk_size must be a positive int (elements), got {chunk_size!r}"
                 )
-        for name, number in (
-            ("chunk_search_range", chunk_search_range),
-            ("min_chunk_size", min_chunk_size),
-            ("chunk_search_n_grids", chunk_search_n_grids),
-        ):
-            if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {number!r}")
-        placement: dict[str, Any] = {
-            "placement_policy": placement_policy,
-            "device_budget_bytes": device_budget_bytes,
-            "shard_param_frac": shard_param_frac,
-            "offload_optim_frac": offload_optim_frac,
-            "offload_param_frac": offload_param_frac,
-            "gpu_margin_mem_ratio": gpu_margin_mem_ratio,
-        }
+        # Each part validates its values as it is built (named as our arguments).
+        chunking = (
+            Chunking(size_numel=1)  # capacity 1: each tensor alone
+            if not use_chunk
+            else Chunking(size_numel=chunk_size)
+            if chunk_size is not None
+            else Chunking(
+                search_range_bytes=chunk_search_range,
+                search_n_grids=chunk_search_n_grids,
+                min_chunk_bytes=min_chunk_size,
+            )
+        )
         if not enable_distributed_storage:
-            placement = _unsharded_placement(placement)
-        _check_placement(placement)
+            _check_unsharded(placement_policy, shard_param_frac, offload_param_frac)
+            placement_policy, shard_param_frac = "static", 0.0
+        placement = Placement(
+            policy=placement_policy_object(
+                placement_policy,
+                shard_param_frac=shard_param_frac,
+                offload_optim_frac=offload_optim_frac,
+                offload_param_frac=offload_param_frac,
+                gpu_margin_mem_ratio=gpu_margin_mem_ratio,
+            ),
+            device_budget_bytes=device_budget_bytes,
+        )
+        # "auto" without CUDA needs a budget: refused now, not inside fit.
+        device_budget(placement.policy, device_budget_bytes, default_device())
         super().__init__(
             loss_scale=LossScaleConfig(
                 initial_scale=initial_scale,
@@ -153,31 +164,21 @@ class GeminiStrategy(ShardwiseStrategyBase):
             secondary_shard_size=secondary_shard_size,
         )
         self._placement = placement
+        self._chunking = chunking
         self._force_outputs_fp32 = force_outputs_fp32
-        self._chunking: dict[str, Any]
-        if not use_chunk:
-            self._chunking = {"chunk_size_numel": 1}  # capacity 1: each tensor alone
-        elif chunk_size is not None:
-            self._chunking = {"chunk_size_numel": chunk_size}
-        else:
-            self._chunking = {
-                "chunk_search_range": chunk_search_range,
-                "chunk_search_n_grids": chunk_search_n_grids,
-                "min_chunk_size": min_chunk_size,
-            }
 
-    def gemini_config(self, device: torch.device) -> dict[str, Any]:
-        """Our arguments as the core's `gemini_config` for `device`."""
-        config: dict[str, Any] = {
-            "device": device,
-            "mixed_precision": self.precision_plugin.mixed_precision(device),
-            "force_outputs_fp32": self._force_outputs_fp32,
+    def engine_config(self, device: torch.device) -> EngineConfig:
+        """Our arguments as the engine's configuration on `device`."""
+        return EngineConfig(
+            stage=3,
+            device=device,
+            precision=self.precision_plugin.mixed_precision(device),
+            chunking=self._chunking,
             # Host copies of chunks are pinned when they feed a CUDA device.
-            "pin_memory": device.type == "cuda",
-            **self._chunking,
-        }
-        config.update({k: v for k, v in self._placement.items() if v is not None})
-        return config
+            placement=replace(self._placement, pin_memory=device.type == "cuda"),
+            topology=self.topology,
+            force_outputs_fp32=self._force_outputs_fp32,
+        )
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -206,29 +207,16 @@ class GeminiStrategy(ShardwiseStrategyBase):
         )
 
 
-def _unsharded_placement(placement: dict[str, Any]) -> dict[str, Any]:
-    """enable_distributed_storage=False: every chunk stays gathered on the compute device."""
-    policy = placement["placement_policy"]
+def _check_unsharded(policy: str, shard_param_frac: float, offload_param_frac: float) -> None:
+    """enable_distributed_storage=False: every chunk stays gathered on the compute device,
+    which is the "static" policy sharding none."""
     if policy not in ("cuda", "device", "static"):
         raise ValueError(
             f"enable_distributed_storage=False keeps every chunk gathered on the compute device, "
             f"which placement_policy={policy!r} cannot do; use 'cuda' or 'static'"
         )
-    if placement["shard_param_frac"] != 1.0 or placement["offload_param_frac"] != 0.0:
+    if shard_param_frac != 1.0 or offload_param_frac != 0.0:
         raise ValueError(
             "enable_distributed_storage=False already decides shard_param_frac (0) and "
             "offload_param_frac (0); leave them at their defaults"
         )
-    return {**placement, "placement_policy": "static", "shard_param_frac": 0.0}
-
-
-def _check_placement(placement: dict[str, Any]) -> None:
-    """Validate the placement arguments through the core now, not inside fit."""
-    policy = placement_policy(
-        placement["placement_policy"],
-        shard_param_frac=placement["shard_param_frac"],
-        offload_optim_frac=placement["offload_optim_frac"],
-        offload_param_frac=placement["offload_param_frac"],
-        gpu_margin_mem_ratio=placement["gpu_margin_mem_ratio"],
-    )
-    device_budget(policy, placement["device_budget_bytes"], default_device())

@@ -18,8 +18,6 @@ from torch.distributed import ProcessGroup
 
 from shardwise.amp import LossScaleConfig
 from shardwise.chunk import ChunkManager, Pool
-from shardwise.comm import CommStats
-from shardwise.engine.build import chunk_manager_for, gemini_manager_for
 from shardwise.engine.config import (
     Chunking,
     EngineConfig,
@@ -31,6 +29,7 @@ from shardwise.engine.config import (
 )
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.optimizer import ZeroOptimizer, grad_scaler_for
+from shardwise.engine.wrap import model_parts
 from shardwise.gemini import MemoryTracer, placement_policy
 from shardwise.prepare.ignore import is_ignored
 from shardwise.prepare.slicing import sliced, unslice
@@ -122,8 +121,7 @@ class ShardedModelV2(ZeroModel):
             topology=Topology(process_group=process_group),
         )
         self.shard_strategy = shard_strategy
-        chunk_manager = chunk_manager_for(config, CommStats())
-        super().__init__(module, config, chunk_manager, gemini_manager_for(config, chunk_manager))
+        super().__init__(module, *model_parts(module, config))
         self.reuse_fp16_shard = reuse_fp16_shard
         if reuse_fp16_shard:
             for chunk in self.chunk_manager.trainable_chunks():
