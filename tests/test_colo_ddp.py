@@ -181,12 +181,12 @@ def _colo_ddp_run(case: Case, group: Any) -> tuple[Trace, dict[str, Any]]:
             if param.grad is None:
                 continue
             chunk, index = model.chunk_manager.locate(param)
-            assert chunk.grad_full is not None
+            assert chunk.grads.full is not None
             offset = chunk.tensors[index].offset
             view = (
                 param.grad.untyped_storage().data_ptr()
-                == chunk.grad_full.untyped_storage().data_ptr()
-                and param.grad.data_ptr() == chunk.grad_full[offset:].data_ptr()
+                == chunk.grads.full.untyped_storage().data_ptr()
+                and param.grad.data_ptr() == chunk.grads.full[offset:].data_ptr()
             )
             checks["grads viewing their chunk" if view else "grads elsewhere"] += 1
         calls, payload = stats.calls(CommOp.ALL_REDUCE), stats.payload_bytes(CommOp.ALL_REDUCE)

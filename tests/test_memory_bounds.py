@@ -18,6 +18,7 @@ from helpers import CHUNK_NUMEL, CONFIG, batch_slice
 from shardwise import zero_model_wrapper, zero_optim_wrapper
 from shardwise.chunk import Chunk
 from shardwise.chunk.accounting import storage_bytes
+from shardwise.chunk.grads import GradSide
 from shardwise.chunk.reduction import PendingReduction
 from shardwise.testing import GPT, run_ranks
 
@@ -37,26 +38,26 @@ def _grad_bytes_in_flight(stage: int, slow_network: bool) -> dict[str, int]:
     )
     chunks = wrapped.chunk_manager.chunks
     most = 0
-    add_grad, wait = Chunk.add_grad, PendingReduction.wait
+    add_grad, wait = GradSide.add, PendingReduction.wait
 
-    def counting_add_grad(chunk: Chunk, index: int, grad: torch.Tensor) -> bool:
+    def counting_add_grad(grads: GradSide, index: int, grad: torch.Tensor) -> bool:
         nonlocal most
-        complete = add_grad(chunk, index, grad)
-        most = max(most, sum(storage_bytes(c.grad_full) for c in chunks))
+        complete = add_grad(grads, index, grad)
+        most = max(most, sum(storage_bytes(c.grads.full) for c in chunks))
         return complete
 
     def slow_wait(pending: PendingReduction, *, keep_full: bool) -> list[Chunk]:
         time.sleep(0.02)  # a network far slower than this model's backward
         return wait(pending, keep_full=keep_full)
 
-    Chunk.add_grad = counting_add_grad  # type: ignore[method-assign]  # this rank's process only
+    GradSide.add = counting_add_grad  # type: ignore[method-assign]  # this rank's process only
     if slow_network:
         PendingReduction.wait = slow_wait  # type: ignore[method-assign]
     for step in range(2):
         optimizer.zero_grad()
         _, loss = wrapped(*batch_slice(step, 0, rank, world))
         optimizer.backward(loss)
-        left = sum(storage_bytes(c.grad_full) for c in chunks)
+        left = sum(storage_bytes(c.grads.full) for c in chunks)
         optimizer.step()
     return {
         "most": most,

@@ -98,8 +98,8 @@ class EvalProbe(TrainerCallback):
             return
         model = self.engine.model
         chunks = model.chunk_manager.chunks
-        grads = [c.grad_shard for c in chunks if not c.grads_cleared] + [
-            c.grad_full for c in chunks if c.grad_full is not None
+        grads = [c.grads.shard for c in chunks if not c.grads.cleared] + [
+            c.grads.full for c in chunks if c.grads.full is not None
         ]
         self.after.append(
             {

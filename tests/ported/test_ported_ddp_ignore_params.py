@@ -73,7 +73,7 @@ def _original() -> dict[str, bool]:
             assert isinstance(ddp, GeminiDDP)
             chunk, index = ddp.chunk_manager.locate(w1)
             info = chunk.tensors[index]
-            whole = torch.cat(_gathered(chunk.grad_shard))  # every rank's shard, in rank order
+            whole = torch.cat(_gathered(chunk.grads.shard))  # every rank's shard, in rank order
             w1s_grad = whole[info.offset : info.offset + info.numel].view(info.shape)
         else:
             assert w1.grad is not None

@@ -122,19 +122,19 @@ def test_gradient_buffer_is_exact_without_being_zeroed_first() -> None:
     manager.register(model.named_parameters())
     (chunk,) = manager.chunks
     grads = [torch.randn(info.shape) for info in chunk.tensors]
-    chunk.add_grad(0, grads[0])
-    chunk.add_grad(2, grads[2])
-    chunk.add_grad(2, grads[2])  # a second gradient in the same pass adds
+    chunk.grads.add(0, grads[0])
+    chunk.grads.add(2, grads[2])
+    chunk.grads.add(2, grads[2])  # a second gradient in the same pass adds
     expected = torch.zeros(chunk.padded_numel)
     for index, scale in ((0, 1.0), (2, 2.0)):
         info = chunk.tensors[index]
         expected[info.offset : info.offset + info.numel] = scale * grads[index].reshape(-1)
-    chunk.end_pass_without_reduce()  # kept for the next pass: made whole now
-    assert torch.equal(chunk.grad_full, expected)
-    chunk.add_grad(1, grads[1])  # the next pass adds onto the kept buffer
+    chunk.grads.end_pass()  # kept for the next pass: made whole now
+    assert torch.equal(chunk.grads.full, expected)
+    chunk.grads.add(1, grads[1])  # the next pass adds onto the kept buffer
     info = chunk.tensors[1]
     expected[info.offset : info.offset + info.numel] += grads[1].reshape(-1)
-    assert torch.equal(chunk.prepare_reduce(), expected)
+    assert torch.equal(chunk.grads.prepare_reduce(), expected)
 
 
 def test_zero_unwritten_covers_gaps_and_padding() -> None:
@@ -161,20 +161,20 @@ def test_zero_grad_lets_the_next_reduced_gradients_overwrite_the_shard() -> None
 
     def backward() -> None:
         for index, grad in enumerate(grads):
-            chunk.add_grad(index, grad)
+            chunk.grads.add(index, grad)
         reduce_now([chunk], keep_full=False)
 
     whole = torch.cat([g.reshape(-1) for g in grads])
     backward()
     backward()  # accumulates
-    assert torch.equal(chunk.grads_for_step()[: whole.numel()], 2 * whole)
-    chunk.zero_grad()
+    assert torch.equal(chunk.grads.for_step()[: whole.numel()], 2 * whole)
+    chunk.grads.zero_grad()
     backward()  # overwrites what the shard held
-    assert torch.equal(chunk.grads_for_step()[: whole.numel()], whole)
-    chunk.zero_grad()
-    assert chunk.grads_cleared
-    assert not chunk.grads_for_step().any()  # no gradient since: zeros at the step
-    assert not chunk.grads_cleared
+    assert torch.equal(chunk.grads.for_step()[: whole.numel()], whole)
+    chunk.grads.zero_grad()
+    assert chunk.grads.cleared
+    assert not chunk.grads.for_step().any()  # no gradient since: zeros at the step
+    assert not chunk.grads.cleared
 
 
 def test_stage1_gradient_shard_is_its_own_slice_of_the_whole_gradient() -> None:
@@ -184,22 +184,22 @@ def test_stage1_gradient_shard_is_its_own_slice_of_the_whole_gradient() -> None:
     manager.register(model.named_parameters())
     (chunk,) = manager.chunks
     chunk.share_grad_shard_with_full()
-    assert chunk.grad_full is not None
-    assert chunk.grad_shard.untyped_storage().data_ptr() == (
-        chunk.grad_full.untyped_storage().data_ptr()
+    assert chunk.grads.full is not None
+    assert chunk.grads.shard.untyped_storage().data_ptr() == (
+        chunk.grads.full.untyped_storage().data_ptr()
     )
     grads = [torch.randn(info.shape) for info in chunk.tensors]
     whole = torch.cat([g.reshape(-1) for g in grads])
     for _ in range(2):
         for index, grad in enumerate(grads):
-            chunk.add_grad(index, grad)
+            chunk.grads.add(index, grad)
         reduce_now([chunk], keep_full=True)  # stage 1 reduces at the step and keeps the buffer
-        assert torch.equal(chunk.grads_for_step()[: whole.numel()], whole)
+        assert torch.equal(chunk.grads.for_step()[: whole.numel()], whole)
         # The next backward would add onto the reduced slice: refused until zero_grad().
         with pytest.raises(ValueError, match="zero_grad"):
-            chunk.add_grad(0, grads[0])
-        chunk.zero_grad()
-        assert not chunk.grad_full.any()
+            chunk.grads.add(0, grads[0])
+        chunk.grads.zero_grad()
+        assert not chunk.grads.full.any()
 
 
 def test_gather_codec_follows_the_dtypes_and_fills_the_compute_copy() -> None:

@@ -61,7 +61,7 @@ def _fresh_count(manager: ChunkManager, state_of: Callable[[Chunk], int]) -> int
 
 def _add_grads(chunk: Chunk) -> None:
     for index, info in enumerate(chunk.tensors):
-        chunk.add_grad(index, torch.ones(info.shape))
+        chunk.grads.add(index, torch.ones(info.shape))
 
 
 def test_counts_buffers_and_state_in_the_device_pool_and_nothing_in_host_memory() -> None:

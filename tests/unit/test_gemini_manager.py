@@ -96,7 +96,7 @@ def test_memory_by_pool_counts_every_buffer_and_optimizer_state(
     chunk = manager.chunks[0]
     chunk.gather()  # a gathered payload always lives on the device
     assert gemini.memory_by_pool() == {"device": device + CHUNK_BYTES, "host": host}
-    chunk.add_grad(0, torch.ones(4, 4))  # so does the gradient buffer
+    chunk.grads.add(0, torch.ones(4, 4))  # so does the gradient buffer
     assert gemini.memory_by_pool() == {"device": device + 2 * CHUNK_BYTES, "host": host}
     chunk.release()
     reduce_now([chunk], keep_full=False)  # frees the gradient buffer into the gradient shard

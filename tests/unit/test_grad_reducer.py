@@ -51,7 +51,7 @@ def _setup(
     def reduce_to_shard(
         full: torch.Tensor, method: object, stats: object, group: object, async_op: bool
     ) -> tuple[_FakeWork | None, torch.Tensor]:
-        chunk = next(c for c in manager.chunks if c.grad_full is full)
+        chunk = next(c for c in manager.chunks if c.grads.full is full)
         log.append(("start", chunk.chunk_id))
         sent[chunk.chunk_id] = full.clone()
         out = torch.full_like(full, float("nan"))
@@ -76,7 +76,7 @@ def _backward(model: nn.Module, reference: nn.Module, seed: int = 1) -> None:
 
 
 def _assert_reduced(
-    manager: ChunkManager, reference: nn.Module, buffer: str = "grad_shard"
+    manager: ChunkManager, reference: nn.Module, buffer: str = "shard"
 ) -> None:
     """Each chunk's `buffer` holds the reference model's gradients (zeros where it got none)."""
     grads = {name: p.grad for name, p in reference.named_parameters()}
@@ -86,7 +86,7 @@ def _assert_reduced(
             for t in chunk.tensors
         ]
         flat = torch.cat([grad.reshape(-1) for grad in expected])  # type: ignore[union-attr]
-        assert torch.allclose(getattr(chunk, buffer), flat), chunk
+        assert torch.allclose(getattr(chunk.grads, buffer), flat), chunk
 
 
 def _ops(log: Log, *kinds: str) -> str:
@@ -99,7 +99,7 @@ def test_gradients_are_copied_into_chunks_as_autograd_accumulates_them(
     model, reference, manager, _, log, _ = _setup(monkeypatch, reduce_in_backward=False)
     for seed in (1, 2):  # the second pass adds onto the kept buffer
         _backward(model, reference, seed)
-    _assert_reduced(manager, reference, "grad_full")
+    _assert_reduced(manager, reference, "full")
     # The chunk holds the gradient: the per-parameter copy was dropped.
     assert all(p.grad is None for p in model.parameters())
     assert _ops(log, "start", "reduced") == ""  # stage 1: nothing reduced in backward
@@ -114,7 +114,7 @@ def test_chunk_is_reduced_as_soon_as_its_trainable_tensors_have_gradients(
         last_grad = max(log.index(("grad", info.name)) for info in chunk.tensors)
         # Right after its last gradient (and its "complete"), before any other chunk's.
         assert log.index(("start", chunk.chunk_id)) == last_grad + 2, log
-        assert chunk.grad_full is None  # freed once reduced
+        assert chunk.grads.full is None  # freed once reduced
     assert _ops(log, "start") == "start 2, start 1, start 0"
     _assert_reduced(manager, reference)
 
@@ -167,7 +167,7 @@ def test_unsynced_passes_stay_unreduced_until_reduce_all(monkeypatch: pytest.Mon
         _backward(model, reference, seed=1)
         _backward(model, reference, seed=2)
     assert _ops(log, "start", "reduced") == ""
-    assert all(torch.count_nonzero(chunk.grad_shard) == 0 for chunk in manager.chunks)
+    assert all(torch.count_nonzero(chunk.grads.shard) == 0 for chunk in manager.chunks)
     reducer.reduce_all()
     assert _ops(log, "reduced") == "reduced 2, reduced 1, reduced 0"
     _assert_reduced(manager, reference)  # the sum of both passes, reduced once
@@ -183,8 +183,8 @@ def test_on_complete_precedes_the_reduction_and_on_reduced_follows_it(
 
     def note(kind: str) -> Callable[[Chunk], None]:
         def callback(chunk: Chunk) -> None:
-            has_full = chunk.grad_full is not None
-            seen.append((kind, chunk.chunk_id, has_full, bool(chunk.grad_shard.any())))
+            has_full = chunk.grads.full is not None
+            seen.append((kind, chunk.chunk_id, has_full, bool(chunk.grads.shard.any())))
 
         return callback
 

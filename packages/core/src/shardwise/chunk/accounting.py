@@ -21,8 +21,8 @@ def resident_bytes(chunk: Chunk) -> dict[str, int]:
     payload += 0 if chunk.keep_gathered else nbytes(chunk.shard)
     master = 0 if chunk.master is chunk.shard else nbytes(chunk.master)
     # Stage 1's gradient shard may be a view into its full gradient buffer: counted once.
-    shard = 0 if chunk.grad_layout is GradLayout.SLICE_OF_FULL else nbytes(chunk.grad_shard)
-    grads = nbytes(chunk.grad_full) + shard
+    shard = 0 if chunk.grads.layout is GradLayout.SLICE_OF_FULL else nbytes(chunk.grads.shard)
+    grads = nbytes(chunk.grads.full) + shard
     return {"params": payload, "master": master, "grads": grads}
 
 
@@ -33,7 +33,7 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
     held = {
         Pool.DEVICE: nbytes(chunk.full)
         + nbytes(chunk.full_compute)
-        + nbytes(chunk.grad_full)
+        + nbytes(chunk.grads.full)
         + nbytes(chunk.secondary),
         Pool.HOST: 0,
     }
@@ -41,8 +41,8 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
         held[chunk.payload_pool] += nbytes(chunk.shard)
     if chunk.master is not chunk.shard:
         held[chunk.optim_pool] += nbytes(chunk.master)
-    if chunk.grad_layout is not GradLayout.SLICE_OF_FULL:
-        held[chunk.optim_pool] += nbytes(chunk.grad_shard)
+    if chunk.grads.layout is not GradLayout.SLICE_OF_FULL:
+        held[chunk.optim_pool] += nbytes(chunk.grads.shard)
     return held
 
 
@@ -62,8 +62,8 @@ def resting_device_bytes(chunk: Chunk) -> int:
     if chunk.optim_pool is Pool.DEVICE:
         if chunk.master is not chunk.shard:
             held += nbytes(chunk.master)
-        if chunk.grad_layout is not GradLayout.SLICE_OF_FULL:
-            held += nbytes(chunk.grad_shard)
+        if chunk.grads.layout is not GradLayout.SLICE_OF_FULL:
+            held += nbytes(chunk.grads.shard)
     return held
 
 
@@ -87,5 +87,7 @@ def transient_bytes(chunk: Chunk) -> int:
     needs them at once where the step does; the rest of the model state can wait in host
     memory."""
     return (
-        gathered_held_bytes(chunk) + storage_bytes(chunk.grad_full) + storage_bytes(chunk.secondary)
+        gathered_held_bytes(chunk)
+        + storage_bytes(chunk.grads.full)
+        + storage_bytes(chunk.secondary)
     )

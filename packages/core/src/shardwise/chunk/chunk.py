@@ -16,10 +16,10 @@
 - `secondary` (ZeRO++ hpZ, stage 3 with `secondary_shard_size`): this rank's slice of the
   payload within its secondary group, kept from a forward's release for the next gather (see
   [Note: secondary shards]); None otherwise.
-- `grad_full`: gradients of the whole chunk, in the reduce dtype, filled by gradient hooks (see
-  [Note: gradient buffers start uninitialised] in grad_buffer.py) and reduce-scattered into
-  `grad_shard` (fp32), which the optimizer reads: at stage 1, with fp32 reduction, this rank's
-  own slice of `grad_full` (see share_grad_shard_with_full()).
+- `grads` (grads.py), the gradient side, an object of its own: `grads.full`, gradients of the
+  whole chunk in the reduce dtype, filled by gradient hooks (see [Note: gradient buffers start
+  uninitialised] in grad_buffer.py) and reduce-scattered into `grads.shard` (fp32), which the
+  optimizer reads, in one of the layouts of [Note: gradient layouts] in grads.py.
 
 [Note: secondary shards]
 ZeRO++'s hierarchical partitioning (hpZ): when a forward with gradients on releases a chunk,
@@ -34,15 +34,15 @@ every rank picks the same group. Its memory: 1/s of each such chunk, on the devi
 forward until backward gathers it (ZeRO++'s trade: more memory, less inter-node traffic).
 
 [Note: reducing gradients]
-`grad_full` reaches its owners through `comm.reduce_to_shard` with the chunk's `reduce_method`
+`grads.full` reaches its owners through `comm.reduce_to_shard` with the chunk's `reduce_method`
 (see [Note: reduce-scatter methods] in comm/collectives.py), launched for one chunk or a bucket
 by chunk/reduction.py (see [Note: one reduction entry point]); the chunk prepares its buffer
-(`prepare_reduce`) and takes its slice (`accept_reduced`).
+(`grads.prepare_reduce`) and takes its slice (`grads.accept_reduced`).
 
 [Note: pools]
-Gathered buffers (`full`, `full_compute`, `grad_full`) always live on the compute device. The
+Gathered buffers (`full`, `full_compute`, `grads.full`) always live on the compute device. The
 shard lives in `payload_pool` (host memory is possible only for a sharded chunk: it is copied
-to the device for each gather), and the optimizer side (`master`, `grad_shard` and, through
+to the device for each gather), and the optimizer side (`master`, `grads.shard` and, through
 the views the optimizer steps, its state) in `optim_pool`. `place()` sets both once, before the
 optimizer is built; copies between pools are counted in `bytes_to_device` / `bytes_to_host`.
 """
@@ -57,7 +57,13 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.chunk.codec import codec_for
-from shardwise.chunk.grads import GradSide
+from shardwise.chunk.grads import (
+    GradSide,
+    InPayloadGrads,
+    OwnBufferGrads,
+    SliceOfFullGrads,
+    WholeGrads,
+)
 from shardwise.chunk.parameters import (
     adopt,
     compute_face,
@@ -65,11 +71,11 @@ from shardwise.chunk.parameters import (
     mark_settled,
     shard_face,
 )
+from shardwise.chunk.pools import PoolMoves
 from shardwise.chunk.resident import Resident, resident_changed
 from shardwise.chunk.states import (
     ChunkDtypes,
     ChunkState,
-    GradLayout,
     GradState,
     Pool,
     TensorInfo,
@@ -78,7 +84,7 @@ from shardwise.chunk.states import (
 from shardwise.comm import CommStats
 
 
-class Chunk(GradSide):
+class Chunk(PoolMoves):
     """Many parameters in one flat buffer; rank r owns the r-th of `world_size` equal slices.
 
     Args:
@@ -106,11 +112,10 @@ class Chunk(GradSide):
     full_compute = Resident[torch.Tensor | None](transient=True)
     shard = Resident[torch.Tensor]()
     master = Resident[torch.Tensor]()
-    grad_full = Resident[torch.Tensor | None](transient=True)
-    grad_shard = Resident[torch.Tensor]()
     payload_pool = Resident[Pool]()
     optim_pool = Resident[Pool]()
-    grad_layout = Resident[GradLayout]()
+    grads = Resident[GradSide]()
+    """The gradient side, in the layout of [Note: gradient layouts] in grads.py."""
     secondary = Resident[torch.Tensor | None](transient=True)
 
     def __init__(
@@ -146,7 +151,6 @@ class Chunk(GradSide):
         self.numel = 0
         self.closed = False
         self.state = ChunkState.GATHERED
-        self.num_grads_ready = 0
         self.num_trainable = 0
         # Buffers, allocated by close(); see [Note: chunk buffers].
         self.full = torch.empty(0, dtype=dtypes.payload, device=device)
@@ -155,18 +159,9 @@ class Chunk(GradSide):
         self.codec = codec_for(dtypes)
         self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
         self.master = torch.empty(0, dtype=torch.float32, device=device)
-        self.grad_full = None
-        # Where the reduced gradient shard lives and what it holds (see GradLayout and
-        # GradState; share_grad_shard_with_full() and reuse_payload_for_grads() set the layout).
-        self.grad_layout = GradLayout.OWN_BUFFER
-        self.grad_state = GradState.OPEN
-        self.exposes_grads = False
-        # Tensors whose gradient the uninitialised grad_full holds; None once it is all valid.
-        self._grads_written: set[int] | None = None
-        # Tensors a gradient reached on this rank since zero_grad(): the others are left out
-        # of the step, as torch leaves a parameter whose .grad is None.
-        self.grads_received: set[int] = set()
-        self.grad_shard = torch.empty(0, dtype=torch.float32, device=device)
+        # Its own fp32 gradient shard unless a stage or facade picks another layout
+        # (share_grad_shard_with_full, reuse_payload_for_grads, keep_whole_grads).
+        self.grads = OwnBufferGrads(self, torch.empty(0, dtype=torch.float32, device=device))
         self._pending_gather: tuple[torch.distributed.Work, torch.Tensor] | None = None
         # publish_master(wait=False)'s all-gather.
         self._pending_publish: torch.distributed.Work | None = None
@@ -240,7 +235,9 @@ class Chunk(GradSide):
         if self.requires_grad:
             fp32 = self.dtypes.payload == torch.float32
             self.master = self.shard if fp32 else self.shard.to(torch.float32)
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+            self.grads.shard = torch.zeros(
+                self.shard_numel, dtype=torch.float32, device=self.device
+            )
         if not self.keep_gathered:
             self.release()
 
@@ -268,7 +265,7 @@ class Chunk(GradSide):
         """Launch the all-gather of the payload without waiting (a prefetch)."""
         if self.state is ChunkState.GATHERED or self._pending_gather is not None:
             return
-        self._check_payload_holds_params()
+        self.grads.check_payload_holds_params()
         self._materialise(self.full)
         work = self._start_all_gather(*self._gather_source(), async_op=True)
         if work is not None:
@@ -285,7 +282,7 @@ class Chunk(GradSide):
         """Make the full payload valid on this rank (waiting for a prefetch if one is running)."""
         if self.state is ChunkState.GATHERED:
             return
-        self._check_payload_holds_params()
+        self.grads.check_payload_holds_params()
         if self._pending_gather is None:
             self._materialise(self.full)
             self._start_all_gather(*self._gather_source(), async_op=False)
@@ -325,7 +322,7 @@ class Chunk(GradSide):
     def _shard_on_device(self) -> torch.Tensor:
         if self.payload_pool is Pool.DEVICE:
             return self.shard
-        return self._move(self.shard, Pool.DEVICE)
+        return self.move_to(self.shard, Pool.DEVICE)
 
     def _finish_gather(self) -> None:
         self.drop_secondary()  # it served backward's gather (see [Note: secondary shards])
@@ -390,6 +387,34 @@ class Chunk(GradSide):
         assert buffer is self.full or buffer is self.full_compute
         buffer.untyped_storage().resize_(0)
         resident_changed(self, transient=True)
+
+    # ---- gradient layouts (see [Note: gradient layouts] in grads.py) -------------------------
+
+    def share_grad_shard_with_full(self) -> None:
+        """Stage 1 with fp32 reduction: keep the reduced slice in this rank's slice of the
+        whole gradient buffer (`SliceOfFullGrads`); other chunks keep their own shard."""
+        if not self.requires_grad or not self.keep_gathered or self.dtypes.reduce != torch.float32:
+            return
+        assert self.grads.state is GradState.OPEN, self.grads.state
+        self.grads = SliceOfFullGrads(self, self.grads.full)
+
+    def reuse_payload_for_grads(self) -> None:
+        """`reuse_fp16_shard`: keep the reduced gradients in the payload shard between
+        backward and step (`InPayloadGrads`)."""
+        if not self.requires_grad:
+            return
+        assert self.grads.state is not GradState.CLOSED, self.grads.state
+        self.grads = InPayloadGrads(self)
+
+    def keep_whole_grads(self) -> None:
+        """Stage 0: one persistent gradient buffer that `.grad` views, and no optimizer side
+        (`WholeGrads`)."""
+        if not self.requires_grad:
+            return
+        self.grads = WholeGrads(self)
+        # The user's optimizer steps the parameters in place: no master copy.
+        if self.master is not self.shard:
+            self.master = torch.empty(0, dtype=torch.float32, device=self.device)
 
     # ---- tensor states ---------------------------------------------------------------------
 

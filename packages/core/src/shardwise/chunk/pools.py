@@ -3,9 +3,14 @@ in chunk.py): once when the memory manager places a chunk, and while training un
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from shardwise.chunk.states import ChunkDtypes, Pool
+
+if TYPE_CHECKING:
+    from shardwise.chunk.grads import GradSide
 
 
 class PoolMoves:
@@ -22,11 +27,11 @@ class PoolMoves:
     dtypes: ChunkDtypes
     shard: torch.Tensor
     master: torch.Tensor
-    grad_shard: torch.Tensor
+    grads: GradSide
     payload_pool: Pool
     optim_pool: Pool
 
-    def _move(
+    def move_to(
         self, tensor: torch.Tensor, pool: Pool, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """A copy of `tensor` in `pool`, counted; pinned in host memory when asked and useful."""
@@ -50,16 +55,16 @@ class PoolMoves:
             )
         self.pin_memory = pin_memory
         if payload is not self.payload_pool:
-            self.shard = self._move(self.shard, payload)
+            self.shard = self.move_to(self.shard, payload)
             self.payload_pool = payload
         if self.requires_grad:
             aliased = self.dtypes.payload == torch.float32 and payload is optim
             if aliased:
                 self.master = self.shard
             elif optim is not self.optim_pool or self.master is self.shard:
-                self.master = self._move(self.master, optim, torch.float32)
+                self.master = self.move_to(self.master, optim, torch.float32)
             if optim is not self.optim_pool:
-                self.grad_shard = self._move(self.grad_shard, optim)
+                self.grads.shard = self.move_to(self.grads.shard, optim)
         self.optim_pool = optim
 
     def move_payload(self, pool: Pool) -> None:
@@ -70,7 +75,7 @@ class PoolMoves:
             return
         if self.keep_gathered:
             raise ValueError(f"chunk {self.chunk_id} keeps its payload gathered on the device")
-        self.shard = self._move(self.shard, pool)
+        self.shard = self.move_to(self.shard, pool)
         self.payload_pool = pool
 
     def move_optim(self, pool: Pool) -> None:
@@ -83,9 +88,9 @@ class PoolMoves:
         if self.dtypes.payload == torch.float32 and pool is self.payload_pool:
             # An fp32 shard in the same pool is the master again, as place() makes it: no
             # second copy to hold, nor to copy into the shard after every step.
-            self.shard.copy_(self._move(self.master, pool))
+            self.shard.copy_(self.move_to(self.master, pool))
             self.master = self.shard
         else:
-            self.master = self._move(self.master, pool, torch.float32)
-        self.grad_shard = self._move(self.grad_shard, pool)
+            self.master = self.move_to(self.master, pool, torch.float32)
+        self.grads.shard = self.move_to(self.grads.shard, pool)
         self.optim_pool = pool

@@ -54,7 +54,7 @@ class PendingReduction:
         while self._works:
             self._works.pop(0).wait()
         for chunk, reduced in zip(self.chunks, self._reduced, strict=True):
-            chunk.accept_reduced(reduced, keep_full=keep_full)
+            chunk.grads.accept_reduced(reduced, keep_full=keep_full)
         return self.chunks
 
 
@@ -65,12 +65,12 @@ def start_reduction(chunks: Sequence[Chunk], *, async_op: bool = True) -> Pendin
     if not chunks:
         raise ValueError("nothing to reduce: start_reduction needs at least one chunk")
     first = chunks[0]
-    if first.grad_layout is GradLayout.WHOLE:
+    if first.grads.layout is GradLayout.WHOLE:
         return _start_average_of_replicas(chunks, async_op=async_op)
     if len(chunks) == 1:
-        full = first.prepare_reduce()
+        full = first.grads.prepare_reduce()
     else:
-        rows = [c.prepare_reduce().view(c.world_size, c.shard_numel) for c in chunks]
+        rows = [c.grads.prepare_reduce().view(c.world_size, c.shard_numel) for c in chunks]
         full = torch.cat(rows, dim=1).reshape(-1)
     work, reduced = comm.reduce_to_shard(
         full, first.reduce_method, first.stats, first.group, async_op=async_op
@@ -85,8 +85,8 @@ def _start_average_of_replicas(chunks: Sequence[Chunk], *, async_op: bool) -> Pe
     works: list[comm.Waitable | None] = []
     buffers = []
     for chunk in chunks:
-        assert chunk.grad_layout is GradLayout.WHOLE, "a bucket mixes stage 0 with sharding"
-        buffer = chunk.prepare_reduce()
+        assert chunk.grads.layout is GradLayout.WHOLE, "a bucket mixes stage 0 with sharding"
+        buffer = chunk.grads.prepare_reduce()
         buffers.append(buffer)
         if chunk.replicate_group is None:  # a single rank: nothing to average
             continue
@@ -110,15 +110,15 @@ def reduce_across_replicas(chunk_manager: ChunkManager) -> None:
     so a second call before new gradients changes nothing but rounding."""
     topology = chunk_manager.topology
     # Stage 0's chunks were averaged across the replicas in backward (see [Note: stage 0]).
-    chunks = [c for c in chunk_manager.trainable_chunks() if c.grad_layout is not GradLayout.WHOLE]
+    chunks = [c for c in chunk_manager.trainable_chunks() if c.grads.layout is not GradLayout.WHOLE]
     if topology.replicate is None or not chunks:
         return
-    if any(c.grad_layout is GradLayout.IN_PAYLOAD for c in chunks):
+    if any(c.grads.layout is GradLayout.IN_PAYLOAD for c in chunks):
         raise ValueError(
             "reuse_fp16_shard keeps gradients in the 16-bit payload; it cannot be combined "
             "with shard_size (hybrid sharding)"
         )
-    shards = [chunk.grads_for_step() for chunk in chunks]
+    shards = [chunk.grads.for_step() for chunk in chunks]
     # Divided before the sum (exactly, for a power-of-two count), so that a 16-bit sum of
     # loss-scaled gradients cannot overflow where the average would not; then sent on the
     # compute device (NCCL moves device tensors only), in the reduction dtype.

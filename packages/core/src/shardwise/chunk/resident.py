@@ -39,9 +39,10 @@ class Resident(Generic[T]):
 
         def __get__(self, chunk: Any, owner: type | None = None) -> T: ...
 
-    def __set__(self, chunk: Any, value: T) -> None:
-        chunk.__dict__[self._name] = value
-        resident_changed(chunk, transient=self._transient)
+    def __set__(self, holder: Any, value: T) -> None:
+        holder.__dict__[self._name] = value
+        # A part of a chunk (its gradient side) reports its changes as the chunk's.
+        resident_changed(holder.__dict__.get("_resident_owner", holder), transient=self._transient)
 
 
 def resident_changed(chunk: Any, *, transient: bool) -> None:

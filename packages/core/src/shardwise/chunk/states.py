@@ -40,10 +40,10 @@ class GradLayout(Enum):
     first backward."""
 
     OWN_BUFFER = "own_buffer"
-    """An fp32 buffer of its own (`grad_shard`), into which each reduction adds."""
+    """An fp32 buffer of its own (`grads.shard`), into which each reduction adds."""
     SLICE_OF_FULL = "slice_of_full"
     """Stage 1 with fp32 reduction: this rank's own slice of the whole local gradient buffer
-    (`grad_full`), which stage 1 keeps anyway; the reduction writes the reduced slice there."""
+    (`grads.full`), which stage 1 keeps anyway; the reduction writes the reduced slice there."""
     IN_PAYLOAD = "in_payload"
     """`reuse_fp16_shard`: the 16-bit payload shard holds the reduced gradient between
     backward and step, the fp32 master restoring the parameters at the step."""
@@ -52,7 +52,7 @@ class GradLayout(Enum):
     shard; the whole gradient buffer, in the parameters' dtype, is averaged across the
     replicas in place after each backward and `.grad` of every tensor views it, as DDP's
     `gradient_as_bucket_view`; later passes add onto it as they add onto `.grad`. No
-    `grad_shard`: the user's optimizer reads `.grad` (see [Note: stage 0] in
+    `grads.shard`: the user's optimizer reads `.grad` (see [Note: stage 0] in
     chunk/reduction.py)."""
 
 
@@ -68,7 +68,7 @@ class GradState(Enum):
     holds parameters (`IN_PAYLOAD`)."""
     CLOSED = "closed"
     """Reduced in place, so no gradient may be added before the step or `zero_grad()`: this
-    rank's slice of `grad_full` holds the reduced gradient and the rest is zero
+    rank's slice of `grads.full` holds the reduced gradient and the rest is zero
     (`SLICE_OF_FULL`), or the payload holds it instead of parameters (`IN_PAYLOAD`)."""
 
 

@@ -383,7 +383,7 @@ class ZeroModel(nn.Module):
         """Forget the gradients, as `optimizer.zero_grad()` does (a loop may call either):
         the chunks' gradients, and `.grad` of parameters the engine leaves to the user."""
         for chunk in self.chunk_manager.trainable_chunks():
-            chunk.zero_grad()
+            chunk.grads.zero_grad()
         super().zero_grad(set_to_none)
 
     def backward(self, loss: torch.Tensor) -> None:

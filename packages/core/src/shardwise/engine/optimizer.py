@@ -209,7 +209,7 @@ class ZeroOptimizer:
         if self._closed:
             raise ValueError("this ZeroOptimizer was closed; step the one that replaced it")
         self.model.reducer.reduce_all()
-        grads = [chunk.grads_for_step() for chunk in self._chunks]
+        grads = [chunk.grads.for_step() for chunk in self._chunks]
         scale = self.grad_scaler.scale
         rank_sync = self.model.rank_sync
         reduced = global_grad_norm(
@@ -235,7 +235,7 @@ class ZeroOptimizer:
         if overflow:
             self.zero_grad()
             for chunk in self._chunks:
-                chunk.end_step()
+                chunk.grads.end_step()
             self._after_step()
             return False
         coef = 1.0 / scale
@@ -245,7 +245,7 @@ class ZeroOptimizer:
         got_grad = reduced.got_grad
         for view, chunk, begin, end, position in self._slots:
             # See [Note: tensors without gradients].
-            view.grad = chunk.grad_shard[begin:end] if got_grad[position] else None
+            view.grad = chunk.grads.shard[begin:end] if got_grad[position] else None
         if isinstance(self.optim, HybridAdam):
             # Unscaled and clipped inside the fused update: no separate pass over gradients.
             self.optim.step(grad_scale=1.0 / coef)
@@ -255,7 +255,7 @@ class ZeroOptimizer:
             self.optim.step()
         for chunk in self._chunks:
             chunk.publish_master(wait=not self.model.config.defers_param_gather)
-            chunk.end_step()
+            chunk.grads.end_step()
         self._after_step()
         return True
 
@@ -268,7 +268,7 @@ class ZeroOptimizer:
         zero_grad()? See [Note: tensors without gradients]."""
         flags: list[bool] = []
         for chunk in self._chunks:
-            received, count = chunk.grads_received, len(chunk.tensors)
+            received, count = chunk.grads.received, len(chunk.tensors)
             if len(received) == count:
                 flags.extend([True] * count)
             else:
@@ -323,7 +323,7 @@ class ZeroOptimizer:
         """Zero the gradient shards (they are kept allocated: `set_to_none` is accepted for
         compatibility and zeroes all the same)."""
         for chunk in self._chunks:
-            chunk.zero_grad()
+            chunk.grads.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (its shards) and the loss scaler's state."""

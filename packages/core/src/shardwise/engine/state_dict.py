@@ -39,7 +39,7 @@ def gather_full_grads(chunk_manager: ChunkManager, *, keep: bool) -> dict[str, t
     chunks = list(chunk_manager.trainable_chunks())
     device = chunks[0].device if chunks else torch.device("cpu")
     reached = torch.tensor(
-        [float(i in c.grads_received) for c in chunks for i in range(len(c.tensors))],
+        [float(i in c.grads.received) for c in chunks for i in range(len(c.tensors))],
         device=device,
     )
     # Over every rank: under hybrid sharding another shard group's gradient counts too.
@@ -49,7 +49,7 @@ def gather_full_grads(chunk_manager: ChunkManager, *, keep: bool) -> dict[str, t
     grads: dict[str, torch.Tensor | None] = {}
     for chunk in chunks:
         full = torch.empty(chunk.padded_numel, dtype=torch.float32, device=chunk.device)
-        shard = chunk.grads_for_step().to(chunk.device)
+        shard = chunk.grads.for_step().to(chunk.device)
         comm.all_gather(full, shard, chunk_manager.stats, chunk_manager.group)
         for info in chunk.tensors:
             piece = full[info.offset : info.offset + info.numel].view(info.shape)

@@ -169,7 +169,7 @@ class AutoPlacer:
                 # A prefetched chunk already holds its payload buffer, counted on the device:
                 # its gather adds only what is not allocated yet (a compute copy).
                 gathers += self._gathered_bytes(chunk) - gathered_held_bytes(chunk)
-            if with_grads and chunk.requires_grad and chunk.grad_full is None:
+            if with_grads and chunk.requires_grad and chunk.grads.full is None:
                 grads += self._grad_buffer_bytes(chunk)
         # Where the next reduction is one of these chunks', it starts as soon as that chunk
         # completes and waits for the one in flight: the rest of their gradient buffers take
@@ -383,7 +383,7 @@ def _side_bytes(chunk: Chunk, optim_bytes: Callable[[Chunk], int]) -> int:
     """Device bytes `chunk`'s optimizer side takes there beside its shard: the fp32 master
     (none when the shard is fp32), the gradient shard, and the optimizer's state (Adam's two
     moments when it has none yet)."""
-    grad = chunk.grad_shard.numel() * chunk.grad_shard.element_size()
+    grad = chunk.grads.shard.numel() * chunk.grads.shard.element_size()
     begin, end = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
     # The optimizer keeps state for this rank's slices of the tensors, not for the padding.
     owned = sum(
@@ -397,4 +397,4 @@ def _side_bytes(chunk: Chunk, optim_bytes: Callable[[Chunk], int]) -> int:
 
 
 def _reduce_size(chunk: Chunk) -> int:
-    return chunk.grad_shard.new_empty((), dtype=chunk.dtypes.reduce).element_size()
+    return chunk.grads.shard.new_empty((), dtype=chunk.dtypes.reduce).element_size()

@@ -166,11 +166,11 @@ class GradReducer:
                     f"was reduced: it is used outside that block too. Make it a parameter of "
                     f"a module outside the block, or leave the block out of gather_units"
                 )
-            allocates = chunk.grad_full is None
-            complete = chunk.add_grad(index, param.grad)
+            allocates = chunk.grads.full is None
+            complete = chunk.grads.add(index, param.grad)
             # The chunk now holds the gradient; dropping .grad frees the per-parameter copy
             # (stage 1 shows a view of the chunk's copy instead).
-            param.grad = chunk.exposed_grad(index)
+            param.grad = chunk.grads.exposed(index)
             if allocates and self._after_grad is not None:
                 self._after_grad(f"after the gradient of {chunk.tensors[index].name}")
             if chunk.chunk_id in self._waits_on:
@@ -292,7 +292,7 @@ class GradReducer:
         freed = 0
         for pending in retiring:
             for chunk in pending.chunks:
-                freed += storage_bytes(chunk.grad_full)
+                freed += storage_bytes(chunk.grads.full)
                 # Released when complete, unless in use: see GatherScheduler.release_done.
                 if not chunk.in_use and not chunk.keep_gathered:
                     freed += gathered_held_bytes(chunk)
@@ -319,7 +319,7 @@ class GradReducer:
                 self._settle_order()
         else:
             for chunk in self._order:
-                chunk.end_pass_without_reduce()
+                chunk.grads.end_pass()
             self._unreduced_passes = True
             self._replicas_differ = self._hybrid
         self._next = 0

@@ -15,6 +15,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkDtypes, ChunkManager
+from shardwise.chunk.grads import WholeGrads
 from shardwise.comm import CommStats
 from shardwise.comm.topology import replicated
 from shardwise.engine.model import _WRAPPED_MARK
@@ -138,7 +139,9 @@ class ColoDDP(nn.Module):
         reached = flags.bool().tolist()
         offset = 0
         for chunk in self._chunks:
-            chunk.expose_reached_grads(reached[offset : offset + len(chunk.tensors)])
+            grads = chunk.grads
+            assert isinstance(grads, WholeGrads)  # see keep_whole_grads() above
+            grads.expose_reached(reached[offset : offset + len(chunk.tensors)])
             offset += len(chunk.tensors)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
