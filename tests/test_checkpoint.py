@@ -55,7 +55,7 @@ def _train_and_save(
     wrapped, optimizer = _build(stage, precision, placement)
     _train(wrapped, optimizer, range(3))
     # Where each chunk's shard and optimizer side were when saved.
-    pools = [(c.payload_pool, c.optim_pool) for c in wrapped.chunk_manager.chunks]
+    pools = [(c.placement.payload, c.placement.optim) for c in wrapped.chunk_manager.chunks]
     checkpoint.save(path, wrapped, optimizer, extra={"step": 3, "rng": torch.get_rng_state()})
     after = _train(wrapped, optimizer, range(3, 6))
     return {

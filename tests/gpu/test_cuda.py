@@ -98,7 +98,7 @@ def _host_buffers() -> dict[str, Any]:
     wrapped, optimizer = _wrapped("cuda", 3, {"placement_policy": "cpu", "pin_memory": True})
     _losses(wrapped, optimizer, "cuda")
     chunks = wrapped.chunk_manager.chunks
-    host = [c for c in chunks if c.payload_pool is Pool.HOST]
+    host = [c for c in chunks if c.placement.payload is Pool.HOST]
     # A step whose host->device copies overlap compute: the copies of a step are enqueued
     # without the host waiting for them (the profiler sees them on the device's timeline
     # while kernels run).

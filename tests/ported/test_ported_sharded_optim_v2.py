@@ -108,7 +108,7 @@ def _run_case(case: dict[str, Any], ref_states: list[dict[str, torch.Tensor]]) -
     result["moved"] = sharded_optim.chunks_moved_to_device
     result["trainable_chunks"] = len(list(zero_model.chunk_manager.trainable_chunks()))
     result["optim_on_device"] = sum(
-        c.optim_pool is Pool.DEVICE for c in zero_model.chunk_manager.trainable_chunks()
+        c.placement.optim is Pool.DEVICE for c in zero_model.chunk_manager.trainable_chunks()
     )
     return result
 

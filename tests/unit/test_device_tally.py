@@ -54,7 +54,7 @@ class _StateBytes:
 def _fresh_count(manager: ChunkManager, state_of: Callable[[Chunk], int]) -> int:
     """The device bytes of every chunk counted from scratch, optimizer state included."""
     return sum(
-        device_resident_bytes(c) + (state_of(c) if c.optim_pool is Pool.DEVICE else 0)
+        device_resident_bytes(c) + (state_of(c) if c.placement.optim is Pool.DEVICE else 0)
         for c in manager.chunks
     )
 

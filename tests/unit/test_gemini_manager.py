@@ -55,12 +55,14 @@ def test_each_policy_places_chunks_as_documented(
     _, manager = _placed(policy, **options)
     chunks = manager.chunks
     assert _letters(["g" if c.keep_gathered else "s" for c in chunks]) == sharded
-    assert _letters([c.payload_pool.value for c in chunks]) == payload
-    assert _letters([c.optim_pool.value for c in chunks]) == optim
+    assert _letters([c.placement.payload.value for c in chunks]) == payload
+    assert _letters([c.placement.optim.value for c in chunks]) == optim
     for chunk in chunks:
         # An fp32 master shares the shard's memory when both live in one pool.
         if chunk.requires_grad:
-            assert (chunk.master is chunk.shard) == (chunk.payload_pool is chunk.optim_pool)
+            assert (chunk.master is chunk.shard) == (
+                chunk.placement.payload is chunk.placement.optim
+            )
         assert chunk.state is (ChunkState.GATHERED if chunk.keep_gathered else ChunkState.SHARDED)
 
 
@@ -145,6 +147,6 @@ def test_the_wrapped_model_checks_the_budget_at_each_gather(policy: str, raises:
         assert wrapped.gemini_manager is not None
         assert wrapped.gemini_manager.peak_device_bytes <= config["device_budget_bytes"]
     assert all(
-        c.payload_pool is (Pool.DEVICE if raises else Pool.HOST)
+        c.placement.payload is (Pool.DEVICE if raises else Pool.HOST)
         for c in wrapped.chunk_manager.chunks
     )

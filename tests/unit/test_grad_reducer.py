@@ -75,9 +75,7 @@ def _backward(model: nn.Module, reference: nn.Module, seed: int = 1) -> None:
     reference(x).sum().backward()
 
 
-def _assert_reduced(
-    manager: ChunkManager, reference: nn.Module, buffer: str = "shard"
-) -> None:
+def _assert_reduced(manager: ChunkManager, reference: nn.Module, buffer: str = "shard") -> None:
     """Each chunk's `buffer` holds the reference model's gradients (zeros where it got none)."""
     grads = {name: p.grad for name, p in reference.named_parameters()}
     for chunk in manager.chunks:

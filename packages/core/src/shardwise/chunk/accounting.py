@@ -38,11 +38,11 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
         Pool.HOST: 0,
     }
     if not chunk.keep_gathered:
-        held[chunk.payload_pool] += nbytes(chunk.shard)
+        held[chunk.placement.payload] += nbytes(chunk.shard)
     if chunk.master is not chunk.shard:
-        held[chunk.optim_pool] += nbytes(chunk.master)
+        held[chunk.placement.optim] += nbytes(chunk.master)
     if chunk.grads.layout is not GradLayout.SLICE_OF_FULL:
-        held[chunk.optim_pool] += nbytes(chunk.grads.shard)
+        held[chunk.placement.optim] += nbytes(chunk.grads.shard)
     return held
 
 
@@ -57,9 +57,9 @@ def resting_device_bytes(chunk: Chunk) -> int:
     pools are the device (its optimizer's state excluded)."""
     nbytes = storage_bytes
     held = 0
-    if not chunk.keep_gathered and chunk.payload_pool is Pool.DEVICE:
+    if not chunk.keep_gathered and chunk.placement.payload is Pool.DEVICE:
         held += nbytes(chunk.shard)
-    if chunk.optim_pool is Pool.DEVICE:
+    if chunk.placement.optim is Pool.DEVICE:
         if chunk.master is not chunk.shard:
             held += nbytes(chunk.master)
         if chunk.grads.layout is not GradLayout.SLICE_OF_FULL:

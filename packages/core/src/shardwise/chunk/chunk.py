@@ -71,7 +71,7 @@ from shardwise.chunk.parameters import (
     mark_settled,
     shard_face,
 )
-from shardwise.chunk.pools import PoolMoves
+from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident, resident_changed
 from shardwise.chunk.states import (
     ChunkDtypes,
@@ -84,7 +84,7 @@ from shardwise.chunk.states import (
 from shardwise.comm import CommStats
 
 
-class Chunk(PoolMoves):
+class Chunk:
     """Many parameters in one flat buffer; rank r owns the r-th of `world_size` equal slices.
 
     Args:
@@ -112,8 +112,6 @@ class Chunk(PoolMoves):
     full_compute = Resident[torch.Tensor | None](transient=True)
     shard = Resident[torch.Tensor]()
     master = Resident[torch.Tensor]()
-    payload_pool = Resident[Pool]()
-    optim_pool = Resident[Pool]()
     grads = Resident[GradSide]()
     """The gradient side, in the layout of [Note: gradient layouts] in grads.py."""
     secondary = Resident[torch.Tensor | None](transient=True)
@@ -166,12 +164,7 @@ class Chunk(PoolMoves):
         # publish_master(wait=False)'s all-gather.
         self._pending_publish: torch.distributed.Work | None = None
         # See [Note: pools].
-        self.offload_device = torch.device("cpu")
-        self.payload_pool = Pool.DEVICE
-        self.optim_pool = Pool.DEVICE
-        self.pin_memory = False
-        self.bytes_to_device = 0
-        self.bytes_to_host = 0
+        self.placement = ChunkPlacement(self, device)
         self.predivide_factor = predivide_factor
         self.reduce_method = reduce_method
         self.replicate_group = replicate_group
@@ -259,6 +252,58 @@ class Chunk(PoolMoves):
                 info.compute = compute_face(view, info.param)
                 shard_face(info.param, info.name, self.dtypes.compute, self.device)
 
+    # ---- pools (see [Note: pools]) ---------------------------------------------------------
+
+    def place(self, *, payload: Pool, optim: Pool, pin_memory: bool = False) -> None:
+        """Put the shard in `payload` and the optimizer side in `optim` (see [Note: pools]).
+        Call once after close() and before an optimizer steps this chunk."""
+        if payload is Pool.HOST and self.keep_gathered:
+            raise ValueError(
+                f"chunk {self.chunk_id} keeps its payload gathered on the device: its shard "
+                f"cannot live in host memory"
+            )
+        self.placement.pin_memory = pin_memory
+        if payload is not self.placement.payload:
+            self.shard = self.placement.move_to(self.shard, payload)
+            self.placement.payload = payload
+        if self.requires_grad:
+            aliased = self.dtypes.payload == torch.float32 and payload is optim
+            if aliased:
+                self.master = self.shard
+            elif optim is not self.placement.optim or self.master is self.shard:
+                self.master = self.placement.move_to(self.master, optim, torch.float32)
+            if optim is not self.placement.optim:
+                self.grads.shard = self.placement.move_to(self.grads.shard, optim)
+        self.placement.optim = optim
+
+    def move_payload(self, pool: Pool) -> None:
+        """Move the shard to `pool` while training runs (the "auto" policy). A master that was
+        the shard itself stays where it is, as its own tensor, since the optimizer holds views
+        of it."""
+        if pool is self.placement.payload:
+            return
+        if self.keep_gathered:
+            raise ValueError(f"chunk {self.chunk_id} keeps its payload gathered on the device")
+        self.shard = self.placement.move_to(self.shard, pool)
+        self.placement.payload = pool
+
+    def move_optim(self, pool: Pool) -> None:
+        """Move the fp32 master and gradient shard to `pool`; the optimizer must then re-point
+        its views (ZeroOptimizer.rebind_chunk) and move its state. An fp32 master that lands
+        beside its shard becomes the shard itself."""
+        if pool is self.placement.optim or not self.requires_grad:
+            self.placement.optim = pool
+            return
+        if self.dtypes.payload == torch.float32 and pool is self.placement.payload:
+            # An fp32 shard in the same pool is the master again, as place() makes it: no
+            # second copy to hold, nor to copy into the shard after every step.
+            self.shard.copy_(self.placement.move_to(self.master, pool))
+            self.master = self.shard
+        else:
+            self.master = self.placement.move_to(self.master, pool, torch.float32)
+        self.grads.shard = self.placement.move_to(self.grads.shard, pool)
+        self.placement.optim = pool
+
     # ---- gather / release ------------------------------------------------------------------
 
     def start_gather(self) -> None:
@@ -320,9 +365,9 @@ class Chunk(PoolMoves):
         return self._shard_on_device(), self.group, comm.CommOp.ALL_GATHER
 
     def _shard_on_device(self) -> torch.Tensor:
-        if self.payload_pool is Pool.DEVICE:
+        if self.placement.payload is Pool.DEVICE:
             return self.shard
-        return self.move_to(self.shard, Pool.DEVICE)
+        return self.placement.move_to(self.shard, Pool.DEVICE)
 
     def _finish_gather(self) -> None:
         self.drop_secondary()  # it served backward's gather (see [Note: secondary shards])
@@ -444,12 +489,8 @@ class Chunk(PoolMoves):
         if not self.keep_gathered:
             self.release()  # a gathered copy left from a forward without backward is stale now
         if self.master is not self.shard:
-            if self.optim_pool is not self.payload_pool:
-                nbytes = self.shard.numel() * self.shard.element_size()
-                if self.payload_pool is Pool.DEVICE:
-                    self.bytes_to_device += nbytes
-                else:
-                    self.bytes_to_host += nbytes
+            if self.placement.optim is not self.placement.payload:
+                self.placement.count_copy(self.shard, into=self.placement.payload)
             self.shard.copy_(self.master)
         if self.keep_gathered:
             self._gather_kept_copy(wait=wait)

@@ -28,6 +28,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from shardwise.chunk.grad_buffer import owns_storage, zero_unwritten
+from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import ChunkDtypes, GradLayout, GradState, Pool, TensorInfo, TensorState
 
@@ -35,7 +36,7 @@ from shardwise.chunk.states import ChunkDtypes, GradLayout, GradState, Pool, Ten
 class OwningChunk(Protocol):
     """What the gradient side reads of its chunk (`chunk.Chunk`): the tensors and the shard's
     geometry, the dtypes, and for the layouts that need them the payload shard, the fp32
-    master and the optimizer side's pool."""
+    master and its placement."""
 
     tensors: list[TensorInfo]
     num_trainable: int
@@ -46,7 +47,7 @@ class OwningChunk(Protocol):
     keep_gathered: bool
     shard: torch.Tensor
     master: torch.Tensor
-    optim_pool: Pool
+    placement: ChunkPlacement
 
     @property
     def padded_numel(self) -> int: ...
@@ -56,10 +57,6 @@ class OwningChunk(Protocol):
 
     @property
     def shard_begin(self) -> int: ...
-
-    def move_to(
-        self, tensor: torch.Tensor, pool: Pool, dtype: torch.dtype | None = None
-    ) -> torch.Tensor: ...
 
 
 class GradSide:
@@ -250,8 +247,8 @@ class OwnBufferGrads(GradSide):
 
     def _take_reduced(self, reduced: torch.Tensor) -> None:
         chunk = self._chunk
-        if chunk.optim_pool is Pool.HOST:
-            reduced = chunk.move_to(reduced, Pool.HOST)
+        if chunk.placement.optim is Pool.HOST:
+            reduced = chunk.placement.move_to(reduced, Pool.HOST)
         if self.state is GradState.STALE:  # the first gradients since zero_grad()
             self.shard.copy_(reduced)
         else:
@@ -349,8 +346,8 @@ class InPayloadGrads(GradSide):
             self.shard = chunk.shard.to(torch.float32)
         else:
             self.shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.device)
-        if chunk.optim_pool is Pool.HOST:
-            self.shard = chunk.move_to(self.shard, Pool.HOST)
+        if chunk.placement.optim is Pool.HOST:
+            self.shard = chunk.placement.move_to(self.shard, Pool.HOST)
         return self.shard
 
     def end_step(self) -> None:

@@ -186,8 +186,8 @@ class ChunkManager:
                 "numel": c.numel,
                 "state": c.state.value,
                 "sharded": not c.keep_gathered,
-                "payload": c.payload_pool.value,
-                "optim": c.optim_pool.value if c.requires_grad else None,
+                "payload": c.placement.payload.value,
+                "optim": c.placement.optim.value if c.requires_grad else None,
                 "tensors": {t.name: t.state.value for t in c.tensors},
             }
             for c in self.chunks

@@ -207,7 +207,7 @@ class AutoPlacer:
         for chunk in reversed(self.chunk_manager.chunks):
             if excess <= 0:
                 break
-            if chunk.requires_grad and chunk.optim_pool is Pool.DEVICE:
+            if chunk.requires_grad and chunk.placement.optim is Pool.DEVICE:
                 excess -= self._move(chunk, self.evict_optim)
         if self.evictions > evictions:
             # The plan kept on the device what this step needed room for: plan again after
@@ -256,7 +256,7 @@ class AutoPlacer:
         candidates = [
             c
             for c in self.chunk_manager.chunks
-            if c.payload_pool is Pool.DEVICE
+            if c.placement.payload is Pool.DEVICE
             and not c.keep_gathered
             and c.state is ChunkState.SHARDED
             and not c.gather_pending
@@ -304,9 +304,9 @@ class AutoPlacer:
         for chunk in self.chunk_manager.chunks:
             if chunk.keep_gathered:
                 continue
-            if chunk.requires_grad and chunk.optim_pool is Pool.DEVICE:
+            if chunk.requires_grad and chunk.placement.optim is Pool.DEVICE:
                 self.evict_optim(chunk)
-            if chunk.payload_pool is Pool.DEVICE and chunk.state is ChunkState.SHARDED:
+            if chunk.placement.payload is Pool.DEVICE and chunk.state is ChunkState.SHARDED:
                 chunk.move_payload(Pool.HOST)
         self.replans += 1
         self._plan(move_optim, optim_bytes, agree_max)
@@ -348,7 +348,7 @@ class AutoPlacer:
         )
         for chunk in used:
             shard_bytes = chunk.shard.numel() * chunk.shard.element_size()
-            if chunk.payload_pool is Pool.HOST and shard_bytes <= room:
+            if chunk.placement.payload is Pool.HOST and shard_bytes <= room:
                 chunk.move_payload(Pool.DEVICE)
                 room -= shard_bytes
         ratio = 1.0 if self.margin_ratio is None else self.margin_ratio
@@ -356,9 +356,9 @@ class AutoPlacer:
         for chunk in used:
             # A side beside a shard in host memory would only turn the updated parameters'
             # trip to the device into one to the host: no saving.
-            if not chunk.requires_grad or chunk.optim_pool is Pool.DEVICE:
+            if not chunk.requires_grad or chunk.placement.optim is Pool.DEVICE:
                 continue
-            if chunk.payload_pool is Pool.HOST:
+            if chunk.placement.payload is Pool.HOST:
                 continue
             side = _side_bytes(chunk, optim_bytes)
             if side <= margin:
@@ -369,7 +369,7 @@ class AutoPlacer:
         for chunk in chunks:
             if chunk.chunk_id in self._uses or chunk.keep_gathered or not chunk.requires_grad:
                 continue
-            if chunk.optim_pool is Pool.DEVICE:
+            if chunk.placement.optim is Pool.DEVICE:
                 continue
             shard_bytes = chunk.shard.numel() * chunk.shard.element_size()
             side = _side_bytes(chunk, optim_bytes)

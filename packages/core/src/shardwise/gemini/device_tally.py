@@ -109,7 +109,7 @@ class DeviceTally:
 
     def _count_resting(self, chunk: Chunk) -> int:
         held = resting_device_bytes(chunk)
-        if chunk.optim_pool is Pool.DEVICE:
+        if chunk.placement.optim is Pool.DEVICE:
             state = self._optimizer.get(chunk.chunk_id)
             if state is None:
                 state = self._optimizer[chunk.chunk_id] = self.optimizer_bytes(chunk)

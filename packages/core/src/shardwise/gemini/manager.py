@@ -219,7 +219,7 @@ class GeminiManager:
         for chunk in self.chunk_manager.chunks:
             for pool, nbytes in resident_bytes_by_pool(chunk).items():
                 held[pool] += nbytes
-            held[chunk.optim_pool] += self._optimizer_bytes(chunk)
+            held[chunk.placement.optim] += self._optimizer_bytes(chunk)
         return {pool.value: nbytes for pool, nbytes in held.items()}
 
     def check_budget(self, where: str) -> None:
@@ -260,8 +260,8 @@ class GeminiManager:
         """Bytes copied host->device and device->host since the chunks were placed."""
         chunks = self.chunk_manager.chunks
         return {
-            "to_device": sum(c.bytes_to_device for c in chunks),
-            "to_host": sum(c.bytes_to_host for c in chunks),
+            "to_device": sum(c.placement.bytes_to_device for c in chunks),
+            "to_host": sum(c.placement.bytes_to_host for c in chunks),
         }
 
     def placement_report(self) -> list[dict[str, Any]]:

@@ -292,7 +292,7 @@ class ShardedOptimizerV2(ZeroOptimizer):
         peak = gemini.peak_device_bytes + max(model.memory_trace, default=0)
         margin = int(self.gpu_margin_mem_ratio * max(0, budget - peak))
         for chunk in self._chunks:
-            if chunk.optim_pool is Pool.DEVICE:
+            if chunk.placement.optim is Pool.DEVICE:
                 continue
             # fp32 master and gradient shard, and the optimizer's state (or, before the first
             # step creates it, two fp32 values per element, as Adam keeps).
