@@ -241,5 +241,7 @@ def test_totals_agree_with_a_fresh_count_through_a_training_step(keep_gathered: 
 def test_asking_about_a_chunk_the_manager_does_not_hold_raises() -> None:
     tally = DeviceTally(_manager(2), _StateBytes())
     other = _manager(3).chunks[2]  # an id the tally's manager has no chunk for
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="not one of this tally's chunk manager's"):
         tally.chunk_device_bytes(other)
+    with pytest.raises(ValueError, match="not one of this tally's chunk manager's"):
+        tally.forget_optimizer(_manager(2).chunks[0])  # same id, another manager's chunk

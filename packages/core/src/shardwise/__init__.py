@@ -9,6 +9,7 @@ from shardwise import checkpoint, telemetry
 from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommOp, CommStats
+from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.gemini import GeminiManager
 from shardwise.optim import CPUAdam, HybridAdam
 from shardwise.zero import (
@@ -64,6 +65,8 @@ __all__ = [
     "ZeroOptimizer",
     "checkpoint",
     "telemetry",
+    "wrap_model",
+    "wrap_optimizer",
     "zero_model_wrapper",
     "zero_optim_wrapper",
 ]

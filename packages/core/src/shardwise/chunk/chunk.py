@@ -49,8 +49,6 @@ optimizer is built; copies between pools are counted in `bytes_to_device` / `byt
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -72,7 +70,7 @@ from shardwise.chunk.parameters import (
     shard_face,
 )
 from shardwise.chunk.placement import ChunkPlacement
-from shardwise.chunk.resident import Resident, resident_changed
+from shardwise.chunk.resident import Resident, ResidentWatch, resident_changed
 from shardwise.chunk.states import (
     ChunkDtypes,
     ChunkState,
@@ -135,7 +133,7 @@ class Chunk:
         self.chunk_id = chunk_id
         # Told whenever a buffer is replaced, resized or moved (see [Note: resident changes]
         # in chunk/resident.py): the memory manager's running totals, when set.
-        self.resident_watch: Callable[[Chunk, bool], None] | None = None
+        self.resident_watch: ResidentWatch | None = None
         self.capacity_numel = capacity_numel
         self.dtypes = dtypes
         self.device = device

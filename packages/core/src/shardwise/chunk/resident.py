@@ -16,9 +16,19 @@ a few times a run, so their count is kept until one does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class ResidentWatch(Protocol):
+    """What a chunk tells of its resident changes, implemented by whoever keeps running totals
+    of chunks' bytes (the memory manager's `DeviceTally`), which sets itself as the chunks'
+    `resident_watch`."""
+
+    def resident_changed(self, chunk: Any, transient: bool) -> None:
+        """What `chunk` holds where changed (only its transient buffers, when `transient`)."""
+        ...
 
 
 class Resident(Generic[T]):
@@ -48,6 +58,6 @@ class Resident(Generic[T]):
 def resident_changed(chunk: Any, *, transient: bool) -> None:
     """Tell `chunk`'s watcher, if it has one yet, that what it holds where changed (only its
     transient buffers, or not; see the module note)."""
-    watch = chunk.__dict__.get("resident_watch")
+    watch: ResidentWatch | None = chunk.__dict__.get("resident_watch")
     if watch is not None:
-        watch(chunk, transient)
+        watch.resident_changed(chunk, transient)

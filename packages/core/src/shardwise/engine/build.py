@@ -18,7 +18,7 @@ from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.chunk.search import default_chunk_search
 from shardwise.comm import CommStats
-from shardwise.comm.topology import topology_for
+from shardwise.comm.topology import replicated, topology_for
 from shardwise.engine.config import EngineConfig, gradient_reduction_method
 from shardwise.gemini import GeminiManager
 from shardwise.prepare.ignore import is_ignored
@@ -50,11 +50,14 @@ def chunk_manager_for(config: EngineConfig, stats: CommStats, reason: str = "") 
     """An empty chunk manager as `config` says (its chunk size settled): size, device,
     dtypes, groups, reduction method, and whether chunks keep their payload gathered (stages
     0-2)."""
-    topology = topology_for(
-        config.topology.process_group,
-        config.topology.shard_size,
-        secondary_shard_size=config.topology.secondary_shard_size,
-    )
+    if config.stage == 0:  # every rank a replica of the whole model (see `replicated`)
+        topology = replicated(config.topology.process_group)
+    else:
+        topology = topology_for(
+            config.topology.process_group,
+            config.topology.shard_size,
+            secondary_shard_size=config.topology.secondary_shard_size,
+        )
     manager = ChunkManager(
         chunk_size_numel=config.chunk_size_numel,
         device=config.device,

@@ -59,21 +59,35 @@ class DeviceTally:
 
     def chunk_device_bytes(self, chunk: Chunk) -> int:
         """Model-state bytes `chunk` holds on the device now."""
+        self._check_held(chunk)
         self._settle()
         return self._counted[chunk.chunk_id][0]
 
     def forget_optimizer(self, chunk: Chunk | None = None) -> None:
         """Count the optimizer state of `chunk` (None: of every chunk) again when next asked."""
+        if chunk is not None:
+            self._check_held(chunk)
         chunks = self.chunk_manager.chunks if chunk is None else [chunk]
         for each in chunks:
             self._optimizer.pop(each.chunk_id, None)
             self._resting.pop(each.chunk_id, None)
             self._dirty[each.chunk_id] = each
 
-    def _touched(self, chunk: Chunk, transient: bool) -> None:
+    def resident_changed(self, chunk: Chunk, transient: bool) -> None:
+        """A watched chunk's buffers changed (see [Note: resident changes] in
+        chunk/resident.py): count it again when next asked."""
         self._dirty[chunk.chunk_id] = chunk
         if not transient:
             self._resting.pop(chunk.chunk_id, None)
+
+    def _check_held(self, chunk: Chunk) -> None:
+        # Chunks are filed by id: another manager's chunk would stand in for this one's.
+        chunks = self.chunk_manager.chunks
+        if not (chunk.chunk_id < len(chunks) and chunks[chunk.chunk_id] is chunk):
+            raise ValueError(
+                f"chunk {chunk.chunk_id} is not one of this tally's chunk manager's "
+                f"({len(chunks)} chunks); ask the memory manager that placed it"
+            )
 
     def _settle(self) -> None:
         chunks = self.chunk_manager.chunks
@@ -97,7 +111,7 @@ class DeviceTally:
         self._resting.clear()
         self._model = self._transient = 0
         for chunk in chunks:
-            chunk.resident_watch = self._touched
+            chunk.resident_watch = self
         self._dirty = {chunk.chunk_id: chunk for chunk in chunks}
 
     def _count(self, chunk: Chunk) -> tuple[int, int]:

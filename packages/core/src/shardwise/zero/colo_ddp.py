@@ -14,10 +14,11 @@ from torch.distributed import ProcessGroup, ReduceOp
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
-from shardwise.chunk import Chunk, ChunkDtypes, ChunkManager
+from shardwise.chunk import Chunk
 from shardwise.chunk.grads import WholeGrads
 from shardwise.comm import CommStats
-from shardwise.comm.topology import replicated
+from shardwise.engine.build import chunk_manager_for
+from shardwise.engine.config import Chunking, EngineConfig, MixedPrecision, Topology
 from shardwise.engine.model import _WRAPPED_MARK
 from shardwise.prepare.ignore import is_ignored, mark_ignored
 from shardwise.runtime.grad_reducer import GradReducer
@@ -82,14 +83,16 @@ class ColoDDP(nn.Module):
         self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.rebuild_bucket = rebuild_bucket
         self.comm_stats = CommStats()
-        self.chunk_manager = ChunkManager(
-            chunk_size_numel=max(1, self.bucket_cap_bytes // dtype.itemsize),
+        # Stage 0 of the one engine configuration: whole chunks of the parameters' dtype,
+        # every rank a replica (see [Note: one configuration] in zero/front_door.py).
+        self.config = EngineConfig(
+            stage=0,
             device=device,
-            dtypes=ChunkDtypes(dtype, dtype, dtype),
-            stats=self.comm_stats,
-            keep_gathered=True,
-            topology=replicated(process_group),
+            precision=MixedPrecision(param_dtype=dtype),
+            chunking=Chunking(size_numel=max(1, self.bucket_cap_bytes // dtype.itemsize)),
+            topology=Topology(process_group=process_group),
         )
+        self.chunk_manager = chunk_manager_for(self.config, self.comm_stats)
         # Closing each chunk broadcasts rank 0's values into it.
         self.chunk_manager.register(named)
         self._chunks = list(self.chunk_manager.trainable_chunks())
@@ -207,4 +210,10 @@ def _dtype_and_device(named: list[tuple[str, nn.Parameter]]) -> tuple[torch.dtyp
             f"{seen}: cast or move the module first, or leave the odd ones out with "
             f"ColoDDP.set_params_to_ignore"
         )
-    return named[0][1].dtype, named[0][1].device
+    dtype = named[0][1].dtype
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"ColoDDP's chunks hold fp32, fp16 or bf16 parameters (the engine's dtypes), got "
+            f"{dtype}: cast the module first, e.g. module.float()"
+        )
+    return dtype, named[0][1].device

@@ -2,11 +2,14 @@
 
 [Note: one configuration]
 Every front door (`zero_model_wrapper`'s `gemini_config`, `zero_optim_wrapper`'s arguments and
-`optim_config`, `GeminiDDP`'s managers, `ShardedModelV2`, the Lightning strategies, the Trainer
-callback) translates its arguments into an `EngineConfig` (engine/config.py), whose parts validate
-themselves when built; the model is built from that config alone (engine/build.py). A value is
-checked in one place: its config part. This module holds the translations of the dictionaries,
-the only place their keys are known.
+`optim_config`, `GeminiDDP`'s managers, `ShardedModelV2`, `ColoDDP` (stage 0), the Lightning
+strategies, the Trainer callback) translates its arguments into an `EngineConfig`
+(engine/config.py), whose parts validate themselves when built; the model and optimizer are
+built from that config alone, through engine/wrap.py (`model_parts`, `wrap_model`,
+`wrap_optimizer`; ColoDDP, not a `ZeroModel`, takes only its chunk manager from
+engine/build.py). A value is checked in one place: its config part. This module holds the
+translations of the dictionaries, the only place their keys are known; the engine below never
+imports this package (tests/unit/test_layers.py).
 """
 
 from __future__ import annotations
