@@ -46,7 +46,7 @@ def _measure(stage: int, reduction: str = "reduce_scatter") -> dict[str, float]:
         optimizer.zero_grad()
         _, loss = wrapped(*batch_slice(step, 0, rank, world))
         # Stage 3 keeps the chunks backward starts with gathered from the end of forward.
-        kept = [c for c in wrapped.chunk_manager.chunks if c.state is ChunkState.GATHERED]
+        kept = [c for c in wrapped.chunk_manager.chunks if c.payload.state is ChunkState.GATHERED]
         optimizer.backward(loss)
         optimizer.step()
         sent.append(wrapped.comm_stats.sent_bytes())

@@ -65,9 +65,9 @@ def _sharded(secondary: int | None, **config: Any) -> dict[str, Any]:
         loss = (wrapped(x, step % 2 == 0) - y).pow(2).mean()
         held_after_forward.append(
             sum(
-                c.secondary.numel() * c.secondary.element_size()
+                c.payload.secondary.numel() * c.payload.secondary.element_size()
                 for c in wrapped.chunk_manager.chunks
-                if c.secondary is not None
+                if c.payload.secondary is not None
             )
         )
         optimizer.backward(loss)
@@ -83,10 +83,12 @@ def _sharded(secondary: int | None, **config: Any) -> dict[str, Any]:
                 for op in (CommOp.ALL_GATHER, CommOp.SECONDARY_ALL_GATHER)
             }
         )
-    left = [c.chunk_id for c in wrapped.chunk_manager.chunks if c.secondary is not None]
+    left = [c.chunk_id for c in wrapped.chunk_manager.chunks if c.payload.secondary is not None]
     with torch.no_grad():
         wrapped(*branch_net_batch(0)[:1], True)  # an evaluation forward keeps no secondary copy
-    kept_in_eval = [c.chunk_id for c in wrapped.chunk_manager.chunks if c.secondary is not None]
+    kept_in_eval = [
+        c.chunk_id for c in wrapped.chunk_manager.chunks if c.payload.secondary is not None
+    ]
     return {
         "losses": losses,
         "state": wrapped.state_dict(only_rank_0=False),
@@ -95,7 +97,7 @@ def _sharded(secondary: int | None, **config: Any) -> dict[str, Any]:
         "left_after_step": left,
         "kept_in_eval": kept_in_eval,
         "padded_bytes": [
-            c.padded_numel * c.full.element_size() for c in wrapped.chunk_manager.chunks
+            c.padded_numel * c.payload.full.element_size() for c in wrapped.chunk_manager.chunks
         ],
     }
 

@@ -49,7 +49,9 @@ def _train(direct: bool) -> dict[str, object]:
             through_wrapper = float(wrapped(*batch))
             evals.append((float(wrapped.module(*batch)), through_wrapper))
         # Nothing stays gathered after a call of the inner module.
-        released.append(all(c.state is ChunkState.SHARDED for c in wrapped.chunk_manager.chunks))
+        released.append(
+            all(c.payload.state is ChunkState.SHARDED for c in wrapped.chunk_manager.chunks)
+        )
     return {"losses": losses, "evals": evals, "released": released, "state": wrapped.state_dict()}
 
 

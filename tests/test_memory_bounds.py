@@ -91,10 +91,10 @@ def _storage_of_fp32_state(stage: int, placement: str) -> list[str]:
     optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-3))
     problems = []
     for chunk in wrapped.chunk_manager.trainable_chunks():
-        shard = chunk.shard.untyped_storage()
-        if chunk.master is not chunk.shard:
+        shard = chunk.payload.shard.untyped_storage()
+        if chunk.master is not chunk.payload.shard:
             problems.append(f"chunk {chunk.chunk_id}: a master copy beside the fp32 shard")
-        if stage < 3 and shard.data_ptr() != chunk.full.untyped_storage().data_ptr():
+        if stage < 3 and shard.data_ptr() != chunk.payload.full.untyped_storage().data_ptr():
             problems.append(f"chunk {chunk.chunk_id}: the shard is not a slice of the payload")
         if stage < 3:
             for info in chunk.tensors:
@@ -102,7 +102,7 @@ def _storage_of_fp32_state(stage: int, placement: str) -> list[str]:
                     problems.append(f"{info.name} does not view its chunk's payload")
     for name, view in optimizer.shard_views.items():
         chunk, _ = wrapped.chunk_manager.locate(dict(model.named_parameters())[name])
-        if view.untyped_storage().data_ptr() != chunk.shard.untyped_storage().data_ptr():
+        if view.untyped_storage().data_ptr() != chunk.payload.shard.untyped_storage().data_ptr():
             problems.append(f"the optimizer steps a copy of {name}")
     return problems
 

@@ -92,7 +92,7 @@ def _stepped_stage_2(defer: bool) -> tuple[Any, Any]:
 
 
 def _pending(wrapped: Any) -> int:
-    return sum(c._pending_publish is not None for c in wrapped.chunk_manager.chunks)
+    return sum(c.payload.publish_pending for c in wrapped.chunk_manager.chunks)
 
 
 def _pending_publishes_around_forward() -> tuple[int, int, int]:

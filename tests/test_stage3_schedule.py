@@ -26,7 +26,7 @@ def _gathered_during_forward(prefetch: bool) -> dict[str, object]:
     peaks: list[int] = []
 
     def count(*_: object) -> None:
-        peaks.append(sum(c.state is ChunkState.GATHERED for c in chunks))
+        peaks.append(sum(c.payload.state is ChunkState.GATHERED for c in chunks))
 
     for block in model.blocks:
         block.register_forward_hook(count)
@@ -36,7 +36,7 @@ def _gathered_during_forward(prefetch: bool) -> dict[str, object]:
         wrapped.comm_stats.reset()
         optimizer.zero_grad()
         _, loss = wrapped(*batch_slice(step, 0, rank, 2))
-        after_forward = sum(c.state is ChunkState.GATHERED for c in chunks)
+        after_forward = sum(c.payload.state is ChunkState.GATHERED for c in chunks)
         optimizer.backward(loss)
         optimizer.step()
         gathers.append(wrapped.comm_stats.calls(CommOp.ALL_GATHER))
@@ -44,7 +44,7 @@ def _gathered_during_forward(prefetch: bool) -> dict[str, object]:
         "chunks": len(chunks),
         "peak_last_step": max(peaks),
         "after_forward": after_forward,
-        "after_step": sum(c.state is ChunkState.GATHERED for c in chunks),
+        "after_step": sum(c.payload.state is ChunkState.GATHERED for c in chunks),
         "gathers": gathers,
     }
 
@@ -91,7 +91,7 @@ def _stale_copy_after_forward_without_backward(extra_forward: bool) -> list[floa
         optimizer.step()
     if extra_forward:
         wrapped(*batch_slice(5, 0, rank, 2))
-        assert any(c.state is ChunkState.GATHERED for c in wrapped.chunk_manager.chunks)
+        assert any(c.payload.state is ChunkState.GATHERED for c in wrapped.chunk_manager.chunks)
     optimizer.step()  # again, on the gradients already there
     with torch.no_grad():
         losses.append(float(wrapped(*batch_slice(6, 0, rank, 2))[1]))
@@ -100,7 +100,7 @@ def _stale_copy_after_forward_without_backward(extra_forward: bool) -> list[floa
     wrapped.load_state_dict(initial)
     with torch.no_grad():
         losses.append(float(wrapped(*batch_slice(6, 0, rank, 2))[1]))
-        assert not any(c.state is ChunkState.GATHERED for c in wrapped.chunk_manager.chunks)
+        assert not any(c.payload.state is ChunkState.GATHERED for c in wrapped.chunk_manager.chunks)
     return losses
 
 
@@ -204,12 +204,12 @@ def _release_during_prefetch() -> bool:
         model, 3, {"device": torch.device("cpu"), "chunk_size_numel": 1500}
     )
     chunk = wrapped.chunk_manager.chunks[1]
-    chunk.start_gather()
-    assert chunk.gather_pending
-    chunk.release()  # waits for the running all-gather, then frees its buffer
-    assert not chunk.gather_pending and chunk.state is ChunkState.SHARDED
-    assert chunk.full.untyped_storage().size() == 0
-    chunk.gather()
+    chunk.payload.start_gather()
+    assert chunk.payload.gather_pending
+    chunk.payload.release()  # waits for the running all-gather, then frees its buffer
+    assert not chunk.payload.gather_pending and chunk.payload.state is ChunkState.SHARDED
+    assert chunk.payload.full.untyped_storage().size() == 0
+    chunk.payload.gather()
     return all(torch.equal(info.compute, expected[info.name]) for info in chunk.tensors)
 
 
@@ -232,7 +232,9 @@ def _no_sync_passes() -> dict[str, Any]:
 
     def count(*_: object) -> None:
         nonlocal peak_gathered
-        peak_gathered = max(peak_gathered, sum(c.state is ChunkState.GATHERED for c in chunks))
+        peak_gathered = max(
+            peak_gathered, sum(c.payload.state is ChunkState.GATHERED for c in chunks)
+        )
 
     for block in model.blocks:
         block.register_full_backward_hook(count)
@@ -247,7 +249,9 @@ def _no_sync_passes() -> dict[str, Any]:
                 optimizer.backward(loss)
             result[f"reductions_{micro}"] = sum(stats.calls(op) - before[op] for op in reductions)
             result[f"grad_bytes_{micro}"] = wrapped.memory_report()["grads"]
-            result[f"gathered_after_{micro}"] = sum(c.state is ChunkState.GATHERED for c in chunks)
+            result[f"gathered_after_{micro}"] = sum(
+                c.payload.state is ChunkState.GATHERED for c in chunks
+            )
         else:
             optimizer.backward(loss)
             result["grad_bytes_after_sync"] = wrapped.memory_report()["grads"]

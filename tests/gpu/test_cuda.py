@@ -126,7 +126,7 @@ def _host_buffers() -> dict[str, Any]:
     )
     return {
         "host": len(host),
-        "pinned": sum(c.shard.is_pinned() for c in host),
+        "pinned": sum(c.payload.shard.is_pinned() for c in host),
         "copies": len(copies),
         "overlapped": overlapped,
     }

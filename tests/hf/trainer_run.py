@@ -104,7 +104,7 @@ class EvalProbe(TrainerCallback):
         self.after.append(
             {
                 "gathered": sum(
-                    c.state is ChunkState.GATHERED and not c.keep_gathered for c in chunks
+                    c.payload.state is ChunkState.GATHERED and not c.keep_gathered for c in chunks
                 ),
                 "grad_elements": sum(int(g.count_nonzero()) for g in grads),
                 "param_grads": sum(p.grad is not None for p in model.module.parameters()),

@@ -66,9 +66,9 @@ def test_sharded_chunk_releases_and_gathers_and_counts_bytes() -> None:
     manager = ChunkManager(chunk_size_numel=64, device=CPU, keep_gathered=False)
     manager.register(model.named_parameters())
     chunk = manager.chunks[0]
-    assert chunk.state is ChunkState.SHARDED
+    assert chunk.payload.state is ChunkState.SHARDED
     assert all(t.state is TensorState.FREE for t in chunk.tensors)
-    assert chunk.full.untyped_storage().size() == 0
+    assert chunk.payload.full.untyped_storage().size() == 0
     # The parameters are sharded faces: they keep their shape but hold no element, never
     # freed memory, and any use of their values raises. Their compute faces view the buffer.
     assert model.weight.shape == (3, 3) and model.weight.dim() == 2
@@ -77,9 +77,9 @@ def test_sharded_chunk_releases_and_gathers_and_counts_bytes() -> None:
         model.weight.sum()
     face = chunk.tensors[0].compute
     assert face is not model.weight and type(face) is nn.Parameter and face.shape == (3, 3)
-    assert face.untyped_storage().data_ptr() == chunk.full.untyped_storage().data_ptr()
-    chunk.gather()
-    assert chunk.state is ChunkState.GATHERED
+    assert face.untyped_storage().data_ptr() == chunk.payload.full.untyped_storage().data_ptr()
+    chunk.payload.gather()
+    assert chunk.payload.state is ChunkState.GATHERED
     assert torch.equal(face, expected)
     assert chunk.tensors[0].compute is face  # the same tensor, refilled
     with pytest.raises(RuntimeError, match="released"):
@@ -87,9 +87,9 @@ def test_sharded_chunk_releases_and_gathers_and_counts_bytes() -> None:
     assert manager.stats.calls(CommOp.ALL_GATHER) == 1
     chunk.set_compute(0)
     with pytest.raises(RuntimeError, match="in use"):
-        chunk.release()
+        chunk.payload.release()
     chunk.set_hold(0)
-    chunk.release()
+    chunk.payload.release()
     with pytest.raises(RuntimeError, match="not gathered"):
         chunk.set_compute(0)
 
@@ -211,10 +211,10 @@ def test_gather_codec_follows_the_dtypes_and_fills_the_compute_copy() -> None:
     manager = ChunkManager(chunk_size_numel=100, device=CPU, dtypes=fp16, keep_gathered=True)
     manager.register(model.named_parameters())
     (chunk,) = manager.chunks
-    assert isinstance(chunk.codec, CastCodec)
+    assert isinstance(chunk.payload.codec, CastCodec)
     # The parameters compute with the fp32 copy the codec decoded from the 16-bit payload.
     assert model.weight.dtype == torch.float32
-    assert torch.equal(model.weight.detach().reshape(-1), chunk.full[:6].float())
+    assert torch.equal(model.weight.detach().reshape(-1), chunk.payload.full[:6].float())
     plain = ChunkManager(chunk_size_numel=100, device=CPU, keep_gathered=True)
     plain.register(nn.Linear(3, 2).named_parameters())
-    assert isinstance(plain.chunks[0].codec, IdentityCodec)
+    assert isinstance(plain.chunks[0].payload.codec, IdentityCodec)

@@ -147,7 +147,7 @@ def test_a_default_stage_3_model_keeps_its_gathered_peak_under_the_bound() -> No
 
     def sample(*_: object) -> None:
         nonlocal peak
-        gathered = sum(c.padded_numel for c in chunks if c.state.value == "gathered")
+        gathered = sum(c.padded_numel for c in chunks if c.payload.state.value == "gathered")
         peak = max(peak, gathered)
 
     for module in model.module.modules():

@@ -90,9 +90,9 @@ def test_gather_gradients_reduction_and_release_move_both_totals_by_their_bytes(
     chunk = manager.chunks[1]
     steps = [
         ("at rest", lambda: None, 0),
-        ("gathered", chunk.gather, 1),  # the payload comes to the device
+        ("gathered", chunk.payload.gather, 1),  # the payload comes to the device
         ("gradients", lambda: _add_grads(chunk), 2),  # so does the gradient buffer
-        ("released", chunk.release, 1),
+        ("released", chunk.payload.release, 1),
         ("reduced", lambda: reduce_now([chunk], keep_full=False), 0),  # into the host shard
     ]
     for where, step, held in steps:
@@ -134,8 +134,8 @@ def test_optimizer_state_is_counted_once_until_forget_optimizer() -> None:
     assert asked == len(manager.chunks)  # every chunk's optim pool is the device
     state.nbytes = 5 * STATE  # the optimizer made more state, unannounced
     chunk = manager.chunks[0]
-    chunk.gather()
-    chunk.release()
+    chunk.payload.gather()
+    chunk.payload.release()
     # A change of a buffer kept between steps; the master stays on the device, so the
     # bytes held there do not change.
     chunk.move_payload(Pool.HOST)
@@ -176,7 +176,7 @@ def test_only_changed_chunks_are_recounted_and_only_their_transient_part_when_on
     tally.device_bytes()  # nothing changed: nothing recounted
     assert resting == transient == everyone
     chunk = manager.chunks[2]
-    chunk.gather()
+    chunk.payload.gather()
     _add_grads(chunk)
     tally.device_bytes()
     # A gather and a gradient buffer change only the transient part.
@@ -204,7 +204,7 @@ def test_chunks_packed_after_the_tally_was_built_are_counted_and_watched() -> No
     last = manager.chunks[-1]
     assert tally.chunk_device_bytes(last) == 4 * CHUNK_BYTES
     for chunk in (first, last):  # a change of a chunk of either packing is heard
-        chunk.gather()
+        chunk.payload.gather()
     assert tally.transient_bytes() == 2 * CHUNK_BYTES
     assert tally.device_bytes() == (3 * 4 + 2) * CHUNK_BYTES
 
@@ -222,10 +222,10 @@ def test_totals_agree_with_a_fresh_count_through_a_training_step(keep_gathered: 
         events.append(("stage 1 layout", lambda: [c.share_grad_shard_with_full() for c in chunks]))
     else:
         events.append(("host shard", lambda: chunks[0].place(payload=Pool.HOST, optim=Pool.HOST)))
-        events += [(f"gather {c.chunk_id}", c.gather) for c in chunks]
+        events += [(f"gather {c.chunk_id}", c.payload.gather) for c in chunks]
     events += [(f"grads {c.chunk_id}", lambda c=c: _add_grads(c)) for c in reversed(trainable)]
     if not keep_gathered:
-        events += [(f"release {c.chunk_id}", c.release) for c in chunks]
+        events += [(f"release {c.chunk_id}", c.payload.release) for c in chunks]
     events.append(("reduce", lambda: reduce_now(trainable, keep_full=keep_gathered)))
     if not keep_gathered:  # (stage 1's gradient shard lives in its buffer on the device)
         events.append(("optimizer side to host", lambda: trainable[-1].move_optim(Pool.HOST)))

@@ -35,7 +35,8 @@ class _Net(nn.Module):
 def _states(chunks: list[Chunk]) -> str:
     """One letter per chunk: g(athered), p(refetch running) or s(harded)."""
     return "".join(
-        "g" if c.state is ChunkState.GATHERED else "p" if c.gather_pending else "s" for c in chunks
+        "g" if c.payload.state is ChunkState.GATHERED else "p" if c.payload.gather_pending else "s"
+        for c in chunks
     )
 
 

@@ -60,10 +60,12 @@ def test_each_policy_places_chunks_as_documented(
     for chunk in chunks:
         # An fp32 master shares the shard's memory when both live in one pool.
         if chunk.requires_grad:
-            assert (chunk.master is chunk.shard) == (
+            assert (chunk.master is chunk.payload.shard) == (
                 chunk.placement.payload is chunk.placement.optim
             )
-        assert chunk.state is (ChunkState.GATHERED if chunk.keep_gathered else ChunkState.SHARDED)
+        assert chunk.payload.state is (
+            ChunkState.GATHERED if chunk.keep_gathered else ChunkState.SHARDED
+        )
 
 
 # (device, host) at rest, in CHUNK_BYTES, counted by hand: each chunk's payload (its shard,
@@ -96,11 +98,11 @@ def test_memory_by_pool_counts_every_buffer_and_optimizer_state(
     gemini.attach_optimizer(_FixedState())
     assert gemini.memory_by_pool() == {"device": device, "host": host}
     chunk = manager.chunks[0]
-    chunk.gather()  # a gathered payload always lives on the device
+    chunk.payload.gather()  # a gathered payload always lives on the device
     assert gemini.memory_by_pool() == {"device": device + CHUNK_BYTES, "host": host}
     chunk.grads.add(0, torch.ones(4, 4))  # so does the gradient buffer
     assert gemini.memory_by_pool() == {"device": device + 2 * CHUNK_BYTES, "host": host}
-    chunk.release()
+    chunk.payload.release()
     reduce_now([chunk], keep_full=False)  # frees the gradient buffer into the gradient shard
     assert gemini.memory_by_pool() == {"device": device, "host": host}
     # The tally the budget check reads agrees with the pools.
@@ -112,7 +114,7 @@ def test_a_gather_past_the_device_budget_raises_with_the_bytes() -> None:
     gemini, manager = _placed("cuda", device_budget_bytes=7 * CHUNK_BYTES + 40)
     gemini.check_budget("at rest")
     chunk = manager.chunks[0]
-    chunk.gather()
+    chunk.payload.gather()
     with pytest.raises(DeviceBudgetExceeded) as raised:
         gemini.after_gather([chunk], "before forward of Linear")
     message = str(raised.value)
@@ -122,7 +124,7 @@ def test_a_gather_past_the_device_budget_raises_with_the_bytes() -> None:
     # "cpu" keeps nothing on the device at rest: every chunk gathered at once fits.
     gemini, manager = _placed("cpu", device_budget_bytes=7 * CHUNK_BYTES + 40)
     for chunk in manager.chunks:
-        chunk.gather()
+        chunk.payload.gather()
         gemini.after_gather([chunk], f"chunk {chunk.chunk_id}")
     assert gemini.peak_device_bytes == 4 * CHUNK_BYTES
 

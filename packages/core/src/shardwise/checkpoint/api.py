@@ -151,7 +151,7 @@ def load(
         if values is not None:
             item.chunk.write_range(item.index, item.local_range()[0], values)
     for chunk in model.chunk_manager.chunks:
-        chunk.refresh_gathered()
+        chunk.payload.refresh_gathered()
     with torch.no_grad():
         for name, buffer in model.module.named_buffers():
             buffer.copy_(state[f"buffer.{name}"])

@@ -169,7 +169,7 @@ def load_hf(path: str | os.PathLike[str], model: ZeroModel, *, strict: bool = Tr
                 with torch.no_grad():
                     buffer.copy_(open_file(weight_map[name]).get_tensor(name))
     for chunk in model.chunk_manager.chunks:
-        chunk.refresh_gathered()
+        chunk.payload.refresh_gathered()
 
 
 def _read_flat_range(

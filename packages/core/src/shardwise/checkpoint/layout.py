@@ -46,10 +46,10 @@ class ParamSlice:
         """This rank's elements: the fp32 master for trainable parameters, else the payload."""
         owned = self.chunk.tensor_shard_range(self.index)
         if owned is None:
-            source = self.chunk.master if self.trainable else self.chunk.shard
+            source = self.chunk.master if self.trainable else self.chunk.payload.shard
             return source[:0]
         begin, end = owned
-        return (self.chunk.master if self.trainable else self.chunk.shard)[begin:end]
+        return (self.chunk.master if self.trainable else self.chunk.payload.shard)[begin:end]
 
 
 def param_slices(model: ZeroModel) -> list[ParamSlice]:

@@ -17,9 +17,13 @@ def storage_bytes(tensor: torch.Tensor | None) -> int:
 def resident_bytes(chunk: Chunk) -> dict[str, int]:
     """Bytes `chunk` holds now, per buffer kind."""
     nbytes = storage_bytes
-    payload = nbytes(chunk.full) + nbytes(chunk.full_compute) + nbytes(chunk.secondary)
-    payload += 0 if chunk.keep_gathered else nbytes(chunk.shard)
-    master = 0 if chunk.master is chunk.shard else nbytes(chunk.master)
+    payload = (
+        nbytes(chunk.payload.full)
+        + nbytes(chunk.payload.full_compute)
+        + nbytes(chunk.payload.secondary)
+    )
+    payload += 0 if chunk.keep_gathered else nbytes(chunk.payload.shard)
+    master = 0 if chunk.master is chunk.payload.shard else nbytes(chunk.master)
     # Stage 1's gradient shard may be a view into its full gradient buffer: counted once.
     shard = 0 if chunk.grads.layout is GradLayout.SLICE_OF_FULL else nbytes(chunk.grads.shard)
     grads = nbytes(chunk.grads.full) + shard
@@ -31,15 +35,15 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
     it lives in the chunk's `optim_pool`)."""
     nbytes = storage_bytes
     held = {
-        Pool.DEVICE: nbytes(chunk.full)
-        + nbytes(chunk.full_compute)
+        Pool.DEVICE: nbytes(chunk.payload.full)
+        + nbytes(chunk.payload.full_compute)
         + nbytes(chunk.grads.full)
-        + nbytes(chunk.secondary),
+        + nbytes(chunk.payload.secondary),
         Pool.HOST: 0,
     }
     if not chunk.keep_gathered:
-        held[chunk.placement.payload] += nbytes(chunk.shard)
-    if chunk.master is not chunk.shard:
+        held[chunk.placement.payload] += nbytes(chunk.payload.shard)
+    if chunk.master is not chunk.payload.shard:
         held[chunk.placement.optim] += nbytes(chunk.master)
     if chunk.grads.layout is not GradLayout.SLICE_OF_FULL:
         held[chunk.placement.optim] += nbytes(chunk.grads.shard)
@@ -58,9 +62,9 @@ def resting_device_bytes(chunk: Chunk) -> int:
     nbytes = storage_bytes
     held = 0
     if not chunk.keep_gathered and chunk.placement.payload is Pool.DEVICE:
-        held += nbytes(chunk.shard)
+        held += nbytes(chunk.payload.shard)
     if chunk.placement.optim is Pool.DEVICE:
-        if chunk.master is not chunk.shard:
+        if chunk.master is not chunk.payload.shard:
             held += nbytes(chunk.master)
         if chunk.grads.layout is not GradLayout.SLICE_OF_FULL:
             held += nbytes(chunk.grads.shard)
@@ -69,7 +73,7 @@ def resting_device_bytes(chunk: Chunk) -> int:
 
 def gathered_bytes(chunk: Chunk) -> int:
     """Device bytes a gather of `chunk` allocates (payload, and its compute copy)."""
-    nbytes = chunk.padded_numel * chunk.full.element_size()
+    nbytes = chunk.padded_numel * chunk.payload.full.element_size()
     if chunk.dtypes.compute != chunk.dtypes.payload:
         nbytes += chunk.padded_numel * torch.empty((), dtype=chunk.dtypes.compute).element_size()
     return nbytes
@@ -78,7 +82,7 @@ def gathered_bytes(chunk: Chunk) -> int:
 def gathered_held_bytes(chunk: Chunk) -> int:
     """Device bytes `chunk`'s gathered payload (and its compute copy) hold now: all of a
     gather's, part of it while a prefetch runs, none while sharded."""
-    return storage_bytes(chunk.full) + storage_bytes(chunk.full_compute)
+    return storage_bytes(chunk.payload.full) + storage_bytes(chunk.payload.full_compute)
 
 
 def transient_bytes(chunk: Chunk) -> int:
@@ -89,5 +93,5 @@ def transient_bytes(chunk: Chunk) -> int:
     return (
         gathered_held_bytes(chunk)
         + storage_bytes(chunk.grads.full)
-        + storage_bytes(chunk.secondary)
+        + storage_bytes(chunk.payload.secondary)
     )

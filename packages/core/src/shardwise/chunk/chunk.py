@@ -1,19 +1,25 @@
 """A chunk: one flat buffer holding many parameters, sharded evenly over the ranks.
 
+A chunk is its tensors and the shard's geometry, with three parts, each an object with state
+of its own: the payload (`chunk.payload`, payload.py: the values, gathered or sharded), the
+gradient side (`chunk.grads`, grads.py) and the placement (`chunk.placement`, placement.py:
+the pools). The chunk itself keeps the fp32 master, packs the parameters (`close`), moves its
+buffers between pools, and writes checkpoint ranges.
+
 [Note: chunk buffers]
-- `full`: the whole payload (numel padded to a multiple of the world size). Parameters (their
-  compute faces, in a sharded chunk: see [Note: two faces of a stage-3 parameter] in
-  chunk/parameters.py) are views into the *compute* buffer (`full` itself, or `full_compute`
-  when the compute dtype differs from the payload dtype, filled by the chunk's gather codec:
-  see [Note: gather codecs] in chunk/codec.py), made once. Releasing resizes the buffer's
-  storage to zero instead of dropping it, and a gather refills it, so those views, and the
-  ones autograd saved during forward (a transposed weight, say), see the re-gathered data in
-  backward (the same trick torch's FSDP uses).
-- `shard`: this rank's slice of the payload, always resident (a view into `full` when the chunk
-  keeps its payload gathered, as in stages 1 and 2).
-- `master`: fp32 copy of `shard` for the optimizer; the same tensor as `shard` when the payload
-  is already fp32, so fp32 training keeps no second copy.
-- `secondary` (ZeRO++ hpZ, stage 3 with `secondary_shard_size`): this rank's slice of the
+- `payload.full`: the whole payload (numel padded to a multiple of the world size).
+  Parameters (their compute faces, in a sharded chunk: see [Note: two faces of a stage-3
+  parameter] in chunk/parameters.py) are views into the *compute* buffer (`full` itself, or
+  `full_compute` when the compute dtype differs from the payload dtype, filled by the gather
+  codec: see [Note: gather codecs] in chunk/codec.py), made once. Releasing resizes the
+  buffer's storage to zero instead of dropping it, and a gather refills it, so those views,
+  and the ones autograd saved during forward (a transposed weight, say), see the re-gathered
+  data in backward (the same trick torch's FSDP uses).
+- `payload.shard`: this rank's slice of the payload, always resident (a view into `full` when
+  the chunk keeps its payload gathered, as in stages 1 and 2).
+- `master`: fp32 copy of the shard for the optimizer; the same tensor as the shard when the
+  payload is already fp32, so fp32 training keeps no second copy.
+- `payload.secondary` (ZeRO++ hpZ, stage 3 with `secondary_shard_size`): this rank's slice of the
   payload within its secondary group, kept from a forward's release for the next gather (see
   [Note: secondary shards]); None otherwise.
 - `grads` (grads.py), the gradient side, an object of its own: `grads.full`, gradients of the
@@ -40,11 +46,12 @@ by chunk/reduction.py (see [Note: one reduction entry point]); the chunk prepare
 (`grads.prepare_reduce`) and takes its slice (`grads.accept_reduced`).
 
 [Note: pools]
-Gathered buffers (`full`, `full_compute`, `grads.full`) always live on the compute device. The
-shard lives in `payload_pool` (host memory is possible only for a sharded chunk: it is copied
-to the device for each gather), and the optimizer side (`master`, `grads.shard` and, through
-the views the optimizer steps, its state) in `optim_pool`. `place()` sets both once, before the
-optimizer is built; copies between pools are counted in `bytes_to_device` / `bytes_to_host`.
+Gathered buffers (`payload.full`, `payload.full_compute`, `grads.full`) always live on the
+compute device. The shard lives in `placement.payload` (host memory is possible only for a
+sharded chunk: it is copied to the device for each gather), and the optimizer side (`master`,
+`grads.shard` and, through the views the optimizer steps, its state) in `placement.optim`.
+`place()` sets both once, before the optimizer is built; copies between pools are counted in
+`placement.bytes_to_device` / `bytes_to_host`.
 """
 
 from __future__ import annotations
@@ -54,7 +61,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
-from shardwise.chunk.codec import codec_for
 from shardwise.chunk.grads import (
     GradSide,
     InPayloadGrads,
@@ -65,15 +71,13 @@ from shardwise.chunk.grads import (
 from shardwise.chunk.parameters import (
     adopt,
     compute_face,
-    mark_pending,
-    mark_settled,
     shard_face,
 )
+from shardwise.chunk.payload import Payload
 from shardwise.chunk.placement import ChunkPlacement
-from shardwise.chunk.resident import Resident, ResidentWatch, resident_changed
+from shardwise.chunk.resident import Resident, ResidentWatch
 from shardwise.chunk.states import (
     ChunkDtypes,
-    ChunkState,
     GradState,
     Pool,
     TensorInfo,
@@ -106,13 +110,9 @@ class Chunk:
             shards]).
     """
 
-    full = Resident[torch.Tensor](transient=True)
-    full_compute = Resident[torch.Tensor | None](transient=True)
-    shard = Resident[torch.Tensor]()
     master = Resident[torch.Tensor]()
     grads = Resident[GradSide]()
     """The gradient side, in the layout of [Note: gradient layouts] in grads.py."""
-    secondary = Resident[torch.Tensor | None](transient=True)
 
     def __init__(
         self,
@@ -146,28 +146,19 @@ class Chunk:
         self.tensors: list[TensorInfo] = []
         self.numel = 0
         self.closed = False
-        self.state = ChunkState.GATHERED
         self.num_trainable = 0
         # Buffers, allocated by close(); see [Note: chunk buffers].
-        self.full = torch.empty(0, dtype=dtypes.payload, device=device)
-        self.full_compute = None
-        # See [Note: gather codecs] in chunk/codec.py.
-        self.codec = codec_for(dtypes)
-        self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
+        self.payload = Payload(self)
         self.master = torch.empty(0, dtype=torch.float32, device=device)
         # Its own fp32 gradient shard unless a stage or facade picks another layout
         # (share_grad_shard_with_full, reuse_payload_for_grads, keep_whole_grads).
         self.grads = OwnBufferGrads(self, torch.empty(0, dtype=torch.float32, device=device))
-        self._pending_gather: tuple[torch.distributed.Work, torch.Tensor] | None = None
-        # publish_master(wait=False)'s all-gather.
-        self._pending_publish: torch.distributed.Work | None = None
         # See [Note: pools].
         self.placement = ChunkPlacement(self, device)
         self.predivide_factor = predivide_factor
         self.reduce_method = reduce_method
         self.replicate_group = replicate_group
         self.secondary_group = secondary_group
-        self.secondary = None
 
     # ---- packing ---------------------------------------------------------------------------
 
@@ -206,34 +197,19 @@ class Chunk:
         if self.closed:
             raise RuntimeError(f"chunk {self.chunk_id} is already closed")
         self.closed = True
-        self.full = torch.zeros(self.padded_numel, dtype=self.dtypes.payload, device=self.device)
-        for info in self.tensors:
-            self.full[info.offset : info.offset + info.numel].copy_(info.param.data.reshape(-1))
-        # Ranks may have built the model with different random states: rank 0's values win,
-        # as in DDP, so every rank starts from the same parameters.
-        if src_rank is not None:
-            comm.broadcast(self.full, src_rank, self.stats, self.group)
-            if self.replicate_group is not None:  # then every group holds group 0's values
-                comm.broadcast(self.full, 0, self.stats, self.replicate_group)
-        if self.codec.needs_compute_copy:
-            self.full_compute = torch.empty_like(self.full, dtype=self.dtypes.compute)
-            self.codec.decode(self.full, self.full_compute)
+        self.payload.fill(src_rank, self.replicate_group)
         for info in self.tensors:
             adopt(info.param, info.shape)
         self._bind_params()
-        own = self.full[self.shard_begin : self.shard_begin + self.shard_numel]
-        self.shard = own if self.keep_gathered else own.clone()
         if self.requires_grad:
             fp32 = self.dtypes.payload == torch.float32
-            self.master = self.shard if fp32 else self.shard.to(torch.float32)
+            shard = self.payload.shard
+            self.master = shard if fp32 else shard.to(torch.float32)
             self.grads.shard = torch.zeros(
                 self.shard_numel, dtype=torch.float32, device=self.device
             )
         if not self.keep_gathered:
-            self.release()
-
-    def _compute_buffer(self) -> torch.Tensor:
-        return self.full if self.full_compute is None else self.full_compute
+            self.payload.release()
 
     def _bind_params(self) -> None:
         """Point the parameters at the compute buffer, once: a chunk that keeps its payload
@@ -241,7 +217,7 @@ class Chunk:
         over it and makes the parameter its sharded face (see [Note: two faces of a stage-3
         parameter] in chunk/parameters.py). Gathers and releases then only fill and free the
         buffer's storage."""
-        compute = self._compute_buffer()
+        compute = self.payload.compute_buffer()
         for info in self.tensors:
             view = compute[info.offset : info.offset + info.numel].view(info.shape)
             if self.keep_gathered:
@@ -262,13 +238,13 @@ class Chunk:
             )
         self.placement.pin_memory = pin_memory
         if payload is not self.placement.payload:
-            self.shard = self.placement.move_to(self.shard, payload)
+            self.payload.shard = self.placement.move_to(self.payload.shard, payload)
             self.placement.payload = payload
         if self.requires_grad:
             aliased = self.dtypes.payload == torch.float32 and payload is optim
             if aliased:
-                self.master = self.shard
-            elif optim is not self.placement.optim or self.master is self.shard:
+                self.master = self.payload.shard
+            elif optim is not self.placement.optim or self.master is self.payload.shard:
                 self.master = self.placement.move_to(self.master, optim, torch.float32)
             if optim is not self.placement.optim:
                 self.grads.shard = self.placement.move_to(self.grads.shard, optim)
@@ -282,7 +258,7 @@ class Chunk:
             return
         if self.keep_gathered:
             raise ValueError(f"chunk {self.chunk_id} keeps its payload gathered on the device")
-        self.shard = self.placement.move_to(self.shard, pool)
+        self.payload.shard = self.placement.move_to(self.payload.shard, pool)
         self.placement.payload = pool
 
     def move_optim(self, pool: Pool) -> None:
@@ -295,141 +271,12 @@ class Chunk:
         if self.dtypes.payload == torch.float32 and pool is self.placement.payload:
             # An fp32 shard in the same pool is the master again, as place() makes it: no
             # second copy to hold, nor to copy into the shard after every step.
-            self.shard.copy_(self.placement.move_to(self.master, pool))
-            self.master = self.shard
+            self.payload.shard.copy_(self.placement.move_to(self.master, pool))
+            self.master = self.payload.shard
         else:
             self.master = self.placement.move_to(self.master, pool, torch.float32)
         self.grads.shard = self.placement.move_to(self.grads.shard, pool)
         self.placement.optim = pool
-
-    # ---- gather / release ------------------------------------------------------------------
-
-    def start_gather(self) -> None:
-        """Launch the all-gather of the payload without waiting (a prefetch)."""
-        if self.state is ChunkState.GATHERED or self._pending_gather is not None:
-            return
-        self.grads.check_payload_holds_params()
-        self._materialise(self.full)
-        work = self._start_all_gather(*self._gather_source(), async_op=True)
-        if work is not None:
-            self._pending_gather = (work, self.full)
-        else:
-            self._finish_gather()
-
-    @property
-    def gather_pending(self) -> bool:
-        """A prefetch (start_gather) is running and nothing has waited for it yet."""
-        return self._pending_gather is not None
-
-    def gather(self) -> None:
-        """Make the full payload valid on this rank (waiting for a prefetch if one is running)."""
-        if self.state is ChunkState.GATHERED:
-            return
-        self.grads.check_payload_holds_params()
-        if self._pending_gather is None:
-            self._materialise(self.full)
-            self._start_all_gather(*self._gather_source(), async_op=False)
-        else:
-            work, _ = self._pending_gather
-            work.wait()
-            self._pending_gather = None
-        self._finish_gather()
-
-    def _start_all_gather(
-        self,
-        shard: torch.Tensor,
-        group: ProcessGroup | None = None,
-        kind: comm.CommOp = comm.CommOp.ALL_GATHER,
-        *,
-        async_op: bool,
-    ) -> torch.distributed.Work | None:
-        """Every all-gather of the payload into `full` starts here (see [Note: gather
-        codecs]), over the chunk's group unless `group` says otherwise; the caller decodes
-        once it is complete."""
-        return comm.all_gather(
-            self.full,
-            self.codec.encode(shard),
-            self.stats,
-            self.group if group is None else group,
-            async_op=async_op,
-            kind=kind,
-        )
-
-    def _gather_source(self) -> tuple[torch.Tensor, ProcessGroup | None, comm.CommOp]:
-        """What a gather reads: the secondary copy when there is one (see [Note: secondary
-        shards]), else this rank's shard, on the device."""
-        if self.secondary is not None:
-            return self.secondary, self.secondary_group, comm.CommOp.SECONDARY_ALL_GATHER
-        return self._shard_on_device(), self.group, comm.CommOp.ALL_GATHER
-
-    def _shard_on_device(self) -> torch.Tensor:
-        if self.placement.payload is Pool.DEVICE:
-            return self.shard
-        return self.placement.move_to(self.shard, Pool.DEVICE)
-
-    def _finish_gather(self) -> None:
-        self.drop_secondary()  # it served backward's gather (see [Note: secondary shards])
-        if self.full_compute is not None:
-            self._materialise(self.full_compute)
-            self.codec.decode(self.full, self.full_compute)
-            # The 16-bit payload is only a staging buffer once the compute copy exists.
-            self._free(self.full)
-        self.state = ChunkState.GATHERED
-        for info in self.tensors:
-            info.state = TensorState.HOLD
-
-    def release(self, *, keep_secondary: bool = False) -> None:
-        """Drop the full payload, keeping only this rank's shard and, with `keep_secondary`
-        and a secondary group, this rank's slice of it there (see [Note: secondary shards])."""
-        if self.keep_gathered:
-            raise RuntimeError(f"chunk {self.chunk_id} keeps its payload gathered")
-        if self._pending_gather is not None:
-            # A prefetch nobody used: it reads the shard, which the next step rewrites.
-            self._pending_gather[0].wait()
-            self._pending_gather = None
-            self._free(self.full)
-        if self.state is ChunkState.SHARDED:
-            return
-        for info in self.tensors:
-            if info.state is TensorState.COMPUTE:
-                raise RuntimeError(f"cannot release chunk {self.chunk_id}: {info.name} is in use")
-        if keep_secondary and self.secondary_group is not None:
-            self._keep_secondary()
-        self._free(self.full)
-        if self.full_compute is not None:
-            self._free(self.full_compute)
-        self.state = ChunkState.SHARDED
-        for info in self.tensors:
-            info.state = TensorState.FREE
-
-    def _keep_secondary(self) -> None:
-        size = comm.world_size(self.secondary_group)
-        span = self.padded_numel // size
-        begin = comm.rank(self.secondary_group) * span
-        # A payload cast into a compute copy is freed after the cast; that slice of the copy,
-        # cast back to the payload dtype, decodes into the same compute values again (for a
-        # 16-bit payload computed in fp32 it is the payload itself: the cast up was exact).
-        source = self.full if self.full_compute is None else self.full_compute
-        self.secondary = source[begin : begin + span].to(self.dtypes.payload, copy=True)
-
-    def drop_secondary(self) -> None:
-        """Forget the secondary copy (the payload is about to change, or backward is over)."""
-        if self.secondary is not None:
-            self.secondary = None
-
-    def _materialise(self, buffer: torch.Tensor) -> None:
-        # Only the gathered payload and its compute copy are resized in place (see [Note:
-        # resident changes]).
-        assert buffer is self.full or buffer is self.full_compute
-        nbytes = buffer.numel() * buffer.element_size()
-        if buffer.untyped_storage().size() != nbytes:
-            buffer.untyped_storage().resize_(nbytes)
-            resident_changed(self, transient=True)
-
-    def _free(self, buffer: torch.Tensor) -> None:
-        assert buffer is self.full or buffer is self.full_compute
-        buffer.untyped_storage().resize_(0)
-        resident_changed(self, transient=True)
 
     # ---- gradient layouts (see [Note: gradient layouts] in grads.py) -------------------------
 
@@ -456,7 +303,7 @@ class Chunk:
             return
         self.grads = WholeGrads(self)
         # The user's optimizer steps the parameters in place: no master copy.
-        if self.master is not self.shard:
+        if self.master is not self.payload.shard:
             self.master = torch.empty(0, dtype=torch.float32, device=self.device)
 
     # ---- tensor states ---------------------------------------------------------------------
@@ -482,49 +329,12 @@ class Chunk:
     def publish_master(self, *, wait: bool = True) -> None:
         """Copy the updated fp32 master into the payload; refresh the gathered copy if kept, in
         the background with `wait=False` (see [Note: deferred parameter gathers])."""
-        self.wait_publish()
-        self.drop_secondary()
-        if not self.keep_gathered:
-            self.release()  # a gathered copy left from a forward without backward is stale now
-        if self.master is not self.shard:
-            if self.placement.optim is not self.placement.payload:
-                self.placement.count_copy(self.shard, into=self.placement.payload)
-            self.shard.copy_(self.master)
-        if self.keep_gathered:
-            self._gather_kept_copy(wait=wait)
-
-    def _gather_kept_copy(self, *, wait: bool) -> None:
-        """All-gather the shards into the full copy a stage-1/2 chunk keeps."""
-        # In place: the shard is this rank's slice of `full`, where an all-gather puts it anyway
-        # (NCCL and gloo both allow it; a copy of the shard cost 3 ms per 4 MiB here).
-        work = self._start_all_gather(self.shard, async_op=not wait)
-        if work is None:
-            self._refresh_compute_copy()
-        else:
-            self._pending_publish = work
-            for info in self.tensors:
-                mark_pending(info.param, self.wait_publish)
-
-    def wait_publish(self) -> None:
-        """Wait for a background all-gather started by `publish_master(wait=False)`."""
-        if self._pending_publish is not None:
-            work, self._pending_publish = self._pending_publish, None
-            work.wait()
-            for info in self.tensors:
-                mark_settled(info.param)
-            self._refresh_compute_copy()
-
-    def _refresh_compute_copy(self) -> None:
-        if self.full_compute is not None:
-            self.codec.decode(self.full, self.full_compute)
+        self.payload.publish(self.master, wait=wait)
 
     def write_range(self, index: int, begin: int, values: torch.Tensor) -> None:
         """Overwrite elements [begin, begin + numel) of flattened tensor `index` with `values`,
         which must lie inside the part this rank owns (a checkpoint restores just that)."""
-        self.wait_publish()
-        self.drop_secondary()
-        if not self.keep_gathered:
-            self.release()  # its gathered copy would be stale
+        self.payload.before_overwrite()
         info = self.tensors[index]
         owned = self.tensor_shard_range(index)
         start = info.offset + begin - self.shard_begin
@@ -534,16 +344,9 @@ class Chunk:
                 f"rank {self.rank}"
             )
         flat = values.reshape(-1).to(self.device)
-        self.shard[start : start + flat.numel()].copy_(flat)
-        if self.requires_grad and self.master is not self.shard:
+        self.payload.shard[start : start + flat.numel()].copy_(flat)
+        if self.requires_grad and self.master is not self.payload.shard:
             self.master[start : start + flat.numel()].copy_(flat)
-
-    def refresh_gathered(self) -> None:
-        """After this rank's shards were overwritten, rebuild the full copy every rank keeps
-        (stages 1 and 2); a collective over the chunk's group."""
-        if self.keep_gathered:
-            self.wait_publish()
-            self._gather_kept_copy(wait=True)
 
     def tensor_shard_range(self, index: int) -> tuple[int, int] | None:
         """The part of tensor `index` this rank owns, as (begin, end) within the shard."""
@@ -557,5 +360,5 @@ class Chunk:
     def __repr__(self) -> str:
         return (
             f"Chunk(id={self.chunk_id}, tensors={len(self.tensors)}, numel={self.numel}, "
-            f"padded={self.padded_numel}, state={self.state.value})"
+            f"padded={self.padded_numel}, state={self.payload.state.value})"
         )

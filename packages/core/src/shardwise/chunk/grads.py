@@ -33,6 +33,11 @@ from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import ChunkDtypes, GradLayout, GradState, Pool, TensorInfo, TensorState
 
 
+class _Payload(Protocol):
+    @property
+    def shard(self) -> torch.Tensor: ...
+
+
 class OwningChunk(Protocol):
     """What the gradient side reads of its chunk (`chunk.Chunk`): the tensors and the shard's
     geometry, the dtypes, and for the layouts that need them the payload shard, the fp32
@@ -45,9 +50,11 @@ class OwningChunk(Protocol):
     dtypes: ChunkDtypes
     device: torch.device
     keep_gathered: bool
-    shard: torch.Tensor
     master: torch.Tensor
     placement: ChunkPlacement
+
+    @property
+    def payload(self) -> _Payload: ...
 
     @property
     def padded_numel(self) -> int: ...
@@ -322,7 +329,7 @@ class InPayloadGrads(GradSide):
     STATES = frozenset({GradState.OPEN, GradState.CLOSED})
 
     def __init__(self, chunk: OwningChunk) -> None:
-        if chunk.master is chunk.shard or chunk.keep_gathered:
+        if chunk.master is chunk.payload.shard or chunk.keep_gathered:
             raise ValueError(
                 "reuse_fp16_shard=True needs 16-bit parameters (a separate fp32 master) and "
                 "sharded chunks; build the model with ZeroInitContext(default_dtype=torch.float16)"
@@ -332,7 +339,7 @@ class InPayloadGrads(GradSide):
     def _take_reduced(self, reduced: torch.Tensor) -> None:
         if self.state is GradState.CLOSED:
             raise ValueError(_NO_ACCUMULATION)
-        self._chunk.shard.copy_(reduced)
+        self._chunk.payload.shard.copy_(reduced)
         self._enter(GradState.CLOSED, GradState.OPEN)
 
     def check_payload_holds_params(self) -> None:
@@ -343,7 +350,7 @@ class InPayloadGrads(GradSide):
         """A transient fp32 copy of the payload's gradients (zeros when none arrived)."""
         chunk = self._chunk
         if self.state is GradState.CLOSED:
-            self.shard = chunk.shard.to(torch.float32)
+            self.shard = chunk.payload.shard.to(torch.float32)
         else:
             self.shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.device)
         if chunk.placement.optim is Pool.HOST:
@@ -353,7 +360,7 @@ class InPayloadGrads(GradSide):
     def end_step(self) -> None:
         """Put the parameters back into the payload and drop the transient gradient copy."""
         chunk = self._chunk
-        chunk.shard.copy_(chunk.master)
+        chunk.payload.shard.copy_(chunk.master)
         self._enter(GradState.OPEN)
         self.shard = _no_shard(chunk)
 

@@ -184,7 +184,7 @@ class ChunkManager:
             {
                 "chunk_id": c.chunk_id,
                 "numel": c.numel,
-                "state": c.state.value,
+                "state": c.payload.state.value,
                 "sharded": not c.keep_gathered,
                 "payload": c.placement.payload.value,
                 "optim": c.placement.optim.value if c.requires_grad else None,

@@ -5,7 +5,7 @@ The memory manager checks the device's bytes after every gather and gradient cop
 every chunk's buffers each time cost most of a step under "auto" on a model of many chunks.
 So the attributes that decide a chunk's resident bytes (its buffers, their pools, its gradient
 layout) are `Resident` descriptors: assigning one calls `resident_changed`, as does resizing a
-buffer's storage (`Chunk._materialise`, `Chunk._free`), which tells the chunk's
+buffer's storage (`Payload._materialise`, `Payload._free`), which tells the chunk's
 `resident_watch` (the manager's running totals, see [Note: device tally] in
 gemini/device_tally.py), so that only chunks that changed are counted again. A change says
 whether it was transient: one of the buffers a step allocates and frees (the gathered payload

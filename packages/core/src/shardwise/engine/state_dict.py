@@ -22,7 +22,7 @@ def gather_parameters(
     time; a collective over the chunks' group, whose result only ranks with `keep` hold."""
     values: dict[int, torch.Tensor] = {}
     for chunk in chunk_manager.chunks:
-        source = chunk.master if chunk.requires_grad else chunk.shard
+        source = chunk.master if chunk.requires_grad else chunk.payload.shard
         full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
         comm.all_gather(full, source, chunk_manager.stats, chunk_manager.group)
         if keep:
@@ -121,7 +121,7 @@ def load_full_state_dict(
             with torch.no_grad():
                 target.copy_(value)
     for chunk in chunk_manager.chunks:
-        chunk.refresh_gathered()
+        chunk.payload.refresh_gathered()
     return _IncompatibleKeys(missing, unexpected)
 
 

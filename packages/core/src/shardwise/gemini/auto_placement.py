@@ -165,7 +165,7 @@ class AutoPlacer:
             position = max(self._position - 1, 0)
         gathers = grads = 0
         for chunk in chunks:
-            if chunk.state is ChunkState.SHARDED:
+            if chunk.payload.state is ChunkState.SHARDED:
                 # A prefetched chunk already holds its payload buffer, counted on the device:
                 # its gather adds only what is not allocated yet (a compute copy).
                 gathers += self._gathered_bytes(chunk) - gathered_held_bytes(chunk)
@@ -258,8 +258,8 @@ class AutoPlacer:
             for c in self.chunk_manager.chunks
             if c.placement.payload is Pool.DEVICE
             and not c.keep_gathered
-            and c.state is ChunkState.SHARDED
-            and not c.gather_pending
+            and c.payload.state is ChunkState.SHARDED
+            and not c.payload.gather_pending
             and c.chunk_id not in needed
         ]
         if not candidates:
@@ -306,7 +306,7 @@ class AutoPlacer:
                 continue
             if chunk.requires_grad and chunk.placement.optim is Pool.DEVICE:
                 self.evict_optim(chunk)
-            if chunk.placement.payload is Pool.DEVICE and chunk.state is ChunkState.SHARDED:
+            if chunk.placement.payload is Pool.DEVICE and chunk.payload.state is ChunkState.SHARDED:
                 chunk.move_payload(Pool.HOST)
         self.replans += 1
         self._plan(move_optim, optim_bytes, agree_max)
@@ -347,7 +347,7 @@ class AutoPlacer:
             key=lambda c: (-len(self._uses[c.chunk_id]), c.chunk_id),
         )
         for chunk in used:
-            shard_bytes = chunk.shard.numel() * chunk.shard.element_size()
+            shard_bytes = chunk.payload.shard.numel() * chunk.payload.shard.element_size()
             if chunk.placement.payload is Pool.HOST and shard_bytes <= room:
                 chunk.move_payload(Pool.DEVICE)
                 room -= shard_bytes
@@ -371,7 +371,7 @@ class AutoPlacer:
                 continue
             if chunk.placement.optim is Pool.DEVICE:
                 continue
-            shard_bytes = chunk.shard.numel() * chunk.shard.element_size()
+            shard_bytes = chunk.payload.shard.numel() * chunk.payload.shard.element_size()
             side = _side_bytes(chunk, optim_bytes)
             if shard_bytes + side <= margin:
                 margin -= shard_bytes + side

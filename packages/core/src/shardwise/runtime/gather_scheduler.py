@@ -281,13 +281,13 @@ class GatherScheduler:
     def _gather(self, chunks: list[Chunk], backward: bool, where: str) -> None:
         """Gather `chunks`, consulting the memory manager only when one is actually sharded
         (nothing grows otherwise: this runs for every unit call)."""
-        sharded = [chunk for chunk in chunks if chunk.state is ChunkState.SHARDED]
+        sharded = [chunk for chunk in chunks if chunk.payload.state is ChunkState.SHARDED]
         if not sharded:
             return
         if self._gemini is not None:
             self._gemini.before_gather(sharded, backward=backward)
         for chunk in sharded:
-            chunk.gather()
+            chunk.payload.gather()
         if self._gemini is not None:
             self._gemini.after_gather(sharded, where)
 
@@ -312,7 +312,7 @@ class GatherScheduler:
                         if self._last_close.get(chunk.chunk_id) == close and self._releasable(
                             chunk, self._keep_for_backward
                         ):
-                            chunk.release(keep_secondary=torch.is_grad_enabled())
+                            chunk.payload.release(keep_secondary=torch.is_grad_enabled())
             if torch.is_grad_enabled():
                 self._register_pre_backward(output, chunks, visit)
 
@@ -350,7 +350,7 @@ class GatherScheduler:
         for chunk in _unique_chunks(places):
             used = len(self._used_in_pass[chunk.chunk_id])
             if used == len(chunk.tensors) and self._releasable(chunk, frozenset()):
-                chunk.release(keep_secondary=torch.is_grad_enabled())
+                chunk.payload.release(keep_secondary=torch.is_grad_enabled())
 
     # ---- learning the units --------------------------------------------------------------------
 
@@ -430,7 +430,7 @@ class GatherScheduler:
             self._finish_learning()
         if self.chunk_manager.topology.secondary is not None:  # hpZ
             for chunk in self.chunk_manager.chunks:
-                chunk.drop_secondary()  # what backward did not gather (an unused branch)
+                chunk.payload.drop_secondary()  # what backward did not gather (an unused branch)
         if self._gemini is not None and not self._warmed_up:
             self._warmed_up = True
             self._gemini.end_of_warmup()
@@ -446,10 +446,10 @@ class GatherScheduler:
             return
         for chunk_id in trace.upcoming():
             chunk = self.chunk_manager.chunks[chunk_id]
-            if chunk.state is ChunkState.SHARDED and not chunk.gather_pending:
+            if chunk.payload.state is ChunkState.SHARDED and not chunk.payload.gather_pending:
                 if self._gemini is not None:
                     self._gemini.before_prefetch([chunk], backward=self._in_backward)
-                chunk.start_gather()
+                chunk.payload.start_gather()
                 if self._gemini is not None:
                     self._gemini.check_budget(f"after prefetching chunk {chunk_id}")
 
@@ -457,7 +457,7 @@ class GatherScheduler:
         """Backward needs `chunk`'s parameters no more: its gradients are complete, or
         reduced."""
         if not chunk.in_use and not chunk.keep_gathered:
-            chunk.release()
+            chunk.payload.release()
 
     def release_all(
         self, keep: frozenset[int] = frozenset(), *, keep_secondary: bool = False
@@ -466,12 +466,12 @@ class GatherScheduler:
         with `keep_secondary`, each keeps its secondary copy for backward (hpZ)."""
         for chunk in self.chunk_manager.chunks:
             if (
-                (chunk.state is ChunkState.GATHERED or chunk.gather_pending)
+                (chunk.payload.state is ChunkState.GATHERED or chunk.payload.gather_pending)
                 and chunk.chunk_id not in keep
                 and not chunk.in_use
                 and not chunk.keep_gathered
             ):
-                chunk.release(keep_secondary=keep_secondary)
+                chunk.payload.release(keep_secondary=keep_secondary)
 
     def remove(self) -> None:
         for handle in [*self._handles, *self._unit_handles]:

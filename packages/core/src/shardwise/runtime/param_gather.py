@@ -45,13 +45,13 @@ class DeferredParamGather:
     def _waiter(chunks: list[Chunk]) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             for chunk in chunks:
-                chunk.wait_publish()
+                chunk.payload.wait_publish()
 
         return hook
 
     def wait_all(self) -> None:
         for chunk in self._chunks:
-            chunk.wait_publish()
+            chunk.payload.wait_publish()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -1,0 +1,328 @@
+"""The payload of a chunk: its parameters' values, as this rank's shard and, while gathered, as
+the whole flat buffer the parameters view (see [Note: chunk buffers] in chunk.py), with the
+gathers, releases and publishes that move between the two, and hpZ's secondary copy (see
+[Note: secondary shards] in chunk.py).
+
+Its state is `ChunkState`: GATHERED (`full` valid, the tensors HOLD or COMPUTE) or SHARDED
+(`full`'s storage freed, the tensors FREE). `gather` and `release` are the verbs between them;
+a chunk that keeps its payload gathered (stages 0-2) is never released.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch.distributed import ProcessGroup
+
+from shardwise import comm
+from shardwise.chunk.codec import codec_for
+from shardwise.chunk.parameters import mark_pending, mark_settled
+from shardwise.chunk.placement import ChunkPlacement
+from shardwise.chunk.resident import Resident, resident_changed
+from shardwise.chunk.states import ChunkDtypes, ChunkState, Pool, TensorInfo, TensorState
+from shardwise.comm import CommStats
+
+
+class _GradSide(Protocol):
+    def check_payload_holds_params(self) -> None: ...
+
+
+class OwningChunk(Protocol):
+    """What the payload reads of its chunk (`chunk.Chunk`): its tensors (whose states follow
+    the payload's), the shard's geometry, dtypes, groups, pools, and its gradient side (a
+    payload holding gradients refuses a gather)."""
+
+    chunk_id: int
+    tensors: list[TensorInfo]
+    dtypes: ChunkDtypes
+    device: torch.device
+    group: ProcessGroup | None
+    secondary_group: ProcessGroup | None
+    stats: CommStats
+    keep_gathered: bool
+    placement: ChunkPlacement
+
+    @property
+    def grads(self) -> _GradSide: ...
+
+    @property
+    def padded_numel(self) -> int: ...
+
+    @property
+    def shard_numel(self) -> int: ...
+
+    @property
+    def shard_begin(self) -> int: ...
+
+
+class Payload:
+    """One chunk's parameter values and their gathers (see the module docstring).
+
+    Args:
+        chunk: the chunk whose tensors these values are.
+    """
+
+    full = Resident[torch.Tensor](transient=True)
+    """The whole payload (numel padded to a multiple of the world size); its storage is freed
+    while SHARDED."""
+    full_compute = Resident[torch.Tensor | None](transient=True)
+    """The compute copy the parameters view when the compute dtype differs from the payload's
+    (filled by the gather codec, see [Note: gather codecs] in codec.py); None otherwise."""
+    shard = Resident[torch.Tensor]()
+    """This rank's slice of the payload, always resident (a view into `full` when the chunk
+    keeps its payload gathered)."""
+    secondary = Resident[torch.Tensor | None](transient=True)
+    """hpZ: this rank's slice within its secondary group, kept from a forward's release for
+    backward's gather; None otherwise."""
+
+    def __init__(self, chunk: OwningChunk) -> None:
+        # Changes to the buffers below are the chunk's (see [Note: resident changes] in
+        # resident.py).
+        self.__dict__["_resident_owner"] = chunk
+        self._chunk = chunk
+        dtypes, device = chunk.dtypes, chunk.device
+        self.state = ChunkState.GATHERED
+        self.codec = codec_for(dtypes)
+        self.full = torch.empty(0, dtype=dtypes.payload, device=device)
+        self.full_compute = None
+        self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
+        self.secondary = None
+        self._pending_gather: tuple[torch.distributed.Work, torch.Tensor] | None = None
+        # publish(wait=False)'s all-gather.
+        self._pending_publish: torch.distributed.Work | None = None
+
+    def _enter(self, state: ChunkState, start: ChunkState) -> None:
+        """Move to `state`, which only `start` leads to."""
+        assert self.state is start, (self._chunk.chunk_id, self.state, state)
+        self.state = state
+
+    # ---- filling ---------------------------------------------------------------------------
+
+    def fill(
+        self,
+        src_rank: int | None,
+        replicate_group: ProcessGroup | None,
+    ) -> None:
+        """Copy the chunk's parameters into `full`, make every rank hold `src_rank`'s values
+        (None: they already do; with `replicate_group`, group 0's reach the other shard groups
+        too), and keep this rank's shard."""
+        chunk = self._chunk
+        self.full = torch.zeros(chunk.padded_numel, dtype=chunk.dtypes.payload, device=chunk.device)
+        for info in chunk.tensors:
+            self.full[info.offset : info.offset + info.numel].copy_(info.param.data.reshape(-1))
+        # Ranks may have built the model with different random states: rank 0's values win,
+        # as in DDP, so every rank starts from the same parameters.
+        if src_rank is not None:
+            comm.broadcast(self.full, src_rank, chunk.stats, chunk.group)
+            if replicate_group is not None:  # then every group holds group 0's values
+                comm.broadcast(self.full, 0, chunk.stats, replicate_group)
+        if self.codec.needs_compute_copy:
+            self.full_compute = torch.empty_like(self.full, dtype=chunk.dtypes.compute)
+            self.codec.decode(self.full, self.full_compute)
+        own = self.full[chunk.shard_begin : chunk.shard_begin + chunk.shard_numel]
+        self.shard = own if chunk.keep_gathered else own.clone()
+
+    def compute_buffer(self) -> torch.Tensor:
+        """The buffer the parameters view: `full`, or its compute copy."""
+        return self.full if self.full_compute is None else self.full_compute
+
+    # ---- gather / release ------------------------------------------------------------------
+
+    def start_gather(self) -> None:
+        """Launch the all-gather of the payload without waiting (a prefetch)."""
+        if self.state is ChunkState.GATHERED or self._pending_gather is not None:
+            return
+        self._chunk.grads.check_payload_holds_params()
+        self._materialise(self.full)
+        work = self._start_all_gather(*self._gather_source(), async_op=True)
+        if work is not None:
+            self._pending_gather = (work, self.full)
+        else:
+            self._finish_gather()
+
+    @property
+    def gather_pending(self) -> bool:
+        """A prefetch (start_gather) is running and nothing has waited for it yet."""
+        return self._pending_gather is not None
+
+    def gather(self) -> None:
+        """Make the full payload valid on this rank (waiting for a prefetch if one is running)."""
+        if self.state is ChunkState.GATHERED:
+            return
+        self._chunk.grads.check_payload_holds_params()
+        if self._pending_gather is None:
+            self._materialise(self.full)
+            self._start_all_gather(*self._gather_source(), async_op=False)
+        else:
+            work, _ = self._pending_gather
+            work.wait()
+            self._pending_gather = None
+        self._finish_gather()
+
+    def _start_all_gather(
+        self,
+        shard: torch.Tensor,
+        group: ProcessGroup | None = None,
+        kind: comm.CommOp = comm.CommOp.ALL_GATHER,
+        *,
+        async_op: bool,
+    ) -> torch.distributed.Work | None:
+        """Every all-gather of the payload into `full` starts here (see [Note: gather
+        codecs]), over the chunk's group unless `group` says otherwise; the caller decodes
+        once it is complete."""
+        chunk = self._chunk
+        return comm.all_gather(
+            self.full,
+            self.codec.encode(shard),
+            chunk.stats,
+            chunk.group if group is None else group,
+            async_op=async_op,
+            kind=kind,
+        )
+
+    def _gather_source(self) -> tuple[torch.Tensor, ProcessGroup | None, comm.CommOp]:
+        """What a gather reads: the secondary copy when there is one (see [Note: secondary
+        shards]), else this rank's shard, on the device."""
+        if self.secondary is not None:
+            return self.secondary, self._chunk.secondary_group, comm.CommOp.SECONDARY_ALL_GATHER
+        return self._shard_on_device(), self._chunk.group, comm.CommOp.ALL_GATHER
+
+    def _shard_on_device(self) -> torch.Tensor:
+        placement = self._chunk.placement
+        if placement.payload is Pool.DEVICE:
+            return self.shard
+        return placement.move_to(self.shard, Pool.DEVICE)
+
+    def _finish_gather(self) -> None:
+        # The secondary copy served backward's gather (see [Note: secondary shards] in chunk.py).
+        self.drop_secondary()
+        if self.full_compute is not None:
+            self._materialise(self.full_compute)
+            self.codec.decode(self.full, self.full_compute)
+            # The 16-bit payload is only a staging buffer once the compute copy exists.
+            self._free(self.full)
+        self._enter(ChunkState.GATHERED, ChunkState.SHARDED)
+        for info in self._chunk.tensors:
+            info.state = TensorState.HOLD
+
+    def release(self, *, keep_secondary: bool = False) -> None:
+        """Drop the full payload, keeping only this rank's shard and, with `keep_secondary`
+        and a secondary group, this rank's slice of it there (see [Note: secondary shards] in
+        chunk.py)."""
+        chunk = self._chunk
+        if chunk.keep_gathered:
+            raise RuntimeError(f"chunk {chunk.chunk_id} keeps its payload gathered")
+        if self._pending_gather is not None:
+            # A prefetch nobody used: it reads the shard, which the next step rewrites.
+            self._pending_gather[0].wait()
+            self._pending_gather = None
+            self._free(self.full)
+        if self.state is ChunkState.SHARDED:
+            return
+        for info in chunk.tensors:
+            if info.state is TensorState.COMPUTE:
+                raise RuntimeError(f"cannot release chunk {chunk.chunk_id}: {info.name} is in use")
+        if keep_secondary and chunk.secondary_group is not None:
+            self._keep_secondary()
+        self._free(self.full)
+        if self.full_compute is not None:
+            self._free(self.full_compute)
+        self._enter(ChunkState.SHARDED, ChunkState.GATHERED)
+        for info in chunk.tensors:
+            info.state = TensorState.FREE
+
+    def _keep_secondary(self) -> None:
+        chunk = self._chunk
+        size = comm.world_size(chunk.secondary_group)
+        span = chunk.padded_numel // size
+        begin = comm.rank(chunk.secondary_group) * span
+        # A payload cast into a compute copy is freed after the cast; that slice of the copy,
+        # cast back to the payload dtype, decodes into the same compute values again (for a
+        # 16-bit payload computed in fp32 it is the payload itself: the cast up was exact).
+        source = self.full if self.full_compute is None else self.full_compute
+        self.secondary = source[begin : begin + span].to(chunk.dtypes.payload, copy=True)
+
+    def drop_secondary(self) -> None:
+        """Forget the secondary copy (the payload is about to change, or backward is over)."""
+        if self.secondary is not None:
+            self.secondary = None
+
+    def _materialise(self, buffer: torch.Tensor) -> None:
+        # Only the gathered payload and its compute copy are resized in place (see [Note:
+        # resident changes]).
+        assert buffer is self.full or buffer is self.full_compute
+        nbytes = buffer.numel() * buffer.element_size()
+        if buffer.untyped_storage().size() != nbytes:
+            buffer.untyped_storage().resize_(nbytes)
+            resident_changed(self._chunk, transient=True)
+
+    def _free(self, buffer: torch.Tensor) -> None:
+        assert buffer is self.full or buffer is self.full_compute
+        buffer.untyped_storage().resize_(0)
+        resident_changed(self._chunk, transient=True)
+
+    # ---- after the optimizer step ----------------------------------------------------------
+
+    def publish(self, master: torch.Tensor, *, wait: bool = True) -> None:
+        """Copy the updated fp32 `master` into the shard; refresh the gathered copy if kept, in
+        the background with `wait=False` (see [Note: deferred parameter gathers] in
+        runtime/param_gather.py)."""
+        chunk = self._chunk
+        self.wait_publish()
+        self.drop_secondary()
+        if not chunk.keep_gathered:
+            self.release()  # a gathered copy left from a forward without backward is stale now
+        if master is not self.shard:
+            placement = chunk.placement
+            if placement.optim is not placement.payload:
+                placement.count_copy(self.shard, into=placement.payload)
+            self.shard.copy_(master)
+        if chunk.keep_gathered:
+            self._gather_kept_copy(wait=wait)
+
+    def _gather_kept_copy(self, *, wait: bool) -> None:
+        """All-gather the shards into the full copy a stage-1/2 chunk keeps."""
+        # In place: the shard is this rank's slice of `full`, where an all-gather puts it anyway
+        # (NCCL and gloo both allow it; a copy of the shard cost 3 ms per 4 MiB here).
+        work = self._start_all_gather(self.shard, async_op=not wait)
+        if work is None:
+            self._refresh_compute_copy()
+        else:
+            self._pending_publish = work
+            for info in self._chunk.tensors:
+                mark_pending(info.param, self.wait_publish)
+
+    @property
+    def publish_pending(self) -> bool:
+        """A publish's all-gather (`publish(wait=False)`) is running and nothing has waited
+        for it yet."""
+        return self._pending_publish is not None
+
+    def wait_publish(self) -> None:
+        """Wait for a background all-gather started by `publish(wait=False)`."""
+        if self._pending_publish is not None:
+            work, self._pending_publish = self._pending_publish, None
+            work.wait()
+            for info in self._chunk.tensors:
+                mark_settled(info.param)
+            self._refresh_compute_copy()
+
+    def _refresh_compute_copy(self) -> None:
+        if self.full_compute is not None:
+            self.codec.decode(self.full, self.full_compute)
+
+    def before_overwrite(self) -> None:
+        """Before this rank's shard is written directly (a checkpoint's values): no publish
+        in flight, no secondary copy, no gathered copy left stale."""
+        self.wait_publish()
+        self.drop_secondary()
+        if not self._chunk.keep_gathered:
+            self.release()
+
+    def refresh_gathered(self) -> None:
+        """After this rank's shards were overwritten, rebuild the full copy every rank keeps
+        (stages 1 and 2); a collective over the chunk's group."""
+        if self._chunk.keep_gathered:
+            self.wait_publish()
+            self._gather_kept_copy(wait=True)
