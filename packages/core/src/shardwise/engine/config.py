@@ -82,21 +82,18 @@ def _check_dtype(name: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MixedPrecision:
-    """Dtypes of the engine's tensors.
-
-    Args:
-        param_dtype: dtype parameters are stored and gathered in (the "16-bit copy" in mixed
-            precision). The fp32 master weights are always kept separately when this is not fp32.
-        compute_dtype: dtype forward and backward run in; defaults to `param_dtype`. Setting
-            fp32 with a 16-bit `param_dtype` stores and communicates 16-bit but computes in fp32
-            (useful on CPUs, where 16-bit matrix math is slow).
-        reduce_dtype: dtype gradients are reduced in; defaults to `param_dtype`
-            (`fp32_reduce_scatter=True` in the seeds' terms is `reduce_dtype=torch.float32`).
-    """
+    """Dtypes of the engine's tensors."""
 
     param_dtype: torch.dtype = torch.float32
+    """The dtype parameters are stored and gathered in (the "16-bit copy" in mixed
+    precision). The fp32 master weights are always kept separately when this is not fp32."""
     compute_dtype: torch.dtype | None = None
+    """The dtype forward and backward run in; None: `param_dtype`. fp32 with a 16-bit
+    `param_dtype` stores and communicates 16-bit but computes in fp32 (useful on CPUs, where
+    16-bit matrix math is slow)."""
     reduce_dtype: torch.dtype | None = None
+    """The dtype gradients are reduced in; None: `param_dtype` (`fp32_reduce_scatter=True` in
+    the seeds' terms is `reduce_dtype=torch.float32`)."""
 
     def __post_init__(self) -> None:
         _check_dtype("param_dtype", self.param_dtype)
@@ -302,10 +299,15 @@ class EngineConfig:
     precision: MixedPrecision = field(default_factory=MixedPrecision)
     """Parameter (storage and communication), compute and reduction dtypes."""
     chunking: Chunking = field(default_factory=Chunking)
+    """How parameters are packed into chunks (stages 1-2: gradient buckets)."""
     placement: Placement = field(default_factory=Placement)
+    """Stage 3: where chunks live, device or host memory, under which budget."""
     reduction: Reduction = field(default_factory=Reduction)
+    """How gradients are reduced over ranks."""
     overlap: Overlap = field(default_factory=Overlap)
+    """What communication runs in the background of compute."""
     topology: Topology = field(default_factory=Topology)
+    """Which ranks shard and which replicate."""
     gather_units: tuple[type[torch.nn.Module] | str, ...] = ()
     """Stage 3: module classes or qualified names to gather as one conditional unit, besides
     the blocks that hold experts (see [Note: conditional units] in runtime/gather_units.py)."""
