@@ -18,7 +18,7 @@ LAYERS = [
     ("gemini", "planner", "prepare"),
     ("runtime",),
     ("engine",),
-    ("zero", "checkpoint", "telemetry"),
+    ("zero", "checkpoint", "telemetry", "initialize", "cluster", "nn"),
     ("cli",),
 ]
 RANK = {package: level for level, packages in enumerate(LAYERS) for package in packages}

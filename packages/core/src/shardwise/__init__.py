@@ -11,6 +11,7 @@ from shardwise.chunk import ChunkManager
 from shardwise.comm import CommOp, CommStats
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.gemini import GeminiManager
+from shardwise.initialize import launch, launch_from_torch
 from shardwise.optim import CPUAdam, HybridAdam
 from shardwise.zero import (
     BucketTensorShardStrategy,
@@ -64,6 +65,8 @@ __all__ = [
     "ZeroModel",
     "ZeroOptimizer",
     "checkpoint",
+    "launch",
+    "launch_from_torch",
     "telemetry",
     "wrap_model",
     "wrap_optimizer",

@@ -1,0 +1,1 @@
+"""`colossalai.nn`'s path: the optimizers a ColossalAI script imports."""
