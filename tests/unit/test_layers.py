@@ -18,7 +18,8 @@ LAYERS = [
     ("gemini", "planner", "prepare"),
     ("runtime",),
     ("engine",),
-    ("zero", "checkpoint", "telemetry", "initialize", "cluster", "nn"),
+    ("zero", "checkpoint", "telemetry", "initialize", "cluster", "nn", "interface"),
+    ("booster",),
     ("cli",),
 ]
 RANK = {package: level for level, packages in enumerate(LAYERS) for package in packages}

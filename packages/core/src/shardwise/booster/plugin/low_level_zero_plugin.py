@@ -1,0 +1,175 @@
+"""LowLevelZeroPlugin: ZeRO stages 1 and 2, ColossalAI's `LowLevelZeroPlugin` arguments
+translated into one `EngineConfig`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from shardwise.amp import LossScaleConfig
+from shardwise.booster.plugin.plugin_base import Boosted, DPPluginBase
+from shardwise.booster.plugin.refusals import precision_of, refuse_model_parallel, shard_size_for
+from shardwise.booster.zero_optimizer import ZeroOptimizerWrapper
+from shardwise.engine.config import (
+    Chunking,
+    EngineConfig,
+    MixedPrecision,
+    Overlap,
+    Topology,
+    default_device,
+)
+from shardwise.engine.model import ZeroModel
+from shardwise.engine.wrap import wrap_model, wrap_optimizer
+from shardwise.interface import OptimizerWrapper
+
+
+class LowLevelZeroPlugin(DPPluginBase):
+    """ZeRO stage 1 (optimizer state sharded) or 2 (gradients too), with ColossalAI 0.5's
+    `LowLevelZeroPlugin` arguments, defaults and order.
+
+    Beyond ColossalAI: `no_sync` at stage 2 too; any `norm_type`. `cpu_offload`, fp8 and
+    `master_weights=False` are refused (for optimizer state in host memory use
+    `GeminiPlugin(placement_policy="static", offload_optim_frac=1.0)`).
+
+    Args (ColossalAI's):
+        stage: 1 or 2.
+        precision: "fp16", "bf16" or "fp32" (storage and communication; a CPU computes in fp32).
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+            max_scale: the fp16 loss scale.
+        max_norm, norm_type: gradient clipping in the step (0: none).
+        reduce_bucket_size_in_m: millions (2**20) of elements per gradient bucket.
+        communication_dtype: the dtype gradients are reduced in (None: the parameters').
+        overlap_communication: reduce each bucket in the background of backward (stage 2).
+        overlap_allgather: let the all-gather of updated parameters run into the next forward.
+        cpu_offload, master_weights, use_fp8, fp8_communication: refused unless at their
+            defaults.
+        verbose: accepted (overflows are reported by a warning when steps keep being skipped).
+        cast_inputs: floating inputs are cast to the compute dtype; False is refused.
+        extra_dp_size: replicate the sharded state this many times (hybrid sharding).
+    """
+
+    def __init__(
+        self,
+        stage: int = 1,
+        precision: str = "fp16",
+        initial_scale: float = 2**32,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        reduce_bucket_size_in_m: int = 12,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = True,
+        overlap_allgather: bool = False,
+        cpu_offload: bool = False,
+        master_weights: bool = True,
+        verbose: bool = False,
+        cast_inputs: bool = True,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
+        extra_dp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        refuse_model_parallel(name, use_fp8=use_fp8, fp8_communication=fp8_communication)
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise ValueError(
+                f"{name}: stage must be 1 or 2 (GeminiPlugin is stage 3), got {stage!r}"
+            )
+        if cpu_offload:
+            raise ValueError(
+                f"{name}: cpu_offload=True cannot be honoured at stages 1-2; for optimizer state "
+                f"in host memory use GeminiPlugin(placement_policy='static', "
+                f"offload_optim_frac=1.0)"
+            )
+        if not master_weights:
+            raise ValueError(
+                f"{name}: master_weights=False cannot be honoured: the engine "
+                f"always steps fp32 master weights; leave it True"
+            )
+        if not cast_inputs:
+            raise ValueError(
+                f"{name}: cast_inputs=False cannot be honoured: floating inputs are "
+                f"cast to the compute dtype"
+            )
+        self.stage = stage
+        self.device = default_device()
+        dtypes = precision_of(name, precision, self.device)
+        self.precision = MixedPrecision(
+            param_dtype=dtypes.param_dtype,
+            compute_dtype=dtypes.compute_dtype,
+            reduce_dtype=communication_dtype,
+        )
+        self.chunking = Chunking(size_numel=round(reduce_bucket_size_in_m * 2**20))
+        self.overlap = Overlap(communication=overlap_communication, param_gather=overlap_allgather)
+        self.topology = Topology(shard_size=shard_size_for(name, extra_dp_size, self.world_size))
+        self.loss_scale = LossScaleConfig(
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+        )
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.verbose = verbose
+
+    def engine_config(self) -> EngineConfig:
+        """The plugin's arguments as the engine's configuration."""
+        return EngineConfig(
+            stage=self.stage,
+            device=self.device,
+            precision=self.precision,
+            chunking=self.chunking,
+            overlap=self.overlap,
+            topology=self.topology,
+        )
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: DataLoader[Any] | None = None,
+        lr_scheduler: Any = None,
+    ) -> Boosted:
+        if not isinstance(model, ZeroModel):
+            model = wrap_model(model, self.engine_config())
+        boosted: OptimizerWrapper | None = None
+        if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
+            boosted = ZeroOptimizerWrapper(
+                wrap_optimizer(
+                    model,
+                    optimizer,
+                    loss_scale=self.loss_scale,
+                    max_norm=self.max_norm,
+                    norm_type=self.norm_type,
+                )
+            )
+        elif optimizer is not None:
+            boosted = optimizer
+        return model, boosted, criterion, dataloader, lr_scheduler
+
+    def support_no_sync(self) -> bool:
+        return True
+
+    @contextmanager
+    def no_sync(  # type: ignore[override]  # a generator-based context manager
+        self, model: nn.Module | None, optimizer: OptimizerWrapper | None = None
+    ) -> Iterator[None]:
+        """Accumulate gradients locally, unreduced, during the backward passes inside."""
+        if not isinstance(model, ZeroModel):
+            raise TypeError(f"no_sync needs the boosted model, got {type(model).__name__}")
+        with model.no_sync():
+            yield
