@@ -390,6 +390,11 @@ class ZeroModel(nn.Module):
         """Backward without loss scaling (the optimizer's `backward` scales)."""
         loss.backward()
 
+    def unwrap(self) -> nn.Module:
+        """The user's module inside (ColossalAI's `ModelWrapper.unwrap`): its parameters are
+        views of this engine's chunks."""
+        return self.module
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, unreduced, during the backward passes run inside; the
