@@ -25,33 +25,29 @@ class DistCoordinator:
     _instance: DistCoordinator | None = None
 
     def __new__(cls) -> DistCoordinator:
-        if cls._instance is None or not cls._instance._alive():
-            cls._instance = super().__new__(cls)
-            cls._instance._setup()
-        return cls._instance
-
-    def _setup(self) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call shardwise.launch_from_torch() or "
                 "torch.distributed.init_process_group() before building a DistCoordinator"
             )
-        self._group = dist.group.WORLD
-        self._rank = dist.get_rank()
-        self._world_size = dist.get_world_size()
-        self._local_rank = int(os.environ.get("LOCAL_RANK", -1))
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+            cls._instance._local_rank = int(os.environ.get("LOCAL_RANK", -1))
+        return cls._instance
 
-    def _alive(self) -> bool:
-        # A process that destroyed its group and started another gets a fresh coordinator.
-        return dist.is_initialized() and dist.group.WORLD is self._group
+    # Ranks are asked of torch.distributed each time rather than kept: the coordinator holds
+    # no reference to a process group, so destroying the group frees it (a gloo group alive at
+    # interpreter exit can abort the process, see [Note: gloo at exit] in comm/lifecycle.py),
+    # and a group started again is seen.
+    _local_rank: int
 
     @property
     def rank(self) -> int:
-        return self._rank
+        return dist.get_rank()
 
     @property
     def world_size(self) -> int:
-        return self._world_size
+        return dist.get_world_size()
 
     @property
     def local_rank(self) -> int:
