@@ -6,6 +6,7 @@ slices, `.grad` None where nothing flowed, torch's `clip_grad_norm_`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -156,3 +157,31 @@ def test_prepare_dataloader_gives_each_rank_its_share() -> None:
     for epoch in range(2):
         assert sorted(first[epoch] + second[epoch]) == list(range(10))  # disjoint, complete
     assert first[0] != first[1]  # shuffled anew each epoch
+
+
+def _scheduler_round_trip(path: str) -> tuple[list[float], list[float], bool]:
+    booster = Booster(plugin=LowLevelZeroPlugin(precision="fp32"))
+    model = make_model()
+    optimizer = adamw(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    for _ in range(3):
+        optimizer.step()  # no gradients yet: the step changes nothing, the schedule moves on
+        scheduler.step()
+    booster.save_lr_scheduler(scheduler, path)
+    fresh = torch.optim.lr_scheduler.StepLR(adamw(make_model().parameters()), 2, gamma=0.5)
+    booster.load_lr_scheduler(fresh, path)
+    directory_refused = False
+    try:
+        booster.save_lr_scheduler(scheduler, str(Path(path).parent))
+    except RuntimeError as error:
+        directory_refused = "is a directory" in str(error)
+    return scheduler.get_last_lr(), fresh.get_last_lr(), directory_refused
+
+
+def test_the_lr_scheduler_round_trips_through_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "scheduler.pt"
+    for saved, loaded, directory_refused in run_ranks(_scheduler_round_trip, 2, str(path)):
+        assert saved == loaded == [1e-2 * 0.5]  # three steps of a step-2 schedule
+        assert directory_refused  # on every rank: rank 0's failure reached rank 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scheduler.pt"]  # no partial file

@@ -3,11 +3,14 @@ plugin decides how the model and optimizer are wrapped."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -84,3 +87,27 @@ class Booster:
         next backward outside reduces the sum (every plugin, every stage)."""
         with self.plugin.no_sync(model, optimizer):
             yield
+
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Write `lr_scheduler.state_dict()` to the file `checkpoint` (rank 0 writes it, whole
+        or not at all; every rank returns once it is there, or raises what rank 0 met)."""
+        path = Path(checkpoint)
+        problem: str | None = None
+        if dist.get_rank() == 0:
+            try:
+                if path.is_dir():
+                    raise ValueError(f"{checkpoint} is a directory: give the file to write")
+                partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+                torch.save(lr_scheduler.state_dict(), partial)
+                os.replace(partial, path)
+            except (OSError, ValueError) as error:
+                problem = f"{type(error).__name__}: {error}"
+        # Rank 0's outcome reaches every rank, so none waits for a file that never comes.
+        outcome = [problem]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise RuntimeError(f"save_lr_scheduler failed on rank 0: {outcome[0]}")
+
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Load the state `save_lr_scheduler` wrote into `lr_scheduler` (every rank reads)."""
+        lr_scheduler.load_state_dict(torch.load(checkpoint, weights_only=True))
