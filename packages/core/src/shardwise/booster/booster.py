@@ -88,6 +88,102 @@ class Booster:
         with self.plugin.no_sync(model, optimizer):
             yield
 
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """`model` with peft's LoRA adapters added (from `lora_config`, or loaded from
+        `pretrained_dir`), before `boost`: only the adapters train. Every plugin, Gemini
+        included. Quantisation (`quantize`, `bnb_quantization_config`) is refused."""
+        return self.plugin.enable_lora(
+            model,
+            pretrained_dir=pretrained_dir,
+            lora_config=lora_config,
+            bnb_quantization_config=bnb_quantization_config,
+            quantize=quantize,
+        )
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str, use_safetensors: bool = False
+    ) -> None:
+        """Write the LoRA adapters and their configuration to the directory `checkpoint` as
+        peft's `save_pretrained` does, so `PeftModel.from_pretrained` reads them."""
+        self.plugin.save_lora_as_pretrained(model, checkpoint, use_safetensors)
+
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: str,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = False,
+        use_async: bool = False,
+    ) -> None:
+        """Save the boosted model's weights, as its unwrapped module's `state_dict()` names them.
+
+        With `shard`, `checkpoint` is a directory in Hugging Face's sharded layout (files of at
+        most `size_per_shard` MB and an index; `config.json` for a `PreTrainedModel`), each
+        rank writing the files it was given, so no rank holds the whole model; else one file
+        that rank 0 writes. `prefix` goes into the file names (`pytorch_model.<prefix>.bin`).
+        `gather_dtensor` and `use_async` are accepted: there are no distributed tensors to keep
+        apart, and the files are complete when the call returns."""
+        self.plugin.get_checkpoint_io().save_model(
+            model,
+            checkpoint,
+            shard=shard,
+            prefix=prefix,
+            size_per_shard=size_per_shard,
+            use_safetensors=use_safetensors,
+        )
+
+    def load_model(
+        self,
+        model: nn.Module,
+        checkpoint: str,
+        strict: bool = True,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
+        """Load weights saved by `save_model` (any plugin, stage or world size), by
+        `save_pretrained`, or by ColossalAI, into the boosted model: a file, or a directory
+        with an index or one weights file. Each rank reads only the rows it keeps, whatever
+        `low_cpu_mem_mode` says. With `strict`, missing or unexpected keys are an error."""
+        self.plugin.get_checkpoint_io().load_model(model, checkpoint, strict=strict)
+
+    def save_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+    ) -> None:
+        """Save the boosted optimizer's state in ColossalAI's layout (torch's optimizer state
+        dict, with whole-shape tensors, independent of world size and plugin): one file, or
+        with `shard` a directory of `pytorch_optim-NNNNN.bin` files, each rank writing its
+        own, the parameter groups in `pytorch_optim_group.bin` and an index."""
+        self.plugin.get_checkpoint_io().save_optimizer(
+            optimizer, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard
+        )
+
+    def load_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
+        """Load optimizer state saved by `save_optimizer` (any plugin, stage or world size)."""
+        self.plugin.get_checkpoint_io().load_optimizer(optimizer, checkpoint)
+
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
         """Write `lr_scheduler.state_dict()` to the file `checkpoint` (rank 0 writes it, whole
         or not at all; every rank returns once it is there, or raises what rank 0 met)."""

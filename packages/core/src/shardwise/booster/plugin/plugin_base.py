@@ -47,6 +47,28 @@ class Plugin(ABC):
     def control_precision(self) -> bool:
         return True
 
+    def support_lora(self) -> bool:
+        return False
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA")
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str, use_safetensors: bool = False
+    ) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA")
+
+    def get_checkpoint_io(self) -> Any:
+        """The object the Booster's save_* / load_* methods go through."""
+        raise NotImplementedError(f"{type(self).__name__} has no checkpoint IO")
+
     def control_device(self) -> bool:
         return True
 
