@@ -2,16 +2,21 @@
 for `colossalai` in its imports.
 
     torchrun --standalone --nproc-per-node=2 examples/booster_gpt.py --plugin gemini [--steps 30]
+        [--save-dir ckpt] [--load-dir ckpt]
 
 Plugins: "gemini" (ZeRO-3, chunks placed by the static policy), "low_level_zero" (ZeRO-2),
 "torch_ddp". Parameters are stored and communicated in bf16 with fp32 master weights (a CPU
 computes in fp32); gradients are clipped to norm 1.0 and accumulated over two micro-batches
 with `booster.no_sync`. Rank 0 prints the loss every --log-every steps and at the end.
+With --save-dir the model (a sharded Hugging Face-layout directory), the optimizer and the LR
+scheduler are saved at the end as ColossalAI's examples save them; --load-dir resumes from
+such a directory, written by any plugin at any world size.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from torch.utils.data import TensorDataset
@@ -38,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--save-dir", help="save model, optimizer and scheduler here at the end")
+    parser.add_argument("--load-dir", help="resume from a --save-dir of an earlier run")
     return parser.parse_args()
 
 
@@ -74,6 +81,12 @@ def main() -> None:
         model, optimizer, dataloader=dataloader, lr_scheduler=lr_scheduler
     )
 
+    if args.load_dir:
+        booster.load_model(model, os.path.join(args.load_dir, "model"))
+        booster.load_optimizer(optimizer, os.path.join(args.load_dir, "optimizer"))
+        booster.load_lr_scheduler(lr_scheduler, os.path.join(args.load_dir, "lr_scheduler"))
+        coordinator.print_on_master(f"resumed from {args.load_dir}")
+
     batches = iter(dataloader)
     first = last = None
     for step in range(args.steps):
@@ -100,6 +113,11 @@ def main() -> None:
                 f"step {step:4d} | loss {step_loss:.4f} | lr {lr_scheduler.get_last_lr()[0]:.2e}"
             )
     coordinator.print_on_master(f"first loss {first:.4f}, last loss {last:.4f}")
+    if args.save_dir:
+        booster.save_model(model, os.path.join(args.save_dir, "model"), shard=True)
+        booster.save_optimizer(optimizer, os.path.join(args.save_dir, "optimizer"), shard=True)
+        booster.save_lr_scheduler(lr_scheduler, os.path.join(args.save_dir, "lr_scheduler"))
+        coordinator.print_on_master(f"saved to {args.save_dir}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from shardwise.checkpoint.optimizer_checkpoint import OptimizerCheckpoint
+from shardwise.checkpoint.zero_optimizer_io import load_zero_optimizer, zero_optimizer_state_dict
 from shardwise.engine.optimizer import ZeroOptimizer
 from shardwise.interface import OptimizerWrapper
 
@@ -106,11 +108,17 @@ class ZeroOptimizerWrapper(OptimizerWrapper):
             )
         return float(self.engine.last_grad_norm)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.engine.state_dict()
+    def state_dict(self, only_rank_0: bool = True) -> dict[str, Any]:  # type: ignore[override]
+        """torch's optimizer state dict of the whole model, as a plain optimizer over the
+        unsharded model would give it (state of whole shapes, parameters numbered in the
+        order they were given), plus the loss scaler's state under `loss_scaler`; with
+        `only_rank_0` the other ranks get an empty dict. A collective: every rank calls it."""
+        return zero_optimizer_state_dict(self.engine, only_rank_0=only_rank_0)
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self.engine.load_state_dict(*args, **kwargs)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a whole-shape optimizer state dict (`state_dict()`'s, or a torch optimizer's
+        over the same parameters); every rank takes the elements it owns."""
+        load_zero_optimizer(self.engine, OptimizerCheckpoint.of_state_dict(state_dict))
 
     @property
     def loss_scale(self) -> float:

@@ -62,6 +62,7 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.chunk.grads import (
+    AveragedFullGrads,
     GradSide,
     InPayloadGrads,
     OwnBufferGrads,
@@ -151,7 +152,8 @@ class Chunk:
         self.payload = Payload(self)
         self.master = torch.empty(0, dtype=torch.float32, device=device)
         # Its own fp32 gradient shard unless a stage or facade picks another layout
-        # (share_grad_shard_with_full, reuse_payload_for_grads, keep_whole_grads).
+        # (share_grad_shard_with_full, keep_averaged_grads, reuse_payload_for_grads,
+        # keep_whole_grads).
         self.grads = OwnBufferGrads(self, torch.empty(0, dtype=torch.float32, device=device))
         # See [Note: pools].
         self.placement = ChunkPlacement(self, device)
@@ -197,14 +199,12 @@ class Chunk:
         if self.closed:
             raise RuntimeError(f"chunk {self.chunk_id} is already closed")
         self.closed = True
-        self.payload.fill(src_rank, self.replicate_group)
+        fp32_values = self.payload.fill(src_rank, self.replicate_group)
         for info in self.tensors:
             adopt(info.param, info.shape)
         self._bind_params()
         if self.requires_grad:
-            fp32 = self.dtypes.payload == torch.float32
-            shard = self.payload.shard
-            self.master = shard if fp32 else shard.to(torch.float32)
+            self.master = self.payload.shard if fp32_values is None else fp32_values
             self.grads.shard = torch.zeros(
                 self.shard_numel, dtype=torch.float32, device=self.device
             )
@@ -287,6 +287,16 @@ class Chunk:
             return
         assert self.grads.state is GradState.OPEN, self.grads.state
         self.grads = SliceOfFullGrads(self, self.grads.full)
+
+    def keep_averaged_grads(self) -> None:
+        """Stage 1 with fp32 compute and reduction: the whole gradient buffer, averaged over
+        the ranks in each synchronised backward and viewed by `.grad`; the optimizer reads
+        this rank's slice of it (`AveragedFullGrads`)."""
+        if not self.requires_grad:
+            return
+        assert self.keep_gathered, "stage 1 keeps its payload gathered"
+        assert self.grads.state is GradState.OPEN, self.grads.state
+        self.grads = AveragedFullGrads(self, self.grads.full)
 
     def reuse_payload_for_grads(self) -> None:
         """`reuse_fp16_shard`: keep the reduced gradients in the payload shard between

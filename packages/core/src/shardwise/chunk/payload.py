@@ -47,6 +47,9 @@ class OwningChunk(Protocol):
     def grads(self) -> _GradSide: ...
 
     @property
+    def requires_grad(self) -> bool: ...
+
+    @property
     def padded_numel(self) -> int: ...
 
     @property
@@ -103,25 +106,37 @@ class Payload:
         self,
         src_rank: int | None,
         replicate_group: ProcessGroup | None,
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Copy the chunk's parameters into `full`, make every rank hold `src_rank`'s values
         (None: they already do; with `replicate_group`, group 0's reach the other shard groups
-        too), and keep this rank's shard."""
+        too), and keep this rank's shard. Returns this rank's shard of the parameters' values
+        in fp32 when the chunk needs fp32 masters beside a narrower payload, else None."""
         chunk = self._chunk
-        self.full = torch.zeros(chunk.padded_numel, dtype=chunk.dtypes.payload, device=chunk.device)
+        # A trainable chunk stored in 16 bits takes its fp32 masters from the parameters'
+        # own values, and the payload is cast from them: masters cast back up from the payload
+        # would round a pretrained fp32 model's weights to 16 bits when it is wrapped.
+        keep_fp32 = chunk.requires_grad and chunk.dtypes.payload != torch.float32
+        values = torch.zeros(
+            chunk.padded_numel,
+            dtype=torch.float32 if keep_fp32 else chunk.dtypes.payload,
+            device=chunk.device,
+        )
         for info in chunk.tensors:
-            self.full[info.offset : info.offset + info.numel].copy_(info.param.data.reshape(-1))
+            values[info.offset : info.offset + info.numel].copy_(info.param.data.reshape(-1))
         # Ranks may have built the model with different random states: rank 0's values win,
         # as in DDP, so every rank starts from the same parameters.
         if src_rank is not None:
-            comm.broadcast(self.full, src_rank, chunk.stats, chunk.group)
+            comm.broadcast(values, src_rank, chunk.stats, chunk.group)
             if replicate_group is not None:  # then every group holds group 0's values
-                comm.broadcast(self.full, 0, chunk.stats, replicate_group)
+                comm.broadcast(values, 0, chunk.stats, replicate_group)
+        own = slice(chunk.shard_begin, chunk.shard_begin + chunk.shard_numel)
+        master = values[own].clone() if keep_fp32 else None
+        self.full = values.to(chunk.dtypes.payload) if keep_fp32 else values
         if self.codec.needs_compute_copy:
             self.full_compute = torch.empty_like(self.full, dtype=chunk.dtypes.compute)
             self.codec.decode(self.full, self.full_compute)
-        own = self.full[chunk.shard_begin : chunk.shard_begin + chunk.shard_numel]
-        self.shard = own if chunk.keep_gathered else own.clone()
+        self.shard = self.full[own] if chunk.keep_gathered else self.full[own].clone()
+        return master
 
     def compute_buffer(self) -> torch.Tensor:
         """The buffer the parameters view: `full`, or its compute copy."""

@@ -127,6 +127,9 @@ class ZeroOptimizer:
         }
         # Parameter name -> the shard view the inner optimizer steps (checkpoints use it).
         self.shard_views: dict[str, torch.Tensor] = {}
+        # Every group's parameters by name, in the order the user gave them (frozen ones and
+        # ones this rank owns no element of too): torch's parameter numbers in checkpoints.
+        self.group_param_names: list[list[str]] = []
         self._views_of_chunk: dict[int, list[torch.Tensor]] = {}
         self._swap_params_for_shards()
         if model.gemini_manager is not None:
@@ -166,8 +169,11 @@ class ZeroOptimizer:
             )
         for group in self.optim.param_groups:
             shards: list[torch.Tensor] = []
+            names: list[str] = []
+            self.group_param_names.append(names)
             for param in group["params"]:
                 chunk, index = manager.locate(param)
+                names.append(chunk.tensors[index].name)
                 if not param.requires_grad:
                     continue
                 owned = chunk.tensor_shard_range(index)

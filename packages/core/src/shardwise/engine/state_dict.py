@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -14,6 +14,17 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
 
 
+def gathered_chunks(chunk_manager: ChunkManager) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """Every chunk with its whole values (fp32 masters; the payload for frozen chunks), one
+    chunk at a time, each dropped when the next is gathered. A collective over the chunks'
+    group: every rank must walk it to the end."""
+    for chunk in chunk_manager.chunks:
+        source = chunk.master if chunk.requires_grad else chunk.payload.shard
+        full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
+        comm.all_gather(full, source, chunk_manager.stats, chunk_manager.group)
+        yield chunk, full
+
+
 def gather_parameters(
     chunk_manager: ChunkManager, *, keep: bool, dtype: torch.dtype | None = torch.float32
 ) -> dict[int, torch.Tensor]:
@@ -21,10 +32,7 @@ def gather_parameters(
     CPU, keyed by id(parameter), cast to `dtype` (None: as stored). One chunk is gathered at a
     time; a collective over the chunks' group, whose result only ranks with `keep` hold."""
     values: dict[int, torch.Tensor] = {}
-    for chunk in chunk_manager.chunks:
-        source = chunk.master if chunk.requires_grad else chunk.payload.shard
-        full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
-        comm.all_gather(full, source, chunk_manager.stats, chunk_manager.group)
+    for chunk, full in gathered_chunks(chunk_manager):
         if keep:
             for info in chunk.tensors:
                 piece = full[info.offset : info.offset + info.numel].view(info.shape)

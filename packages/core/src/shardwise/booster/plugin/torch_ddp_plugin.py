@@ -12,10 +12,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from shardwise.booster import lora
+from shardwise.booster.checkpoint_io.torch_checkpoint_io import TorchCheckpointIO
 from shardwise.booster.plugin.plugin_base import Boosted, DPPluginBase
 from shardwise.booster.plugin.refusals import refuse_model_parallel
+from shardwise.comm import CommStats
 from shardwise.engine.config import default_device
 from shardwise.interface import ModelWrapper, OptimizerWrapper
+from shardwise.lazy import LazyInitContext
 
 
 class TorchDDPModel(ModelWrapper):
@@ -74,7 +78,11 @@ class TorchDDPPlugin(DPPluginBase):
         dataloader: DataLoader[Any] | None = None,
         lr_scheduler: Any = None,
     ) -> Boosted:
+        if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
+            lora.add_adapters_to_optimizer(model, optimizer)  # see [Note: LoRA on the engine]
         if not isinstance(model, TorchDDPModel):
+            # DDP broadcasts rank 0's values at once: a lazily built model gets them first.
+            LazyInitContext.materialize(model)
             model = model.to(self.device)
             if self.device.type == "cuda":
                 model = nn.SyncBatchNorm.convert_sync_batchnorm(model, None)
@@ -95,6 +103,9 @@ class TorchDDPPlugin(DPPluginBase):
     def support_no_sync(self) -> bool:
         return True
 
+    def get_checkpoint_io(self) -> TorchCheckpointIO:
+        return TorchCheckpointIO()
+
     @contextmanager
     def no_sync(  # type: ignore[override]  # a generator-based context manager
         self, model: nn.Module | None, optimizer: OptimizerWrapper | None = None
@@ -107,3 +118,41 @@ class TorchDDPPlugin(DPPluginBase):
         assert isinstance(ddp, DistributedDataParallel)
         with ddp.no_sync():
             yield
+
+    def support_lora(self) -> bool:
+        return True
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """See `Booster.enable_lora`."""
+        return lora.enable_lora(
+            type(self).__name__,
+            model,
+            pretrained_dir,
+            lora_config,
+            bnb_quantization_config,
+            quantize,
+        )
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str, use_safetensors: bool = False
+    ) -> None:
+        """Rank 0 writes the adapters (every rank holds them whole under DDP)."""
+        name = type(self).__name__
+        if not isinstance(model, TorchDDPModel):
+            raise TypeError(
+                f"{name}: save_lora_as_pretrained needs the boosted model, got "
+                f"{type(model).__name__}"
+            )
+        peft_model = lora.peft_model_of(model, name)
+        values = {
+            key: tensor.detach().to("cpu", copy=True)
+            for key, tensor in lora.saved_tensors(peft_model).items()
+        }
+        lora.save_adapters(peft_model, checkpoint, values, use_safetensors, CommStats())

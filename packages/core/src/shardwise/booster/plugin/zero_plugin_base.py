@@ -6,6 +6,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,12 +14,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from shardwise.amp import LossScaleConfig
+from shardwise.booster import lora
+from shardwise.booster.checkpoint_io.zero_checkpoint_io import ZeroCheckpointIO
 from shardwise.booster.plugin.plugin_base import Boosted, DPPluginBase
 from shardwise.booster.zero_optimizer import ZeroOptimizerWrapper
 from shardwise.engine.config import EngineConfig
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.interface import OptimizerWrapper
+from shardwise.lazy import initialiser_for
 
 
 class ZeroPluginBase(DPPluginBase):
@@ -41,8 +45,16 @@ class ZeroPluginBase(DPPluginBase):
         dataloader: DataLoader[Any] | None = None,
         lr_scheduler: Any = None,
     ) -> Boosted:
+        if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
+            lora.add_adapters_to_optimizer(model, optimizer)  # see [Note: LoRA on the engine]
         if not isinstance(model, ZeroModel):
-            model = wrap_model(model, self.engine_config())
+            config = self.engine_config()
+            # A model built in LazyInitContext gets its values module by module as the engine
+            # packs it: see [Note: lazily built models] in lazy/context.py.
+            initialise = initialiser_for(model)
+            if initialise is not None:
+                config = replace(config, param_init_fn=initialise)
+            model = wrap_model(model, config)
         boosted: OptimizerWrapper | None = None
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             boosted = ZeroOptimizerWrapper(
@@ -61,6 +73,9 @@ class ZeroPluginBase(DPPluginBase):
     def support_no_sync(self) -> bool:
         return True
 
+    def get_checkpoint_io(self) -> ZeroCheckpointIO:
+        return ZeroCheckpointIO()
+
     @contextmanager
     def no_sync(  # type: ignore[override]  # a generator-based context manager
         self, model: nn.Module | None, optimizer: OptimizerWrapper | None = None
@@ -70,3 +85,45 @@ class ZeroPluginBase(DPPluginBase):
             raise TypeError(f"no_sync needs the boosted model, got {type(model).__name__}")
         with model.no_sync():
             yield
+
+    def support_lora(self) -> bool:
+        return True
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """See `Booster.enable_lora` and [Note: LoRA on the engine] in booster/lora.py."""
+        return lora.enable_lora(
+            type(self).__name__,
+            model,
+            pretrained_dir,
+            lora_config,
+            bnb_quantization_config,
+            quantize,
+        )
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str, use_safetensors: bool = False
+    ) -> None:
+        """Gather the adapters only (the chunks holding them) and write them on rank 0."""
+        name = type(self).__name__
+        if not isinstance(model, ZeroModel):
+            raise TypeError(
+                f"{name}: save_lora_as_pretrained needs the boosted model, got "
+                f"{type(model).__name__}"
+            )
+        peft_model = lora.peft_model_of(model, name)
+        values = lora.gather_adapters(model, lora.saved_tensors(peft_model))
+        lora.save_adapters(
+            peft_model,
+            checkpoint,
+            values,
+            use_safetensors,
+            model.comm_stats,
+            model.config.topology.process_group,
+        )

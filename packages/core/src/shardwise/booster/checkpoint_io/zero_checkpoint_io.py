@@ -1,0 +1,76 @@
+"""Checkpoints of models boosted by GeminiPlugin and LowLevelZeroPlugin: every rank writes the
+files it was given from one gathered chunk at a time, and reads only what it owns."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.booster.checkpoint_io.checkpoint_io_base import CheckpointIO
+from shardwise.booster.zero_optimizer import ZeroOptimizerWrapper
+from shardwise.checkpoint.optimizer_checkpoint import OptimizerCheckpoint
+from shardwise.checkpoint.zero_model_io import load_zero_model, save_zero_model
+from shardwise.checkpoint.zero_optimizer_io import load_zero_optimizer, save_zero_optimizer
+from shardwise.engine.model import ZeroModel
+from shardwise.interface import OptimizerWrapper
+
+
+class ZeroCheckpointIO(CheckpointIO):
+    def save_model(
+        self,
+        model: nn.Module,
+        checkpoint: str,
+        *,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_safetensors: bool,
+    ) -> None:
+        save_zero_model(
+            _boosted(model),
+            checkpoint,
+            shard=shard,
+            prefix=prefix,
+            size_per_shard=size_per_shard,
+            use_safetensors=use_safetensors,
+        )
+
+    def load_model(self, model: nn.Module, checkpoint: str, *, strict: bool) -> None:
+        load_zero_model(_boosted(model), checkpoint, strict=strict)
+
+    def save_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        *,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+    ) -> None:
+        save_zero_optimizer(
+            _boosted_optimizer(optimizer).engine,
+            checkpoint,
+            shard=shard,
+            prefix=prefix,
+            size_per_shard=size_per_shard,
+        )
+
+    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
+        load_zero_optimizer(
+            _boosted_optimizer(optimizer).engine, OptimizerCheckpoint.open(checkpoint)
+        )
+
+
+def _boosted(model: nn.Module) -> ZeroModel:
+    if not isinstance(model, ZeroModel):
+        raise TypeError(
+            f"model must be the one booster.boost() returned, got {type(model).__name__}"
+        )
+    return model
+
+
+def _boosted_optimizer(optimizer: OptimizerWrapper) -> ZeroOptimizerWrapper:
+    if not isinstance(optimizer, ZeroOptimizerWrapper):
+        raise TypeError(
+            f"optimizer must be the one booster.boost() returned, got {type(optimizer).__name__}"
+        )
+    return optimizer
