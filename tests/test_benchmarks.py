@@ -106,3 +106,20 @@ def test_memory_benchmark_measures_each_engine_in_its_own_run(tmp_path: Path) ->
             assert rank["unit_bytes"] > 0 and rank["phases"]["peak"] > 0, rank
     table = results.read_text()
     assert "<!-- bench_memory: begin -->" in table and "| smoke | zero3-cuda |" in table
+
+
+def test_checkpoint_benchmark_measures_every_call(tmp_path: Path) -> None:
+    out, results = tmp_path / "ckpt.json", tmp_path / "RESULTS.md"
+    options = ["--size", "smoke", "--out", str(out), "--results", str(results)]
+    done = torchrun(ROOT / "benchmarks" / "bench_checkpoint.py", *options, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    calls = json.loads(out.read_text())["calls"]
+    assert list(calls) == [
+        "sharded save", "one file save", "sharded load", "fsdp2 dcp save", "fsdp2 dcp load",
+    ]  # fmt: skip
+    assert all(call["seconds"] > 0 and call["peak_mib"] >= 0 for call in calls.values())
+    # The two layouts hold the same tensors (the sharded one adds an index and a config).
+    assert abs(calls["sharded save"]["bytes"] - calls["one file save"]["bytes"]) < 0.1 * (
+        calls["one file save"]["bytes"]
+    )
+    assert "Checkpoints at scale" in results.read_text()

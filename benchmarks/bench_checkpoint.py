@@ -1,0 +1,237 @@
+"""Saving and loading a checkpoint at a size where it matters, measured from outside.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/bench_checkpoint.py \
+        --size 117m --out ckpt.json --results benchmarks/RESULTS.md
+    python -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/bench_checkpoint.py \
+        --size smoke --out s.json                                        (tiny, seconds)
+
+A GPT (bench_memory.py's shapes: width 1024, vocabulary 32768, untied head; fp32, fused
+AdamW-based HybridAdam) is boosted by GeminiPlugin with a user's defaults but fp32 (a CPU host),
+takes one step, and is saved and loaded in turn:
+  sharded        booster.save_model / save_optimizer with shard=True: every rank writes its own
+                 files of the Hugging Face / ColossalAI layout, one gathered chunk at a time
+  one file       the same with shard=False: rank 0 receives everything and writes one file
+                 (how ColossalAI's Gemini saves, sharded or not: it gathers on rank 0)
+  load sharded   booster.load_model / load_optimizer of the sharded save
+Then the same GPT under torch FSDP2 (fully_shard per block) with fused AdamW is saved and
+loaded with torch.distributed.checkpoint (each rank its own shards, torch's own format):
+  fsdp2 dcp save, fsdp2 dcp load
+For each, per rank: the peak resident set above the resident set just before the call
+(`VmHWM` after a reset through /proc/self/clear_refs), and wall time; the worse rank is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MIB = 2**20
+SIZES = {"117m": (4, 1024, 32768), "168m": (8, 1024, 32768), "smoke": (2, 64, 512)}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def _measure(name: str, action: Callable[[], None], results: dict[str, Any]) -> None:
+    """Run `action` on every rank; keep the worse rank's peak resident increase and time."""
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current resident set
+    before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    action()
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    peak = (_status_kib("VmHWM") - before) / 1024
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (peak, seconds))
+    results[name] = {
+        "peak_mib": max(p for p, _ in gathered),
+        "seconds": max(s for _, s in gathered),
+    }
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _gpt(size: str) -> Any:
+    from shardwise.testing import GPT, GPTConfig
+
+    layers, width, vocab = SIZES[size]
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=vocab,
+        block_size=64,
+        n_layer=layers,
+        n_head=max(1, width // 128),
+        n_embd=width,
+        tie_weights=False,
+    )
+    return GPT(config), config
+
+
+def _one_step(model: Any, optimizer: Any, config: Any, backward: Callable[[Any], None]) -> None:
+    from shardwise.testing import gpt_batch
+
+    idx, targets = gpt_batch(config, 2, 64, dist.get_rank())
+    _, loss = model(idx, targets)
+    backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def shardwise_part(size: str, root: Path, results: dict[str, Any]) -> int:
+    from shardwise.booster import Booster
+    from shardwise.booster.plugin import GeminiPlugin
+    from shardwise.nn.optimizer import HybridAdam
+
+    module, config = _gpt(size)
+    params = sum(p.numel() for p in module.parameters())
+    booster = Booster(plugin=GeminiPlugin(precision="fp32"))
+    optimizer = HybridAdam(module.parameters(), lr=1e-4)
+    model, optimizer, *_ = booster.boost(module, optimizer)
+    _one_step(model, optimizer, config, lambda loss: booster.backward(loss, optimizer))
+    sharded, whole = root / "sharded", root / "whole"
+
+    def save_sharded() -> None:
+        booster.save_model(model, str(sharded / "model"), shard=True, use_safetensors=True)
+        booster.save_optimizer(optimizer, str(sharded / "optim"), shard=True)
+
+    def save_whole() -> None:
+        booster.save_model(model, str(whole / "model.bin"), shard=False)
+        booster.save_optimizer(optimizer, str(whole / "optim.bin"), shard=False)
+
+    def load_sharded() -> None:
+        booster.load_model(model, str(sharded / "model"))
+        booster.load_optimizer(optimizer, str(sharded / "optim"))
+
+    if dist.get_rank() == 0:
+        whole.mkdir(parents=True)
+    _measure("sharded save", save_sharded, results)
+    results["sharded save"]["bytes"] = _bytes(sharded)
+    _measure("one file save", save_whole, results)
+    results["one file save"]["bytes"] = _bytes(whole)
+    if dist.get_rank() == 0:
+        shutil.rmtree(whole)
+    _measure("sharded load", load_sharded, results)
+    if dist.get_rank() == 0:
+        shutil.rmtree(sharded)
+    return params
+
+
+def fsdp2_part(size: str, root: Path, results: dict[str, Any]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    module, config = _gpt(size)
+    for block in module.blocks:
+        fully_shard(block)
+    fully_shard(module)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
+    _one_step(module, optimizer, config, lambda loss: loss.backward())
+    where = root / "dcp"
+
+    def save() -> None:
+        state = {
+            "model": get_model_state_dict(module),
+            "optim": get_optimizer_state_dict(module, optimizer),
+        }
+        dcp.save(state, checkpoint_id=str(where))
+
+    def load() -> None:
+        state = {
+            "model": get_model_state_dict(module),
+            "optim": get_optimizer_state_dict(module, optimizer),
+        }
+        dcp.load(state, checkpoint_id=str(where))
+        set_model_state_dict(module, state["model"])
+        set_optimizer_state_dict(module, optimizer, state["optim"])
+
+    _measure("fsdp2 dcp save", save, results)
+    results["fsdp2 dcp save"]["bytes"] = _bytes(where)
+    _measure("fsdp2 dcp load", load, results)
+    if dist.get_rank() == 0:
+        shutil.rmtree(where)
+
+
+def write_results(result: dict[str, Any], path: Path, command: str) -> None:
+    from bench_memory import _write_block
+
+    params = result["params"]
+    state_mib = params * 16 / result["world"] / MIB
+    lines = [
+        "## Checkpoints at scale (save and load, measured from outside)",
+        "",
+        f"Written by `{command}`: a {params / 1e6:.0f}M-parameter GPT, fp32 with Adam, "
+        f"{result['world']} ranks (model state {state_mib:.0f} MiB per rank at stage 3). Per "
+        f"rank, the worse of the ranks: the peak resident set during the call above the one "
+        f"before it, and wall time.",
+        "",
+        "| call | peak above before (MiB) | seconds | bytes written |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, figures in result["calls"].items():
+        written = f"{figures['bytes'] / MIB:,.0f} MiB" if "bytes" in figures else ""
+        lines.append(
+            f"| {name} | {figures['peak_mib']:,.0f} | {figures['seconds']:.1f} | {written} |"
+        )
+    _write_block(path, "bench_checkpoint", lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="117m")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--results", type=Path, help="write the table into this file")
+    parser.add_argument("--dir", help="where to write the checkpoints (default: a temp dir)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import shardwise
+
+    shardwise.launch_from_torch()
+    base = tempfile.mkdtemp(prefix="bench-ckpt-") if args.dir is None else args.dir
+    names: list[Any] = [base]
+    dist.broadcast_object_list(names, src=0)
+    root = Path(names[0])
+    calls: dict[str, Any] = {}
+    params = shardwise_part(args.size, root, calls)
+    fsdp2_part(args.size, root, calls)
+    if dist.get_rank() == 0:
+        result = {"params": params, "world": dist.get_world_size(), "calls": calls}
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        if args.results is not None:
+            command = (
+                "python -m torch.distributed.run --standalone "
+                f"--nproc-per-node={dist.get_world_size()} benchmarks/bench_checkpoint.py "
+                f"--size {args.size} --out OUT.json --results benchmarks/RESULTS.md"
+            )
+            write_results(result, args.results, command)
+        print(json.dumps(calls, indent=2))
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
