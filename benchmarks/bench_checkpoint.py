@@ -18,6 +18,8 @@ loaded with torch.distributed.checkpoint (each rank its own shards, torch's own 
   fsdp2 dcp save, fsdp2 dcp load
 For each, per rank: the peak resident set above the resident set just before the call
 (`VmHWM` after a reset through /proc/self/clear_refs), and wall time; the worse rank is kept.
+Loads read torch files memory-mapped: the pages read count in the resident set while a file is
+open (the kernel can drop them, unlike allocated memory).
 """
 
 from __future__ import annotations

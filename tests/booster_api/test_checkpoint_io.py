@@ -249,6 +249,10 @@ def test_every_file_is_written_whole_by_one_rank() -> None:
     assert plan.names[0] == "pytorch_model-00001.bin"
     assert plan.writers == (0, 0, 1, 2, 2)
     assert plan.file_of()["w9"] == "pytorch_model-00005.bin"
+    # Under a limit above the whole: a file per rank, so no rank holds every tensor.
+    spread = plan_files(sizes, max_file_bytes=10**9, world_size=2, shard_name="m.bin")
+    assert spread.files == (("w0", "w1", "w2", "w3", "w4"), ("w5", "w6", "w7", "w8", "w9"))
+    assert spread.writers == (0, 1)
     # A key bigger than the limit gets a file of its own.
     alone = plan_files(
         [("big", 100), ("small", 1)], max_file_bytes=10, world_size=2, shard_name="m.bin"

@@ -53,12 +53,18 @@ def plan_files(
     larger than that gets a file of its own), named by `shard_name` numbering (see
     `file_names.shard_file_name`), and give the ranks runs of consecutive files of about equal
     bytes. With `file_name`, everything goes into that one file, which rank 0 writes.
+
+    Files are also kept to a `world_size`-th of the total: a rank holds the tensors of the file
+    it is filling until it is written, so one file holding most of the model (a 500 MB model
+    under the default 1024 MB limit) would put it all on one rank, and leave the others idle.
     """
     if max_file_bytes < 1:
         raise ValueError(f"the file size limit must be positive, got {max_file_bytes} bytes")
     by_key = dict(sizes)
     if file_name is not None:
         return FilePlan((tuple(by_key),), (file_name,), (0,), by_key)
+    total = sum(by_key.values())
+    max_file_bytes = min(max_file_bytes, max(1, -(-total // world_size)))
     files: list[list[str]] = [[]]
     filled = 0
     for key, nbytes in sizes:

@@ -118,23 +118,26 @@ def _whole_states(optimizer: ZeroOptimizer, layout: _Layout, sink: StateSink) ->
     A collective: every rank walks every trainable chunk."""
     manager = optimizer.model.chunk_manager
     for chunk in manager.trainable_chunks():
-        gathered = {
-            key: _gather_state(optimizer, chunk, key, dtype)
-            for key, dtype in layout.elementwise.items()
-        }
+        states: dict[str, dict[str, Any]] = {}
         for info in chunk.tensors:
             number = layout.number_of.get(info.name)
             values = layout.scalar_values.get(info.name)
-            if number is None or values is None or not sink.wants(str(number)):
-                continue
-            state: dict[str, Any] = {
-                key: torch.tensor(value, dtype=dtype)
-                for (key, dtype), value in zip(layout.scalars.items(), values, strict=True)
-            }
-            for key, full in gathered.items():
-                piece = full[info.offset : info.offset + info.numel].view(info.shape)
-                state[key] = piece.to("cpu", copy=True)
-            sink.add(str(number), state)
+            if number is not None and values is not None and sink.wants(str(number)):
+                states[str(number)] = {
+                    key: torch.tensor(value, dtype=dtype)
+                    for (key, dtype), value in zip(layout.scalars.items(), values, strict=True)
+                }
+        # One state key at a time, so a rank holds one gathered chunk beside its pieces.
+        for key, dtype in layout.elementwise.items():
+            full = _gather_state(optimizer, chunk, key, dtype)
+            for info in chunk.tensors:
+                number = layout.number_of.get(info.name)
+                if number is not None and str(number) in states:
+                    piece = full[info.offset : info.offset + info.numel].view(info.shape)
+                    states[str(number)][key] = piece.to("cpu", copy=True)
+            del full
+        for key_of_param, state in states.items():
+            sink.add(key_of_param, state)
 
 
 def _gather_state(
