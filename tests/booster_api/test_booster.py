@@ -34,11 +34,14 @@ PLUGINS: dict[str, Callable[..., Plugin]] = {
 
 
 def _boosted_run(
-    name: str, run: Run, clip_each_step: float = 0.0, **plugin_args: Any
+    name: str, run: Run, clip_each_step: float = 0.0, compiled: bool = False, **plugin_args: Any
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     rank = dist.get_rank()
     booster = Booster(plugin=PLUGINS[name](**plugin_args))
     model = make_model()
+    if compiled:  # each block compiled before boosting, as torchtitan and ColossalAI users do
+        for block in model.gpt.blocks:
+            block.compile(backend="aot_eager")
     optimizer = adamw(model.parameters())
     model, optimizer, _, _, _ = booster.boost(model, optimizer)
     losses = []
@@ -73,6 +76,18 @@ def test_each_plugin_trains_as_the_plain_loop_bit_for_bit(name: str) -> None:
         assert losses == ref_losses
         assert max_abs_diff(state, ref_state) == 0.0
     assert ref_losses[-1] < ref_losses[0]
+
+
+def test_a_compiled_model_trains_as_compiled_ddp_bit_for_bit() -> None:
+    # aot_eager: dynamo's capture and AOTAutograd's graphs, eager's kernels (see
+    # tests/test_compile.py), so both sides compute the same sums in the same order.
+    run = Run(steps=3)
+    ddp_losses, ddp_state = run_ranks(_boosted_run, 2, "torch-ddp", run, compiled=True)[0]
+    for name in ("gemini", "zero2"):
+        for losses, state in run_ranks(_boosted_run, 2, name, run, compiled=True):
+            assert losses == ddp_losses, name
+            assert max_abs_diff(state, ddp_state) == 0.0, name
+    assert ddp_losses[-1] < ddp_losses[0]
 
 
 @pytest.mark.parametrize("name", ["gemini", "zero2", "torch-ddp"])
