@@ -2,17 +2,23 @@
 
 Psi is the number of trainable parameters (a tied weight once); fp32 throughout, so a parameter,
 a gradient and an Adam moment each take 4 bytes. Per step and rank, a bandwidth-optimal
-all-gather or reduce-scatter of Psi elements sends Psi * 4 * (N-1)/N bytes: stages 1 and 2 send
-two of them (2 Psi), stage 3 three (3 Psi: gather for forward, again for backward, reduce-scatter
+all-gather or reduce-scatter of Psi elements sends Psi * 4 * (N-1)/N bytes: stage 2 sends two of
+them (2 Psi), stage 3 three (3 Psi: gather for forward, again for backward, reduce-scatter
 of gradients), less one gather of the chunks backward starts with, which stay gathered from
-the end of forward. The engine adds only chunk padding (under N elements a chunk) and one all-reduce
-of the gradient norm. On gloo the engine reduce-scatters gradients with an all-to-all and a
+the end of forward. Stage 1 sends three (3 Psi): its backward averages the whole gradient on
+every rank, as DDP does, so that `.grad` shows the average (an all-reduce, 2 Psi: see [Note:
+stage 1 averages in backward] in chunk/grads.py), and its step all-gathers the parameters.
+The engine adds only chunk padding (under N elements a chunk), one all-reduce of the gradient
+norm and, at stage 1, one of a flag per tensor (which `.grad` to show, as DDP's map of used
+parameters). On gloo the engine reduce-scatters gradients with an all-to-all and a
 local sum (gloo's own reduce-scatter is slow: see the note in comm/collectives.py), which sends
 what a reduce-scatter sends; the all-reduce method is checked against its own count (one psi
 more per step).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -66,7 +72,7 @@ def _measure(stage: int, reduction: str = "reduce_scatter") -> dict[str, float]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize(("stage", "psi_multiple"), [(1, 2), (2, 2), (3, 3)])
+@pytest.mark.parametrize(("stage", "psi_multiple"), [(1, 3), (2, 2), (3, 3)])
 @pytest.mark.parametrize("reduction", ["reduce_scatter", "auto"])
 def test_bytes_sent_per_step_match_zero_analysis(
     stage: int, psi_multiple: int, world: int, reduction: str
@@ -191,3 +197,52 @@ def _cached_counts_agree_with_a_fresh_count() -> int:
 
 def test_cached_device_bytes_match_a_fresh_count_at_every_check() -> None:
     assert all(checks > 20 for checks in run_ranks(_cached_counts_agree_with_a_fresh_count, 2))
+
+
+def _accumulation_calls(stage: int) -> dict[str, Any]:
+    """Collectives of one step of three micro-batches, the first two under `no_sync()`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    wrapped = zero_model_wrapper(model, stage, {"device": torch.device("cpu")})
+    optimizer = zero_optim_wrapper(
+        wrapped,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        optim_config={"reduce_bucket_size": CHUNK_NUMEL},
+    )
+    stats = wrapped.comm_stats
+    kinds = (CommOp.ALL_REDUCE, CommOp.REDUCE_SCATTER, CommOp.ALL_GATHER)
+    seen: dict[str, Any] = {"chunks": len(list(wrapped.chunk_manager.trainable_chunks()))}
+    optimizer.zero_grad()
+    for micro in range(3):
+        _, loss = wrapped(*batch_slice(0, micro, rank, world))
+        stats.reset()
+        if micro < 2:
+            with wrapped.no_sync():
+                optimizer.backward(loss / 3)
+        else:
+            optimizer.backward(loss / 3)
+        seen[f"backward {micro}"] = {kind.value: stats.calls(kind) for kind in kinds}
+    stats.reset()
+    optimizer.step()
+    seen["step"] = {kind.value: stats.calls(kind) for kind in kinds}
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accumulation_reduces_once_per_synchronised_backward(stage: int) -> None:
+    # Under no_sync() no collective runs; the backward outside reduces each chunk once (stage
+    # 1: an all-reduce, and one of the flags that say which `.grad` to show; stage 2: a
+    # reduce-scatter); the step then reduces no gradient again: one all-reduce (the norm) and
+    # the all-gathers of the updated parameters, as after a single backward.
+    for seen in run_ranks(_accumulation_calls, 2, stage):
+        chunks = seen["chunks"]
+        assert chunks > 1
+        nothing = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+        assert seen["backward 0"] == seen["backward 1"] == nothing
+        if stage == 1:
+            synced = {"all_reduce": chunks + 1, "reduce_scatter": 0, "all_gather": 0}
+        else:
+            synced = {"all_reduce": 0, "reduce_scatter": chunks, "all_gather": 0}
+        assert seen["backward 2"] == synced
+        assert seen["step"] == {"all_reduce": 1, "reduce_scatter": 0, "all_gather": chunks}

@@ -119,7 +119,8 @@ def test_checkpoint_benchmark_measures_every_call(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert all(call["seconds"] > 0 and call["peak_mib"] >= 0 for call in calls.values())
     # The two layouts hold the same tensors (the sharded one adds an index and a config).
-    assert abs(calls["sharded save"]["bytes"] - calls["one file save"]["bytes"]) < 0.1 * (
-        calls["one file save"]["bytes"]
+    assert (
+        abs(calls["sharded save"]["bytes"] - calls["one file save"]["bytes"])
+        < 0.1 * (calls["one file save"]["bytes"])
     )
     assert "Checkpoints at scale" in results.read_text()

@@ -11,6 +11,7 @@ stepped with the average, the others counting zeros.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -345,22 +346,28 @@ def test_full_grads_equal_ddp_gradients_with_none_where_nothing_flowed(stage: in
         assert [name for name, equal in same if not equal] == []
 
 
-def _stage_1_grads_against_a_local_backward() -> list[tuple[str, bool]]:
-    """Stage 1 keeps gradients whole until the step: after backward, `p.grad` is this rank's
-    local gradient, as a plain (unwrapped) model's backward on the same slice gives it."""
+def _stage_1_grads_against_ddp(no_sync_first: bool) -> list[tuple[str, bool]]:
+    """At stage 1 (fp32) `p.grad` after each backward is DDP's `.grad`: inside `no_sync()`
+    this rank's own sum, after a backward outside it the average over the ranks (given too to
+    a parameter only another rank used; None where no rank's gradient reached), accumulated
+    over passes without zero_grad() between as DDP accumulates it; None after the step."""
     case = Case(stage=1)
     plain = _build(case)
+    ddp = DistributedDataParallel(plain, find_unused_parameters=True)
     model = _build(case)
     wrapped = zero_model_wrapper(model, 1, {"device": torch.device("cpu")})
     optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
     rank, world = dist.get_rank(), dist.get_world_size()
     checks: list[tuple[str, bool]] = []
     optimizer.zero_grad()
-    for micro in range(2):  # accumulated without zero_grad between, as torch does
+    # The alternate branch runs in the first pass only: in the second no rank uses it.
+    for micro in range(2):
         x, target = _batch(micro, rank, world)
-        optimizer.backward((wrapped(x, 1) - target).pow(2).mean())
-        plain.experts_run.clear()
-        (plain(x, 1) - target).pow(2).mean().backward()
+        unsynced = no_sync_first and micro == 0
+        with wrapped.no_sync() if unsynced else nullcontext():
+            optimizer.backward((wrapped(x, micro) - target).pow(2).mean())
+        with ddp.no_sync() if unsynced else nullcontext():
+            (ddp(x, micro) - target).pow(2).mean().backward()
         for (name, mine), theirs in zip(model.named_parameters(), plain.parameters(), strict=True):
             if theirs.requires_grad:
                 equal = (
@@ -374,7 +381,8 @@ def _stage_1_grads_against_a_local_backward() -> list[tuple[str, bool]]:
     return checks
 
 
-def test_stage_1_grad_is_the_local_gradient_after_backward() -> None:
-    for checks in run_ranks(_stage_1_grads_against_a_local_backward, 2):
+@pytest.mark.parametrize("no_sync_first", [False, True])
+def test_stage_1_grad_is_ddps_after_backward(no_sync_first: bool) -> None:
+    for checks in run_ranks(_stage_1_grads_against_ddp, 2, no_sync_first):
         assert [name for name, ok in checks if not ok] == []
         assert len(checks) > 20

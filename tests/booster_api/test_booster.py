@@ -17,6 +17,7 @@ from torch.utils.data import TensorDataset
 
 from shardwise.booster import Booster
 from shardwise.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
+from shardwise.checkpoint import CheckpointError
 from shardwise.interface import ModelWrapper
 from shardwise.testing import run_ranks
 
@@ -189,7 +190,7 @@ def _scheduler_round_trip(path: str) -> tuple[list[float], list[float], bool]:
     directory_refused = False
     try:
         booster.save_lr_scheduler(scheduler, str(Path(path).parent))
-    except RuntimeError as error:
+    except CheckpointError as error:
         directory_refused = "is a directory" in str(error)
     return scheduler.get_last_lr(), fresh.get_last_lr(), directory_refused
 

@@ -4,7 +4,8 @@ One torchrun launch (tests/hf/trainer_run.py) trains tiny Llama and GPT-2 models
 with a plain Trainer and with the callback (stage 3, and Llama at stages 1 and 2), evaluating
 during and after training, saves, resumes, loads the best checkpoint, trains with activation
 checkpointing (reentrant and not, plain and at stages 1-3), trains a Switch Transformers model
-whose ranks route tokens to different experts, trains with hybrid sharding, and builds a
+whose ranks route tokens to different experts, trains with hybrid sharding, accumulates 3
+micro-batches per step unclipped at stages 1-3, and builds a
 conflicting set-up and a Trainer that does not run distributed; the tests below assert on what
 it wrote. Loading the saved models happens in a plain process without shardwise
 (tests/hf/load_plain.py).
@@ -113,16 +114,29 @@ def test_evaluation_matches_the_plain_trainer(seen: dict[str, Any], kind: str) -
     assert run["forward_replaced"] is False
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_unclipped_evaluation_is_bit_identical(seen: dict[str, Any], stage: int) -> None:
     # Llama's first clipped step is step 4, so the step-3 evaluation sees the plain Trainer's
-    # weights exactly at stages 1 and 2, which accumulate the two micro-batches' gradients
-    # before reducing them, as DDP does. (Stage 3 reduces each micro-batch's gradients and
-    # sums the results, another order: its weights differ in the last bits.)
+    # weights exactly at every stage: each accumulates the two micro-batches' gradients
+    # locally (under no_sync) before reducing them, as DDP does.
     plain = seen["llama"]
     assert all(norm <= 1.0 for norm in plain["plain_grad_norm"][:3])
-    run = seen["lower_stages"][f"stage{stage}"]
+    run = plain if stage == 3 else seen["lower_stages"][f"stage{stage}"]
     assert run["eval_loss"][0] == plain["plain_eval_loss"][0]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unclipped_accumulation_is_bit_identical(seen: dict[str, Any], stage: int) -> None:
+    # 3 micro-batches per step, the epoch ending on a step of 1 (the Trainer syncs there
+    # too): every micro-batch but a step's last runs under the model's no_sync(), so each rank
+    # sums its gradients as DDP does and the last backward reduces the sum once. fp32 and
+    # unclipped: every loss and every final weight equals the plain Trainer's.
+    runs = seen["accumulation"]
+    plain = runs["plain"]
+    assert len(plain["loss"]) == 6
+    run = runs[f"stage{stage}"]
+    assert run["loss"] == plain["loss"], (run, plain)
+    assert run["max_weight_diff"] == 0.0, run
 
 
 def test_evaluation_leaves_nothing_behind(seen: dict[str, Any]) -> None:

@@ -2,8 +2,9 @@
 ShardwiseCallback at stages 1, 2 and 3, evaluating during and after training, a save, a resume,
 loading the best checkpoint, activation checkpointing (reentrant and not) at every stage, a
 Switch Transformers mixture of experts at stage 3, hybrid sharding (shard_size=1) at stages 2
-and 3, torch_compile=True at stages 2 and 3, a conflicting set-up and a Trainer that does not
-run distributed; writes what it saw as JSON.
+and 3, unclipped gradient accumulation over 3 micro-batches at every stage, torch_compile=True
+at stages 2 and 3, a conflicting set-up and a Trainer that does not run distributed; writes
+what it saw as JSON.
 
     torchrun --standalone --nproc-per-node=2 tests/hf/trainer_run.py OUT_DIR
 """
@@ -460,6 +461,41 @@ def hybrid_runs(out: Path) -> dict[str, Any]:
     return seen
 
 
+def accumulation_runs(out: Path) -> dict[str, Any]:
+    """The Llama model under the plain Trainer and under ShardwiseCallback at stages 1-3 with
+    3 micro-batches per step (an epoch is 4 per rank: every other step ends it early, on its
+    remainder), unclipped: the losses and the final weights of each."""
+    seen: dict[str, Any] = {}
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    for stage in (None, 1, 2, 3):
+        callback = ShardwiseCallback(zero_stage=stage) if stage is not None else None
+        trainer = Trainer(
+            model=build("llama"),
+            args=arguments(
+                out / f"accumulation_{stage or 'plain'}",
+                max_grad_norm=0.0,
+                gradient_accumulation_steps=3,
+            ),
+            train_dataset=dataset(),
+            callbacks=[callback] if callback is not None else [],
+        )
+        trainer.train()
+        name = f"stage{stage}" if stage is not None else "plain"
+        if callback is not None:
+            assert callback.model is not None
+            state = callback.model.state_dict(only_rank_0=False)
+        else:
+            state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        weights[name] = state
+        seen[name] = {"loss": history(trainer, "loss")}
+    for name, state in weights.items():
+        plain = weights["plain"]
+        seen[name]["max_weight_diff"] = max(
+            float((state[k].float() - plain[k].float()).abs().max()) for k in plain
+        )
+    return seen
+
+
 class CompileProbe(TrainerCallback):
     """What dynamo compiled from the third training step on (nothing, once warmed up)."""
 
@@ -537,6 +573,7 @@ def main() -> None:
         "checkpointing": checkpointing_runs(out),
         "switch": switch_runs(out),
         "hybrid": hybrid_runs(out),
+        "accumulation": accumulation_runs(out),
         "compiled": compiled_runs(out),
         # Last: TrainingArguments without use_cpu change accelerate's shared state.
         "not_distributed": not_distributed(out),

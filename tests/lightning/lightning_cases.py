@@ -144,6 +144,8 @@ class FitResult:
     metrics: dict[str, float] = field(default_factory=dict)
     # The engine's collective counts, where the strategy wrapped the module in one.
     comm: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The LightningModule's own state_dict() after fit, read without any collective.
+    module_state: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
@@ -189,4 +191,5 @@ def fit(
     metrics = {k: float(v) for k, v in run.callback_metrics.items()}
     stats = getattr(run.strategy.model, "comm_stats", None)
     comm = stats.snapshot() if stats is not None else {}
-    return FitResult(module.losses, full_state(run, module), module.val_losses, metrics, comm)
+    own = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return FitResult(module.losses, full_state(run, module), module.val_losses, metrics, comm, own)

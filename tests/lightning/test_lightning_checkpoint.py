@@ -25,7 +25,7 @@ STEPS_PER_EPOCH = 8  # 64 samples, global batch 8
 
 
 def _gemini() -> GeminiStrategy:
-    return GeminiStrategy(placement_policy="cuda", chunk_size=500)
+    return GeminiStrategy(placement_policy="cuda", chunk_size=500, state_dict_type="sharded")
 
 
 def _two_ranks(directory: Path) -> dict[str, Any]:

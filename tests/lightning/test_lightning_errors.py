@@ -82,11 +82,21 @@ def test_construction_refuses(make: Any, error: type[Exception], match: str) -> 
         make()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA gives 'auto' a default budget")
-def test_auto_placement_without_cuda_needs_a_budget() -> None:
-    with pytest.raises(ValueError, match="device_budget_bytes"):
-        GeminiStrategy()  # the seed's default placement_policy="auto"
-    assert GeminiStrategy(device_budget_bytes=2**20) is not None
+def test_auto_placement_without_cuda_keeps_chunks_on_the_compute_device() -> None:
+    # The seed's default placement_policy="auto" has no budget off CUDA: every chunk stays on
+    # the compute device, as GeminiPlugin does (see [Note: "auto" without a budget]). Decided
+    # on the device the chunks live on, so a CUDA host with accelerator="cpu" does the same.
+    cpu = torch.device("cpu")
+    for strategy in (GeminiStrategy(), GeminiStrategy(placement_policy="auto")):
+        placement = strategy.engine_config(cpu).placement
+        assert (placement.policy.name, placement.device_budget_bytes) == ("cuda", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        registered = pl.Trainer(strategy="shardwise_gemini_auto", accelerator="cpu", devices=2)
+    assert registered.strategy.engine_config(cpu).placement.policy.name == "cuda"  # type: ignore[attr-defined]
+    # A budget given is honoured: "auto" then moves chunks under it.
+    budgeted = GeminiStrategy(device_budget_bytes=2**20).engine_config(cpu).placement
+    assert (budgeted.policy.name, budgeted.device_budget_bytes) == ("auto", 2**20)
 
 
 def test_registered_names_build_their_strategies() -> None:

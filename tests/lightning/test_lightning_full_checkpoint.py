@@ -43,7 +43,10 @@ def _save_and_resume(directory: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     continuous = fit("shardwise_gemini", max_epochs=2)
     out["continuous"] = continuous
-    for name, strategy in (("full", _full()), ("sharded", FullyShardedStrategy())):
+    for name, strategy in (
+        ("full", _full()),
+        ("sharded", FullyShardedStrategy(state_dict_type="sharded")),
+    ):
         torch.manual_seed(0)
         module = Net()
         run = trainer(strategy, max_epochs=1)

@@ -202,6 +202,44 @@ def test_stage1_gradient_shard_is_its_own_slice_of_the_whole_gradient() -> None:
         assert not chunk.grads.full.any()
 
 
+def test_stage1_averaged_gradients_are_what_grad_views_until_the_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5))
+    manager = ChunkManager(chunk_size_numel=100, device=CPU, keep_gathered=True)
+    manager.register(model.named_parameters())
+    (chunk,) = manager.chunks
+    chunk.keep_averaged_grads()
+    grads = chunk.grads
+    assert grads.full is not None and grads.exposes
+    assert grads.shard.untyped_storage().data_ptr() == grads.full.untyped_storage().data_ptr()
+    local = [torch.randn(info.shape) for info in chunk.tensors]
+    whole = torch.cat([g.reshape(-1) for g in local])
+    for index, grad in enumerate(local):  # what the gradient hook does
+        grads.add(index, grad)
+        chunk.tensors[index].compute.grad = grads.exposed(index)
+    reduce_now([chunk], keep_full=False)  # one rank: the average is the sum itself
+    assert grads.full is not None  # kept whatever keep_full says: `.grad` views it
+    assert torch.equal(grads.for_step()[: whole.numel()], whole)
+    for info, grad in zip(chunk.tensors, local, strict=True):
+        assert info.compute.grad is not None and torch.equal(info.compute.grad, grad)
+    # A later backward accumulates onto the average in place, as autograd does into `.grad`.
+    for index, grad in enumerate(local):
+        view = chunk.tensors[index].compute.grad
+        assert view is not None
+        view.add_(grad)
+        grads.add(index, view)
+    reduce_now([chunk], keep_full=False)
+    assert torch.equal(grads.for_step()[: whole.numel()], 2 * whole)
+    # The step may scale this rank's slice in place: `.grad` is hidden, backward refused.
+    grads.end_step()
+    assert all(info.compute.grad is None for info in chunk.tensors)
+    with pytest.raises(ValueError, match="zero_grad"):
+        grads.add(0, local[0])
+    grads.zero_grad()
+    assert not grads.full.any()
+    grads.add(0, local[0])
+
+
 def test_gather_codec_follows_the_dtypes_and_fills_the_compute_copy() -> None:
     from shardwise.chunk import ChunkDtypes
     from shardwise.chunk.codec import CastCodec, IdentityCodec

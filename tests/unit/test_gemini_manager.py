@@ -16,6 +16,8 @@ from shardwise.chunk import Chunk, ChunkState, Pool
 from shardwise.chunk.reduction import reduce_now
 from shardwise.gemini.collaborators import NoOptimizer
 from shardwise.gemini.errors import DeviceBudgetExceeded
+from shardwise.gemini.manager import placement_on
+from shardwise.gemini.policies import DevicePlacement, placement_policy
 
 CPU = torch.device("cpu")
 CHUNK_BYTES = 20 * 4  # one Linear(4, 4) per chunk, fp32; one rank: the shard is the chunk
@@ -152,3 +154,14 @@ def test_the_wrapped_model_checks_the_budget_at_each_gather(policy: str, raises:
         c.placement.payload is (Pool.DEVICE if raises else Pool.HOST)
         for c in wrapped.chunk_manager.chunks
     )
+
+
+def test_auto_without_a_budget_off_cuda_keeps_chunks_on_the_compute_device() -> None:
+    # See [Note: "auto" without a budget]: the one place GeminiPlugin and GeminiStrategy ask.
+    auto = placement_policy("auto", gpu_margin_mem_ratio=0.5)
+    assert isinstance(placement_on(auto, CPU, None), DevicePlacement)
+    assert placement_on(auto, CPU, 2**20) is auto  # a budget given is decided against
+    assert placement_on(auto, torch.device("meta"), None).name == "cuda"
+    for name in ("cuda", "cpu", "static"):
+        other = placement_policy(name)
+        assert placement_on(other, CPU, None) is other

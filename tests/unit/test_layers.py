@@ -18,7 +18,8 @@ LAYERS = [
     ("gemini", "planner", "prepare"),
     ("runtime",),
     ("engine",),
-    ("zero", "checkpoint", "telemetry", "initialize", "cluster", "nn", "interface"),
+    ("zero", "checkpoint", "telemetry", "initialize", "cluster", "nn", "interface", "lazy"),
+    ("checkpoint_io",),
     ("booster",),
     ("cli",),
 ]

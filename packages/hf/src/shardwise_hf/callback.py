@@ -141,8 +141,8 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         trainer.optimizer = facing
         trainer.accelerator.scaler = EngineLossScaler(facing)
         # The engine clips over every rank's shards (max_grad_norm was handed to it above). The
-        # Trainer's own clip_grad_norm_ over model.parameters() would see stage 1's local,
-        # unreduced gradients (`.grad` shows them) and scale them: it clips nothing here, and
+        # Trainer's own clip_grad_norm_ over model.parameters() would scale stage 1's averaged
+        # `.grad` in place, under the engine's own clipping of it: it clips nothing here, and
         # on_log reports the engine's norm.
         trainer.accelerator.clip_grad_norm_ = _engine_clips
         self.settings, self.model, self.optimizer = settings, model, optimizer

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from shardwise import Chunking, EngineConfig, MixedPrecision, Placement, Topology
 from shardwise.amp import LossScaleConfig
 from shardwise.gemini import placement_policy
+from shardwise.gemini.manager import placement_on
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,20 +152,17 @@ def resolve(options: CallbackOptions, args: Any, trainer: Any = None) -> EngineS
             f"{'s' if len(problems) > 1 else ''}):\n{listed}"
         )
     device = torch.device(args.device)
-    policy = options.placement_policy
-    if policy == "auto" and device.type == "cpu" and options.device_budget_bytes is None:
-        # "auto" placement needs a budget to decide against; on a CPU host both pools are host
-        # memory, and keeping every chunk where it computes is the fastest choice.
-        policy = "device"
+    # "auto" without a budget off CUDA keeps every chunk where it computes (see placement_on).
+    policy = placement_on(
+        placement_policy(options.placement_policy), device, options.device_budget_bytes
+    )
     config = EngineConfig(
         stage=stage,
         device=device,
         precision=_mixed_precision(precision, device) if precision != "fp32" else MixedPrecision(),
         # Stages 1-2: elements per gradient bucket; stage 3: per chunk (None searches one).
         chunking=Chunking(size_numel=chunk),
-        placement=Placement(
-            policy=placement_policy(policy), device_budget_bytes=options.device_budget_bytes
-        )
+        placement=Placement(policy=policy, device_budget_bytes=options.device_budget_bytes)
         if stage == 3
         else Placement(),
         topology=Topology(

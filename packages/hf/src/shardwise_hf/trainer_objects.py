@@ -7,15 +7,31 @@ inline. The callback hands it three objects that speak the interfaces it already
   `accelerator.prepare(model)` (no DDP around sharded parameters) and its loop calls this
   module, whose forward runs the engine, compiled when `torch_compile` is set (accelerate's
   `prepare` would have compiled the model). Its `no_sync` is what accelerate calls between
-  micro-batches of gradient accumulation.
+  micro-batches of gradient accumulation (see [Note: gradient accumulation in the Trainer]).
 - `TrainerOptimizer` becomes `trainer.optimizer` (accelerate wraps it like any optimizer, the
   LR scheduler steps its param groups, which are the inner optimizer's own dicts).
 - `EngineLossScaler` becomes `trainer.accelerator.scaler`, the slot accelerate keeps for a
   torch GradScaler: `accelerator.backward` scales the loss with the engine's loss scale, and
   accelerate's optimizer learns from `step` whether the engine skipped the update on overflow,
   so the Trainer does not step the LR scheduler then, exactly as with its own fp16 scaler.
-The Trainer's own clipping sees no `.grad` (the engine moved every gradient into its chunks) and
-does nothing; `max_grad_norm` is the engine's clipping, over the shards of all ranks.
+The Trainer's own clipping is replaced by one that does nothing (`.grad` is None at stages 2-3
+and the average the engine clips itself at stage 1); `max_grad_norm` is the engine's clipping,
+over the shards of all ranks.
+
+[Note: gradient accumulation in the Trainer]
+With `gradient_accumulation_steps` > 1 the Trainer runs each micro-batch's forward and backward
+(`training_step`) inside `accelerator.no_sync(model)` for all but the last micro-batch of a step
+(the last of an epoch's remainder included), and outside it for the last, unless accelerate's
+`sync_each_batch` is set; accelerate's `no_sync` calls the model's own `no_sync` when training
+runs distributed. `TrainerModel.no_sync` is the engine's at every stage, so each rank sums its
+micro-batches' gradients locally and the last backward reduces that sum once, as DDP does under
+the plain Trainer: fp32 results equal the plain Trainer's bit for bit until a step is clipped
+(the engine's norm sums the shards in another order). The price is DDP's: at stage 3 each chunk
+holds its whole (unsharded) gradient from the first micro-batch until the last reduces it.
+To keep stage 3's gradients sharded between micro-batches instead (one reduction per
+micro-batch, the sums then associating differently), set
+`accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}}`: the Trainer
+then calls no `no_sync` at all.
 
 [Note: evaluation runs the user's model]
 `evaluate()` and `predict()` (and evaluation inside `train()`) call `trainer.model`, the user's
@@ -77,11 +93,9 @@ class TrainerModel(nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Between micro-batches: stage 3 accumulates gradients in their shards (reducing each
-        backward), stages 1 and 2 skip the reduction until the last micro-batch."""
-        if self.engine.stage == 3:
-            yield
-            return
+        """Every micro-batch of a step but the last: gradients accumulate unreduced, and the
+        last micro-batch's backward reduces their sum (see [Note: gradient accumulation in the
+        Trainer])."""
         with self.engine.no_sync():
             yield
 

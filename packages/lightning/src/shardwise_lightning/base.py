@@ -23,7 +23,8 @@ from pytorch_lightning import LightningModule, Trainer
 from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
+from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -46,6 +47,11 @@ from shardwise.checkpoint.consolidate import (
     read_whole,
 )
 from shardwise.checkpoint.layout import param_slices
+from shardwise.engine.module_at_rest import (
+    ModuleState,
+    room_for_whole_copies,
+    whole_copy_bytes,
+)
 from shardwise.engine.optimizer import optimizer_of
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.prepare.ignore import is_ignored
@@ -60,10 +66,11 @@ class ShardwiseStrategyBase(DDPStrategy):
 
     Args:
         loss_scale: the dynamic loss scale's settings (used when fp16 is involved).
-        state_dict_type: what `trainer.save_checkpoint` writes: "sharded" (a directory, every
-            rank its shards, world-size independent) or "full" (one `.ckpt` file from rank 0
-            that `load_from_checkpoint` and plain Lightning strategies read; see
-            [Note: full checkpoints]).
+        state_dict_type: what `trainer.save_checkpoint` (and so `ModelCheckpoint`) writes:
+            "full" (the default, as for Lightning's FSDPStrategy: one `.ckpt` file from rank 0
+            that `load_from_checkpoint`, `torch.load` and plain Lightning strategies read; see
+            [Note: full checkpoints]) or "sharded" (a directory, every rank its shards,
+            world-size independent, no rank holding the whole state).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's `DDPStrategy` (`checkpoint_io`
             reads and writes single-file checkpoints; sharded ones are the engine's).
@@ -76,7 +83,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         self,
         *,
         loss_scale: LossScaleConfig,
-        state_dict_type: str = "sharded",
+        state_dict_type: str = "full",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -208,6 +215,9 @@ class ShardwiseStrategyBase(DDPStrategy):
             assert self.lightning_module is not None
             fn = self.lightning_module.trainer.state.fn
             self._check_all_managed(f"at the start of {getattr(fn, 'value', fn)}")
+            if engine.module_state is ModuleState.WHOLE:
+                # See [Note: the module after a run]: the values the module holds now.
+                engine.shard_module()
             return engine
         self._zero_model = wrap_model(model, self.engine_config(self.root_device))
         self._engines[id(model)] = self._zero_model
@@ -283,10 +293,11 @@ class ShardwiseStrategyBase(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Write a shardwise checkpoint at `filepath` (every rank its shards; world-size
-        independent): model and, unless weights only, optimizer and loss scaler from the
-        engine, the rest of Lightning's checkpoint (loops, schedulers, callbacks) beside. With
-        `state_dict_type="full"`, one file from rank 0 instead (see [Note: full checkpoints])."""
+        """Write the checkpoint at `filepath`: model and, unless weights only, optimizer and
+        loss scaler from the engine, with the rest of Lightning's checkpoint (loops,
+        schedulers, callbacks). With `state_dict_type="full"` (the default) one ordinary file
+        from rank 0 (see [Note: full checkpoints]); with "sharded" a directory, every rank its
+        shards, world-size independent."""
         if storage_options is not None and self.state_dict_type == "sharded":
             raise TypeError(
                 "save_checkpoint(storage_options=...) cannot be honoured: sharded checkpoints "
@@ -296,6 +307,20 @@ class ShardwiseStrategyBase(DDPStrategy):
         if self._zero_model is None:
             raise ValueError("nothing to save: the model is not set up by the strategy yet")
         self._check_all_managed("when saving a checkpoint")
+        engine = self._zero_model
+        if engine.module_state is ModuleState.WHOLE:
+            # Saved after a run (see [Note: the module after a run]): the checkpoint reads the
+            # shards, so they take the module's values first, and it gets them back after.
+            engine.shard_module()
+            self._save_checkpoint(checkpoint, filepath, storage_options)
+            engine.gather_module()
+        else:
+            self._save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None
+    ) -> None:
+        assert self._zero_model is not None
         path = Path(self.broadcast(str(filepath)))
         optimizer = self.zero_optimizer() if "optimizer_states" in checkpoint else None
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -458,10 +483,41 @@ class ShardwiseStrategyBase(DDPStrategy):
 
     # ---- end -----------------------------------------------------------------------------------
 
+    # [Note: the module after a run]
+    # Users treat the LightningModule as theirs again once trainer.fit (or validate, test,
+    # predict) returns: `model.state_dict()`, `torch.save`, reading a weight, often on rank 0
+    # only. Lightning's own strategies hand it back whole (moved to CPU). Ours keep parameters
+    # in chunks, where a sharded parameter holds no element, so a module left as it is would
+    # save empty tensors without a word. At the end of every run that finished, teardown
+    # therefore gives the module its whole fp32 values in host memory, on every rank
+    # (`ZeroModel.gather_module`: one all-gather; see [Note: a module at rest] in
+    # shardwise/engine/module_at_rest.py). The engine keeps its chunks and optimizer state, so
+    # `trainer.save_checkpoint` still works after fit, and the next run of the same module
+    # shards the values the module holds then (changed in place or by load_state_dict). A run
+    # that raised skips the gather: another rank may never reach that collective.
+
     def teardown(self) -> None:
-        """Release the plugins; the module stays in the engine (its parameters live in the
-        chunks), so a later validate/test/predict of the same Trainer reuses it."""
+        """Release the plugins and, after a run that finished, give the LightningModule its
+        whole parameters (see [Note: the module after a run]). The engine keeps the module's
+        chunks, so a later fit/validate/test/predict of the same Trainer reuses it."""
         assert self.cluster_environment is not None and self.accelerator is not None
+        engine = self._zero_model
+        if (
+            engine is not None
+            and engine.module_state is ModuleState.SHARDED
+            and _run_finished(self.lightning_module)
+        ):
+            if room_for_whole_copies(engine.chunk_manager):
+                engine.gather_module()
+            else:
+                gib = whole_copy_bytes(engine.chunk_manager) / 2**30
+                rank_zero_warn(
+                    f"the LightningModule keeps its parameters sharded after this run (empty "
+                    f"outside the engine): a whole fp32 copy, {gib:.1f} GiB per rank, would not "
+                    f"fit in this host's memory. Take its weights with "
+                    f"trainer.strategy.lightning_module_state_dict() on every rank, or "
+                    f"trainer.save_checkpoint(path)"
+                )
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -487,6 +543,15 @@ def _check_trainer(trainer: Trainer, module: LightningModule) -> None:
             "LightningModule.backward is overridden, but the engine runs backward itself (loss "
             "scaling, gradients into chunks); remove the override"
         )
+
+
+def _run_finished(module: LightningModule | None) -> bool:
+    """Whether the run tearing down finished (Lightning marks a run that raised INTERRUPTED
+    before its teardown, and sets FINISHED only after it)."""
+    # `_trainer`, as Lightning's own strategies read it at teardown: the `trainer` property
+    # raises when an error came before the module was attached to the Trainer.
+    trainer = getattr(module, "_trainer", None)
+    return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
 
 
 def _remove_link_and_target(path: Path) -> None:

@@ -47,9 +47,11 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
             max_scale: the dynamic loss scale, used with "16-mixed".
         timeout: as for Lightning's DDPStrategy.
-        state_dict_type: what `trainer.save_checkpoint` writes: "sharded" (a directory, every
-            rank its shards, loadable at any world size) or "full" (one `.ckpt` file from rank
-            0 that `LightningModule.load_from_checkpoint` and other strategies read).
+        state_dict_type: what `trainer.save_checkpoint` (and so `ModelCheckpoint`) writes:
+            "full" (the default, as for Lightning's FSDPStrategy: one `.ckpt` file from rank 0
+            that `LightningModule.load_from_checkpoint`, `torch.load` and other strategies
+            read) or "sharded" (a directory, every rank its shards, loadable at any world size,
+            no rank holding the whole state).
         shard_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g.
             the devices of one node) and replicate across the groups; None shards over all.
         secondary_shard_size: ZeRO++ hpZ: keep a secondary copy of each chunk sharded over
@@ -84,7 +86,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         hysteresis: int = 2,
         max_scale: float = 2**32,
         timeout: timedelta | None = default_pg_timeout,
-        state_dict_type: str = "sharded",
+        state_dict_type: str = "full",
         shard_size: int | None = None,
         secondary_shard_size: int | None = None,
     ) -> None:

@@ -14,9 +14,8 @@ from torch.distributed.constants import default_pg_timeout
 
 from shardwise import Chunking, EngineConfig, Placement
 from shardwise.amp import LossScaleConfig
-from shardwise.engine.config import default_device
 from shardwise.gemini import placement_policy as placement_policy_object
-from shardwise.gemini.manager import device_budget
+from shardwise.gemini.manager import placement_on
 from shardwise_lightning.base import ShardwiseStrategyBase
 
 
@@ -38,8 +37,10 @@ class GeminiStrategy(ShardwiseStrategyBase):
             gathered on the compute device and shards only gradients and optimizer state.
         placement_policy: "cuda" (alias "device": everything on the compute device, fastest,
             also the right choice on a CPU host), "cpu" (shards and optimizer state in host
-            memory), "auto" (moved under a device budget; needs `device_budget_bytes` without
-            CUDA), or "static" (fixed fractions, see below).
+            memory), "auto" (the default: moved under a device budget, the CUDA device's
+            capacity unless `device_budget_bytes` is given; without CUDA and without a budget
+            every chunk stays on the compute device, as "cuda"), or "static" (fixed fractions,
+            see below).
         force_outputs_fp32: cast the model's floating-point outputs to fp32.
         gpu_margin_mem_ratio: "auto" only: share of the device room left after warm-up that
             optimizer state may use.
@@ -49,13 +50,16 @@ class GeminiStrategy(ShardwiseStrategyBase):
             max_scale: the dynamic loss scale, used with "16-mixed".
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for Lightning's DDPStrategy.
-        device_budget_bytes: "auto": bytes of model state the compute device may hold.
+        device_budget_bytes: "auto": bytes of model state the compute device may hold (None:
+            the CUDA device's capacity less 10%; no budget elsewhere).
         shard_param_frac, offload_optim_frac, offload_param_frac: "static": the share of
             chunks sharded, and of optimizer sides and shards kept in host memory.
         process_group_backend, timeout: as for Lightning's DDPStrategy.
-        state_dict_type: what `trainer.save_checkpoint` writes: "sharded" (a directory, every
-            rank its shards, loadable at any world size) or "full" (one `.ckpt` file from rank
-            0 that `LightningModule.load_from_checkpoint` and other strategies read).
+        state_dict_type: what `trainer.save_checkpoint` (and so `ModelCheckpoint`) writes:
+            "full" (the default, as for Lightning's FSDPStrategy: one `.ckpt` file from rank 0
+            that `LightningModule.load_from_checkpoint`, `torch.load` and other strategies
+            read) or "sharded" (a directory, every rank its shards, loadable at any world size,
+            no rank holding the whole state).
         shard_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g.
             the devices of one node) and replicate across the groups; None shards over all.
         secondary_shard_size: ZeRO++ hpZ: keep a secondary copy of each chunk sharded over
@@ -94,7 +98,7 @@ class GeminiStrategy(ShardwiseStrategyBase):
         offload_param_frac: float = 0.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        state_dict_type: str = "sharded",
+        state_dict_type: str = "full",
         shard_size: int | None = None,
         secondary_shard_size: int | None = None,
     ) -> None:
@@ -140,8 +144,6 @@ class GeminiStrategy(ShardwiseStrategyBase):
             ),
             device_budget_bytes=device_budget_bytes,
         )
-        # "auto" without CUDA needs a budget: refused now, not inside fit.
-        device_budget(placement.policy, device_budget_bytes, default_device())
         super().__init__(
             loss_scale=LossScaleConfig(
                 initial_scale=initial_scale,
@@ -174,8 +176,17 @@ class GeminiStrategy(ShardwiseStrategyBase):
             device=device,
             precision=self.precision_plugin.mixed_precision(device),
             chunking=self._chunking,
-            # Host copies of chunks are pinned when they feed a CUDA device.
-            placement=replace(self._placement, pin_memory=device.type == "cuda"),
+            placement=replace(
+                self._placement,
+                # Resolved on the device the chunks will live on: "auto" without a budget
+                # off CUDA keeps them there (see [Note: "auto" without a budget] in
+                # shardwise/gemini/manager.py).
+                policy=placement_on(
+                    self._placement.policy, device, self._placement.device_budget_bytes
+                ),
+                # Host copies of chunks are pinned when they feed a CUDA device.
+                pin_memory=device.type == "cuda",
+            ),
             topology=self.topology,
             force_outputs_fp32=self._force_outputs_fp32,
         )
@@ -183,7 +194,8 @@ class GeminiStrategy(ShardwiseStrategyBase):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register "shardwise_gemini" (chunks on the compute device), "shardwise_gemini_offload"
-        (in host memory) and "shardwise_gemini_auto" (moved under the device's capacity)."""
+        (in host memory) and "shardwise_gemini_auto" (moved under the CUDA device's capacity;
+        on the compute device without CUDA)."""
         strategy_registry.register(
             "shardwise_gemini",
             cls,
@@ -202,7 +214,10 @@ class GeminiStrategy(ShardwiseStrategyBase):
             "shardwise_gemini_auto",
             cls,
             override=True,
-            description="shardwise ZeRO-3 (Gemini), chunks moved under the CUDA device's capacity",
+            description=(
+                "shardwise ZeRO-3 (Gemini), chunks moved under the CUDA device's capacity (kept "
+                "on the compute device without CUDA)"
+            ),
             placement_policy="auto",
         )
 

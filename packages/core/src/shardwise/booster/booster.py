@@ -3,14 +3,11 @@ plugin decides how the model and optimizer are wrapped."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -55,6 +52,7 @@ class Booster:
                 f"trains in the model's own dtype"
             )
         self.plugin = plugin
+        self.checkpoint_io = plugin.get_checkpoint_io()
 
     def boost(
         self,
@@ -133,13 +131,15 @@ class Booster:
         that rank 0 writes. `prefix` goes into the file names (`pytorch_model.<prefix>.bin`).
         `gather_dtensor` and `use_async` are accepted: there are no distributed tensors to keep
         apart, and the files are complete when the call returns."""
-        self.plugin.get_checkpoint_io().save_model(
+        self.checkpoint_io.save_model(
             model,
             checkpoint,
-            shard=shard,
-            prefix=prefix,
-            size_per_shard=size_per_shard,
-            use_safetensors=use_safetensors,
+            shard,
+            gather_dtensor,
+            prefix,
+            size_per_shard,
+            use_safetensors,
+            use_async,
         )
 
     def load_model(
@@ -154,7 +154,7 @@ class Booster:
         `save_pretrained`, or by ColossalAI, into the boosted model: a file, or a directory
         with an index or one weights file. Each rank reads only the rows it keeps, whatever
         `low_cpu_mem_mode` says. With `strict`, missing or unexpected keys are an error."""
-        self.plugin.get_checkpoint_io().load_model(model, checkpoint, strict=strict)
+        self.checkpoint_io.load_model(model, checkpoint, strict, low_cpu_mem_mode, num_threads)
 
     def save_optimizer(
         self,
@@ -170,8 +170,8 @@ class Booster:
         dict, with whole-shape tensors, independent of world size and plugin): one file, or
         with `shard` a directory of `pytorch_optim-NNNNN.bin` files, each rank writing its
         own, the parameter groups in `pytorch_optim_group.bin` and an index."""
-        self.plugin.get_checkpoint_io().save_optimizer(
-            optimizer, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard
+        self.checkpoint_io.save_optimizer(
+            optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async
         )
 
     def load_optimizer(
@@ -182,28 +182,15 @@ class Booster:
         num_threads: int = 1,
     ) -> None:
         """Load optimizer state saved by `save_optimizer` (any plugin, stage or world size)."""
-        self.plugin.get_checkpoint_io().load_optimizer(optimizer, checkpoint)
+        self.checkpoint_io.load_optimizer(
+            optimizer, checkpoint, low_cpu_mem_mode=low_cpu_mem_mode, num_threads=num_threads
+        )
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
         """Write `lr_scheduler.state_dict()` to the file `checkpoint` (rank 0 writes it, whole
         or not at all; every rank returns once it is there, or raises what rank 0 met)."""
-        path = Path(checkpoint)
-        problem: str | None = None
-        if dist.get_rank() == 0:
-            try:
-                if path.is_dir():
-                    raise ValueError(f"{checkpoint} is a directory: give the file to write")
-                partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-                torch.save(lr_scheduler.state_dict(), partial)
-                os.replace(partial, path)
-            except (OSError, ValueError) as error:
-                problem = f"{type(error).__name__}: {error}"
-        # Rank 0's outcome reaches every rank, so none waits for a file that never comes.
-        outcome = [problem]
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None:
-            raise RuntimeError(f"save_lr_scheduler failed on rank 0: {outcome[0]}")
+        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
         """Load the state `save_lr_scheduler` wrote into `lr_scheduler` (every rank reads)."""
-        lr_scheduler.load_state_dict(torch.load(checkpoint, weights_only=True))
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)

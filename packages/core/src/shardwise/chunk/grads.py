@@ -9,8 +9,14 @@ that assert where they start from, so no method branches over the places:
 - `OwnBufferGrads` (stages 2-3, and stage 1 with a 16-bit reduction): an fp32 buffer of its
   own (`shard`) into which each reduction adds. STALE after `zero_grad()`, OPEN once a reduced
   gradient arrived.
-- `SliceOfFullGrads` (stage 1 with fp32 reduction): this rank's own slice of the whole local
-  gradient buffer (`full`), which stage 1 keeps anyway; the reduction writes the reduced slice
+- `AveragedFullGrads` (stage 1 with fp32 compute and reduction): the whole gradient buffer
+  (`full`), averaged over the ranks in place during each synchronised backward (an
+  all-reduce, as DDP's), `.grad` of every tensor viewing it; the optimizer reads this rank's
+  own slice of it (see [Note: stage 1 averages in backward]). OPEN while gradients arrive,
+  CLOSED once the step has read (and maybe unscaled or clipped) its slice.
+- `SliceOfFullGrads` (stage 1 with fp32 reduction where `.grad` shows nothing: 16-bit
+  compute, or hybrid sharding): this rank's own slice of the whole local gradient buffer
+  (`full`), which stage 1 keeps anyway; the reduction at the step writes the reduced slice
   there. OPEN while local gradients accumulate, CLOSED once reduced in place.
 - `InPayloadGrads` (`ShardedModelV2(reuse_fp16_shard=True)`): the 16-bit payload shard holds
   the reduced gradient between backward and step, the fp32 master restoring the parameters at
@@ -19,6 +25,24 @@ that assert where they start from, so no method branches over the places:
   dtype, is averaged across the replicas in place after each backward and `.grad` of every
   tensor views it, as DDP's `gradient_as_bucket_view` (see [Note: stage 0] in reduction.py).
 The last two serve one facade each: the engine's stages 1-3 never build them.
+
+[Note: stage 1 averages in backward]
+A user reads `.grad` after backward as DDP gives it: the average over the ranks (ColossalAI's
+low-level ZeRO at stage 1 gives the same through `get_param_grad`). Stage 1 used to reduce
+once, at the step, with a reduce-scatter of the local sum, which left `.grad` showing this
+rank's own unreduced gradient until then. Where `.grad` can view an fp32 buffer, stage 1 now
+does what DDP does instead: each chunk's whole buffer is all-reduced in place as soon as its
+gradients are complete in a synchronised backward (in the fixed order of the reducer, in the
+background of backward), so every rank holds the average and `.grad` views it; the optimizer
+reads its own slice of it. Communication is DDP's, one all-reduce per synchronised backward
+(whose bytes equal a reduce-scatter plus the all-gather that would otherwise bring the
+average back), and none inside `no_sync()`, where `.grad` accumulates this rank's own sum, as
+DDP's does, until the next backward outside averages everything accumulated since
+`zero_grad()`. Backward passes without `no_sync()` accumulate as under DDP: each adds its local
+gradient onto the average so far, which is averaged again. With 2 ranks every element is
+(a + b) / 2 as before, so fp32 results stay bit-identical. Where `.grad` shows nothing (16-bit
+compute) or the average would have to cross shard groups whole (hybrid sharding), stage 1
+keeps reducing once at the step (`SliceOfFullGrads`, `OwnBufferGrads`), which is cheaper.
 """
 
 from __future__ import annotations
@@ -79,6 +103,8 @@ class GradSide:
     layout: ClassVar[GradLayout]
     # The states this layout can be in; `_enter` refuses any other.
     STATES: ClassVar[frozenset[GradState]]
+    # Whether `shard` is a view into `full` (stage 1), so its bytes are counted once.
+    SHARD_IN_FULL: ClassVar[bool] = False
     full = Resident[torch.Tensor | None](transient=True)
     """Gradients of the whole chunk, in the reduce dtype (see [Note: gradient buffers start
     uninitialised] in grad_buffer.py)."""
@@ -161,9 +187,9 @@ class GradSide:
 
     def exposed(self, index: int) -> torch.Tensor | None:
         """What `.grad` of tensor `index` shows after its gradient reached the chunk: a view
-        into `full` (no copy) where this layout exposes it, holding at stage 1 its local,
-        unreduced gradient and at stage 0 the sum so far (averaged once backward ends), as DDP
-        users read `.grad`; elsewhere None (the chunk holds it)."""
+        into `full` (no copy) where this layout exposes it, holding the sum so far (averaged
+        over the ranks once a synchronised backward ends), as DDP users read `.grad`;
+        elsewhere None (the chunk holds it)."""
         if not self.exposes:
             return None
         assert self.full is not None
@@ -239,6 +265,11 @@ class GradSide:
         """Forget the gradients."""
         self.received.clear()
 
+    def expose_reached(self, reached: list[bool]) -> None:
+        """Once a synchronised backward has averaged the gradients: show `.grad` of the
+        tensors some rank's gradient reached (`reached`, one flag per tensor, in order), where
+        this layout shows `.grad` at all (`exposes`)."""
+
     def _hide(self) -> None:
         if self.exposes:
             for info in self._chunk.tensors:
@@ -276,21 +307,21 @@ class OwnBufferGrads(GradSide):
 
 
 class SliceOfFullGrads(GradSide):
-    """Stage 1 with fp32 reduction: the reduced slice lives in this rank's own slice of `full`,
-    which stage 1 keeps anyway, instead of a separate fp32 shard: the model state is then the
-    ZeRO formula's. The next backward would add onto that slice, so zero_grad() must come
-    between step() and the next backward (see [Note: gradient layouts])."""
+    """Stage 1 with fp32 reduction where `.grad` shows nothing (16-bit compute, hybrid
+    sharding): the reduced slice lives in this rank's own slice of `full`, which stage 1 keeps
+    anyway, instead of a separate fp32 shard: the model state is then the ZeRO formula's. The
+    next backward would add onto that slice, so zero_grad() must come between step() and the
+    next backward (see [Note: gradient layouts])."""
 
     layout = GradLayout.SLICE_OF_FULL
     STATES = frozenset({GradState.OPEN, GradState.CLOSED})
+    SHARD_IN_FULL = True
 
     def __init__(self, chunk: OwningChunk, full: torch.Tensor | None) -> None:
         if full is None:
             full = torch.zeros(chunk.padded_numel, dtype=torch.float32, device=chunk.device)
         own = full[chunk.shard_begin : chunk.shard_begin + chunk.shard_numel]
         super().__init__(chunk, own, full)
-        # `.grad` may show the whole local gradient when the parameters compute in its dtype.
-        self.exposes = chunk.dtypes.compute == torch.float32
 
     def _check_open_to_gradients(self) -> None:
         if self.state is GradState.CLOSED:
@@ -307,14 +338,101 @@ class SliceOfFullGrads(GradSide):
         self.full[:begin].zero_()
         self.full[begin + numel :].zero_()
         self._enter(GradState.CLOSED, GradState.OPEN)  # add() refused gradients otherwise
-        self._hide()  # the buffer holds reduced slices now, not local gradients
         self.end_pass()
 
     def zero_grad(self) -> None:
         """The next backward adds onto this rank's slice: it starts from zero."""
         super().zero_grad()
-        self._hide()
         self.shard.zero_()
+        self._enter(GradState.OPEN)
+
+
+class _ViewedGrads(GradSide):
+    """The layouts whose whole gradient buffer `.grad` of every tensor views and which average
+    it over ranks in place, as DDP's buckets (`AveragedFullGrads`, `WholeGrads`)."""
+
+    def _contribute_what_grad_holds(self) -> None:
+        """Before the average: a tensor no gradient reached in this pass contributes what its
+        `.grad` holds, as it does to DDP's bucket: zeros once zero_grad() set it to None, the
+        value a user assigned, or (still the view) the sum of the passes before."""
+        assert self.full is not None
+        for info in self._chunk.tensors:
+            if info.state is TensorState.READY_FOR_REDUCE:
+                continue
+            target = self.full[info.offset : info.offset + info.numel]
+            grad = info.compute.grad
+            if grad is None:
+                target.zero_()
+            elif grad.data_ptr() != target.data_ptr():
+                target.copy_(grad.reshape(-1))
+
+    def expose_reached(self, reached: list[bool]) -> None:
+        """`.grad` of each tensor that some rank's gradient reached views its part of the
+        averaged buffer; the others keep None, as DDP leaves a parameter no rank used."""
+        assert self.full is not None
+        for info, flag in zip(self._chunk.tensors, reached, strict=True):
+            if not flag:
+                continue
+            view = self.full[info.offset : info.offset + info.numel].view(info.shape)
+            if info.compute.grad is None or info.compute.grad.data_ptr() != view.data_ptr():
+                info.compute.grad = view
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._hide()
+
+
+class AveragedFullGrads(_ViewedGrads):
+    """Stage 1 with fp32 compute and reduction: the whole gradient buffer, averaged over the
+    ranks in place during each synchronised backward and viewed by `.grad`, as DDP's
+    `gradient_as_bucket_view`; the optimizer reads this rank's own slice of it (see [Note:
+    stage 1 averages in backward]). The step may unscale or clip that slice in place, so
+    `.grad` is hidden then and zero_grad() must come between step() and the next backward."""
+
+    layout = GradLayout.AVERAGED_FULL
+    STATES = frozenset({GradState.OPEN, GradState.CLOSED})
+    SHARD_IN_FULL = True
+
+    def __init__(self, chunk: OwningChunk, full: torch.Tensor | None) -> None:
+        assert chunk.dtypes.compute == chunk.dtypes.reduce == torch.float32, chunk.dtypes
+        if full is None:
+            full = torch.zeros(chunk.padded_numel, dtype=torch.float32, device=chunk.device)
+        own = full[chunk.shard_begin : chunk.shard_begin + chunk.shard_numel]
+        super().__init__(chunk, own, full)
+        self.exposes = True
+
+    def _check_open_to_gradients(self) -> None:
+        if self.state is GradState.CLOSED:
+            raise ValueError(_ZERO_GRAD_FIRST)
+
+    def prepare_reduce(self) -> torch.Tensor:
+        """`full`, ready to be summed over the ranks in place (pre-divided when asked)."""
+        assert self.full is not None
+        self._contribute_what_grad_holds()
+        if self._chunk.predivide_factor != 1.0:
+            self.full.div_(self._chunk.predivide_factor)
+        return self.full
+
+    def accept_reduced(self, reduced: torch.Tensor, *, keep_full: bool) -> None:
+        """`reduced` is `full` itself, summed over the ranks: finish the average. The buffer
+        stays, whatever `keep_full` says: `.grad` views it."""
+        assert self.full is not None and reduced.data_ptr() == self.full.data_ptr()
+        post = self._chunk.world_size / self._chunk.predivide_factor
+        if post != 1.0:
+            self.full.div_(post)
+        self.end_pass()
+
+    def end_step(self) -> None:
+        """The step read this rank's slice and may have scaled it in place: `.grad` would
+        show a half-scaled gradient, so it is hidden until zero_grad()."""
+        self._hide()
+        self._enter(GradState.CLOSED)
+
+    def zero_grad(self) -> None:
+        """Forget the gradients: the buffer starts from zero and `.grad` is None."""
+        super().zero_grad()
+        assert self.full is not None
+        self.full.zero_()
         self._enter(GradState.OPEN)
 
 
@@ -365,7 +483,7 @@ class InPayloadGrads(GradSide):
         self.shard = _no_shard(chunk)
 
 
-class WholeGrads(GradSide):
+class WholeGrads(_ViewedGrads):
     """Stage 0, whose shard is the whole chunk (a shard group of this rank alone): the
     gradients stay in one persistent buffer, in the parameters' dtype, that `.grad` of every
     tensor views, and there is no optimizer side (see [Note: gradient layouts])."""
@@ -381,19 +499,8 @@ class WholeGrads(GradSide):
         self.exposes = True
 
     def prepare_reduce(self) -> torch.Tensor:
-        # A tensor no gradient reached in this pass contributes what its `.grad` holds, as it
-        # does to DDP's bucket: zeros once zero_grad() set it to None, the value a user
-        # assigned, or (still the view) the sum of the passes before.
+        self._contribute_what_grad_holds()
         assert self.full is not None
-        for info in self._chunk.tensors:
-            if info.state is TensorState.READY_FOR_REDUCE:
-                continue
-            target = self.full[info.offset : info.offset + info.numel]
-            grad = info.param.grad
-            if grad is None:
-                target.zero_()
-            elif grad.data_ptr() != target.data_ptr():
-                target.copy_(grad.reshape(-1))
         return self.full
 
     def accept_reduced(self, reduced: torch.Tensor, *, keep_full: bool) -> None:
@@ -401,22 +508,9 @@ class WholeGrads(GradSide):
         views it."""
         self.end_pass()
 
-    def expose_reached(self, reached: list[bool]) -> None:
-        """Once the average is done: `.grad` of each tensor that some rank's gradient reached
-        (`reached`, one flag per tensor, in order) views its part of the buffer; the others
-        keep None, as DDP leaves a parameter no rank used."""
-        assert self.full is not None
-        for info, flag in zip(self._chunk.tensors, reached, strict=True):
-            if not flag:
-                continue
-            view = self.full[info.offset : info.offset + info.numel].view(info.shape)
-            if info.param.grad is None or info.param.grad.data_ptr() != view.data_ptr():
-                info.param.grad = view
-
     def zero_grad(self) -> None:
         """The next reduction zeroes what no gradient reaches then."""
         super().zero_grad()
-        self._hide()
 
 
 def _no_shard(chunk: OwningChunk) -> torch.Tensor:

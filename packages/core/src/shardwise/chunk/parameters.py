@@ -225,6 +225,21 @@ def shard_face(param: nn.Parameter, name: str, dtype: torch.dtype, device: torch
     param.__class__ = ShardedParameter
 
 
+def whole_face(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make sharded face `param` a plain parameter holding `value`, its whole values, while the
+    module rests between runs (see [Note: a module at rest] in engine/module_at_rest.py);
+    `empty_face` makes it the sharded face again. Its attributes (name, `_on_use`) are kept."""
+    param.__class__ = nn.Parameter
+    param.data = value
+
+
+def empty_face(param: nn.Parameter, dtype: torch.dtype, device: torch.device) -> None:
+    """Make `param`, given its whole values by `whole_face`, the sharded face again: no
+    element, reporting `dtype` and `device` (the compute face's), with the hook it had."""
+    param.data = torch.empty(0, dtype=dtype, device=device)
+    param.__class__ = ShardedParameter
+
+
 def on_use(param: nn.Parameter, hook: Callable[[nn.Parameter], nn.Parameter] | None) -> None:
     """Have a use of sharded face `param` call `hook`, which returns the tensor to use instead
     (None: a use raises)."""

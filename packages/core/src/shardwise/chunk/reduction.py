@@ -67,6 +67,8 @@ def start_reduction(chunks: Sequence[Chunk], *, async_op: bool = True) -> Pendin
     first = chunks[0]
     if first.grads.layout is GradLayout.WHOLE:
         return _start_average_of_replicas(chunks, async_op=async_op)
+    if first.grads.layout is GradLayout.AVERAGED_FULL:
+        return _start_average_in_place(chunks, async_op=async_op)
     if len(chunks) == 1:
         full = first.grads.prepare_reduce()
     else:
@@ -96,6 +98,48 @@ def _start_average_of_replicas(chunks: Sequence[Chunk], *, async_op: bool) -> Pe
             buffer.div_(replicas)
         works.append(comm.all_reduce(buffer, chunk.stats, chunk.replicate_group, async_op=async_op))
     return PendingReduction(chunks, works, buffers)
+
+
+def _start_average_in_place(chunks: Sequence[Chunk], *, async_op: bool) -> PendingReduction:
+    """Stage 1 (`GradLayout.AVERAGED_FULL`): each chunk's whole gradient buffer summed over
+    its group in place, one collective per chunk (see [Note: stage 1 averages in backward] in
+    chunk/grads.py). With `reduce_method` ALL_REDUCE (what "auto" picks here) that is one
+    all-reduce; a reduce-scatter method asked for by name is honoured as that reduce-scatter
+    followed by an all-gather of the summed slices, the two halves of an all-reduce."""
+    works: list[comm.Waitable | None] = []
+    buffers = []
+    for chunk in chunks:
+        assert chunk.grads.layout is GradLayout.AVERAGED_FULL, "a bucket mixes layouts"
+        full = chunk.grads.prepare_reduce()
+        buffers.append(full)
+        work, summed = comm.reduce_to_shard(
+            full, chunk.reduce_method, chunk.stats, chunk.group, async_op=async_op
+        )
+        if chunk.reduce_method is comm.ReduceScatterMethod.ALL_REDUCE:
+            works.append(work)  # `full` itself holds the sum once it is done
+        else:
+            works.append(_GatherOnWait(work, summed, full, chunk))
+    return PendingReduction(chunks, works, buffers)
+
+
+class _GatherOnWait:
+    """A reduce-scatter whose summed slices are all-gathered back into the whole buffer when
+    it is waited for (see `_start_average_in_place`)."""
+
+    def __init__(
+        self, work: comm.Waitable | None, summed: torch.Tensor, full: torch.Tensor, chunk: Chunk
+    ) -> None:
+        self._work = work
+        self._summed = summed
+        self._full = full
+        self._chunk = chunk
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+        chunk = self._chunk
+        comm.all_gather(self._full, self._summed, chunk.stats, chunk.group)
+        return True
 
 
 def reduce_now(chunks: Sequence[Chunk], *, keep_full: bool) -> None:

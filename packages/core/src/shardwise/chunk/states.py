@@ -42,8 +42,13 @@ class GradLayout(Enum):
     OWN_BUFFER = "own_buffer"
     """An fp32 buffer of its own (`grads.shard`), into which each reduction adds."""
     SLICE_OF_FULL = "slice_of_full"
-    """Stage 1 with fp32 reduction: this rank's own slice of the whole local gradient buffer
-    (`grads.full`), which stage 1 keeps anyway; the reduction writes the reduced slice there."""
+    """Stage 1 with fp32 reduction where `.grad` shows nothing (16-bit compute, or hybrid
+    sharding): this rank's own slice of the whole local gradient buffer (`grads.full`), which
+    stage 1 keeps anyway; the reduction at the step writes the reduced slice there."""
+    AVERAGED_FULL = "averaged_full"
+    """Stage 1 with fp32 compute and reduction: the whole gradient buffer (`grads.full`),
+    averaged over the ranks in place during each synchronised backward (an all-reduce, as
+    DDP's) and viewed by `.grad`; the optimizer reads this rank's own slice of it."""
     IN_PAYLOAD = "in_payload"
     """`reuse_fp16_shard`: the 16-bit payload shard holds the reduced gradient between
     backward and step, the fp32 master restoring the parameters at the step."""
@@ -64,12 +69,15 @@ class GradState(Enum):
     leftovers, overwritten by the next reduction or zeroed at the step (`OWN_BUFFER`)."""
     OPEN = "open"
     """Gradients may arrive: the shard holds the reduced sum so far (`OWN_BUFFER`, zeros
-    included), the local gradients accumulate unreduced (`SLICE_OF_FULL`), or the payload
-    holds parameters (`IN_PAYLOAD`)."""
+    included), the local gradients accumulate unreduced (`SLICE_OF_FULL`), `grads.full` holds
+    the averages of the synchronised passes plus the local gradients since (`AVERAGED_FULL`),
+    or the payload holds parameters (`IN_PAYLOAD`)."""
     CLOSED = "closed"
     """Reduced in place, so no gradient may be added before the step or `zero_grad()`: this
     rank's slice of `grads.full` holds the reduced gradient and the rest is zero
-    (`SLICE_OF_FULL`), or the payload holds it instead of parameters (`IN_PAYLOAD`)."""
+    (`SLICE_OF_FULL`), the step has read (and unscaled or clipped in place) this rank's slice
+    of the averaged buffer (`AVERAGED_FULL`), or the payload holds the gradient instead of
+    parameters (`IN_PAYLOAD`)."""
 
 
 class Pool(Enum):

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.chunk import ChunkManager
+from shardwise.chunk import ChunkDtypes, ChunkManager
 from shardwise.chunk.search import default_chunk_search
-from shardwise.comm import CommStats
-from shardwise.comm.topology import replicated, topology_for
+from shardwise.comm import CommStats, ReduceScatterMethod
+from shardwise.comm.topology import Topology, replicated, topology_for
 from shardwise.engine.config import EngineConfig, gradient_reduction_method
 from shardwise.gemini import GeminiManager
 from shardwise.prepare.ignore import is_ignored
@@ -58,19 +58,39 @@ def chunk_manager_for(config: EngineConfig, stats: CommStats, reason: str = "") 
             config.topology.shard_size,
             secondary_shard_size=config.topology.secondary_shard_size,
         )
+    dtypes = config.precision.chunk_dtypes()
+    if config.reduction.method == "auto" and averages_in_backward(config.stage, dtypes, topology):
+        # Every rank keeps the whole average: the all-reduce is the collective for that.
+        method = ReduceScatterMethod.ALL_REDUCE
+    else:
+        method = gradient_reduction_method(config.reduction.method, topology.shard)
     manager = ChunkManager(
         chunk_size_numel=config.chunk_size_numel,
         device=config.device,
-        dtypes=config.precision.chunk_dtypes(),
+        dtypes=dtypes,
         stats=stats,
         keep_gathered=config.stage < 3,
         predivide_factor=config.reduction.predivide_factor,
-        reduce_method=gradient_reduction_method(config.reduction.method, topology.shard),
+        reduce_method=method,
         topology=topology,
     )
     if reason:
         manager.chunk_size_reason = reason
     return manager
+
+
+def averages_in_backward(stage: int, dtypes: ChunkDtypes, topology: Topology) -> bool:
+    """Whether stage 1 averages each chunk's whole gradient over the ranks during backward,
+    `.grad` viewing it (`Chunk.keep_averaged_grads`; see [Note: stage 1 averages in backward]
+    in chunk/grads.py): where the parameters compute and reduce in fp32, so that `.grad` can
+    view the buffer, and without hybrid sharding, whose gradients cross the shard groups as
+    shards only. Elsewhere stage 1 reduces once, at the step."""
+    return (
+        stage == 1
+        and dtypes.compute == torch.float32
+        and dtypes.reduce == torch.float32
+        and not topology.hybrid
+    )
 
 
 def gemini_manager_for(config: EngineConfig, chunk_manager: ChunkManager) -> GeminiManager:
@@ -114,4 +134,9 @@ def _searched(module: nn.Module, config: EngineConfig) -> tuple[int, str]:
     return result.chunk_size_numel, result.reason
 
 
-__all__ = ["chunk_manager_for", "gemini_manager_for", "settle_chunk_size"]
+__all__ = [
+    "averages_in_backward",
+    "chunk_manager_for",
+    "gemini_manager_for",
+    "settle_chunk_size",
+]

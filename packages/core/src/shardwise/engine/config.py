@@ -198,7 +198,10 @@ class Reduction:
 
     method: str = "auto"
     """ "reduce_scatter", "all_to_all" (exchange slices, sum locally), "all_reduce" (keep this
-    rank's slice), or "auto": all-to-all on gloo, reduce-scatter otherwise."""
+    rank's slice), or "auto": all-to-all on gloo, reduce-scatter otherwise. Where stage 1
+    averages in backward for `.grad` (fp32, no hybrid sharding), every rank keeps the whole
+    average: "auto" is an all-reduce there, and a reduce-scatter method named is followed by
+    an all-gather of the summed slices."""
     bucket_bytes: int = 0
     """Stage 3: reduce consecutive chunks in one reduce-scatter until they reach this many
     bytes (0: one per chunk)."""
@@ -234,8 +237,8 @@ class Overlap:
     """What runs in the background of compute."""
 
     communication: bool = True
-    """Reduce gradients asynchronously while backward goes on (stages 2-3; see [Note:
-    gradients in flight] in runtime/grad_reducer.py)."""
+    """Reduce gradients asynchronously while backward goes on (stages 2-3, and stage 1 where it
+    averages in backward: see [Note: gradients in flight] in runtime/grad_reducer.py)."""
     param_gather: bool | None = None
     """Stages 1-2: let the all-gather of updated parameters run into the next forward, any read
     of a parameter before it waiting for its chunk (see [Note: deferred parameter gathers] in

@@ -14,8 +14,14 @@ from torch.utils._pytree import tree_map
 from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
-from shardwise.engine.build import chunk_manager_for
+from shardwise.engine.build import averages_in_backward, chunk_manager_for
 from shardwise.engine.config import EngineConfig
+from shardwise.engine.module_at_rest import (
+    ModuleState,
+    empty_parameters,
+    give_whole_values,
+    write_whole_values,
+)
 from shardwise.engine.state_dict import (
     gather_full_grads,
     gather_full_state_dict,
@@ -40,7 +46,9 @@ _WRAPPED_MARK = "_shardwise_wrapped"
 class ZeroModel(nn.Module):
     """A module whose parameters live in chunks, with gradients reduced over ranks.
 
-    Stage 1 keeps full gradients until the optimizer step; stage 2 reduce-scatters each chunk
+    Stage 1 keeps whole gradients: in fp32 averaged over the ranks during backward, as DDP
+    does, `.grad` viewing them (see [Note: stage 1 averages in backward] in chunk/grads.py),
+    otherwise local until the optimizer step reduces them; stage 2 reduce-scatters each chunk
     of gradients during backward and keeps only this rank's slice; stage 3 also shards the
     parameters, gathering each chunk just before the modules that use it run. Use it with a
     `ZeroOptimizer` (see `zero_optim_wrapper`), which owns the sharded fp32 master weights.
@@ -120,6 +128,8 @@ class ZeroModel(nn.Module):
             ),
             self.module.register_forward_hook(self._after_forward, always_call=True),
         ]
+        # See [Note: a module at rest] in engine/module_at_rest.py.
+        self._module_state = ModuleState.SHARDED
         if config.stage == 3:
             self._ensure_packed()
 
@@ -179,8 +189,13 @@ class ZeroModel(nn.Module):
         if gemini is not None:
             gemini.place_chunks(pin_memory=self.config.placement.pin_memory)
         if self.config.stage == 1:
+            # See [Note: stage 1 averages in backward] in chunk/grads.py.
+            average = averages_in_backward(1, chunk_manager.dtypes, chunk_manager.topology)
             for chunk in chunk_manager.trainable_chunks():
-                chunk.share_grad_shard_with_full()
+                if average:
+                    chunk.keep_averaged_grads()
+                else:
+                    chunk.share_grad_shard_with_full()
 
     def _install_hooks(self) -> None:
         """The gather schedule (stage 3), deferred parameter gathers and gradient reduction,
@@ -207,16 +222,21 @@ class ZeroModel(nn.Module):
         self.param_gather = None
         if self.config.defers_param_gather:
             self.param_gather = DeferredParamGather(self.module, chunk_manager)
+        # Stage 1 too, where it keeps the average for `.grad` (see [Note: stage 1 averages in
+        # backward] in chunk/grads.py); otherwise its only reduction is the step's.
+        stage_1_averages = averages_in_backward(
+            self.config.stage, chunk_manager.dtypes, chunk_manager.topology
+        )
         self._reducer = GradReducer(
             chunk_manager,
-            reduce_in_backward=self.config.stage >= 2,
+            reduce_in_backward=self.config.stage >= 2 or stage_1_averages,
             # A placement planning every gather against its budget ("auto") waits for each.
             overlap=(
                 self.config.overlap.communication
                 and self.config.placement.policy.allows_overlapped_reduction
             ),
             # See [Note: gradients in flight] in runtime/grad_reducer.py.
-            max_in_flight=2 if self.config.stage == 2 else 1,
+            max_in_flight=1 if self.config.stage == 3 else 2,
             bucket_bytes=self.config.reduction.bucket_bytes,
             on_reduced=self.scheduler.release_done if self.scheduler else None,
             on_complete=self.scheduler.release_done if self.scheduler else None,
@@ -341,6 +361,8 @@ class ZeroModel(nn.Module):
     def _before_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._module_state is ModuleState.WHOLE:
+            self.shard_module()  # the module's values, as the user left them, are computed with
         self._ensure_packed()
         if self.param_gather is not None and self._holds_compiled_code():
             self.param_gather.wait_all()  # see [Note: a model compiled as a whole]
@@ -398,14 +420,55 @@ class ZeroModel(nn.Module):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, unreduced, during the backward passes run inside; the
-        next backward outside (or the optimizer step) reduces the sum, as FSDP's `no_sync()`.
-        Stage 1 never reduces before the step, so this is free there. Memory: each chunk keeps
-        its whole gradient (in the reduce dtype) from its first backward inside until that
-        reduction, i.e. stage 3 then holds the unsharded gradient of the model on the device,
-        as stage 2 always does between reductions; calling backward several times outside
-        no_sync accumulates in the shards instead, at one reduction per pass."""
+        next backward outside (or the optimizer step) reduces the sum, as DDP's and FSDP's
+        `no_sync()`. At stage 1 in fp32 `.grad` holds this rank's own sum inside and the
+        average once that backward ends, as under DDP; where stage 1 reduces only at the step,
+        this changes nothing. Memory: each chunk keeps its whole gradient (in the reduce dtype)
+        from its first backward inside until that reduction, i.e. stage 3 then holds the
+        unsharded gradient of the model on the device, as stage 2 always does between
+        reductions; calling backward several times outside no_sync accumulates in the shards
+        instead, at one reduction per pass."""
         with self.reducer.unsynced():
             yield
+
+    # ---- the module between runs (see [Note: a module at rest] in engine/module_at_rest.py) ----
+
+    @property
+    def module_state(self) -> ModuleState:
+        """Whether the module's sharded parameters are empty (SHARDED) or hold their whole
+        values (WHOLE, after `gather_module`)."""
+        return self._module_state
+
+    def gather_module(self) -> None:
+        """Give the module's sharded parameters their whole values (fp32, in host memory, on
+        every rank) as plain parameters, so that the module works on its own between runs:
+        `state_dict()`, `torch.save`, reading or changing a weight in place. The engine shards
+        them again, taking the values the module holds then, at its next forward or at
+        `shard_module()`. A collective; stage 3 only."""
+        if self.stage != 3:
+            raise ValueError(
+                f"gather_module() gathers stage 3's sharded parameters; at stage {self.stage} "
+                f"the module's parameters already hold their whole values"
+            )
+        if self._module_state is not ModuleState.SHARDED:
+            raise ValueError(
+                "gather_module() on a module that already holds its whole values: it would "
+                "overwrite them with the shards; call shard_module() first"
+            )
+        give_whole_values(self.chunk_manager)
+        self._module_state = ModuleState.WHOLE
+
+    def shard_module(self) -> None:
+        """Write the whole values the module's parameters hold (after `gather_module`, and
+        whatever was done to them in place since) into this rank's shards, and empty the
+        parameters again. Local to each rank: every rank must hold the same values."""
+        if self._module_state is not ModuleState.WHOLE:
+            raise ValueError(
+                "shard_module() on a module whose parameters are already sharded; it follows "
+                "gather_module()"
+            )
+        empty_parameters(self.chunk_manager)
+        self._module_state = ModuleState.SHARDED
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -421,6 +484,8 @@ class ZeroModel(nn.Module):
         rank must call it. With `only_rank_0`, ranks other than 0 get an empty dict."""
         if keep_vars:
             raise ValueError("keep_vars=True cannot be honoured: parameters are sharded views")
+        if self._module_state is ModuleState.WHOLE:
+            write_whole_values(self.chunk_manager)  # the module's values are the truth
         state = gather_full_state_dict(self.module, self.chunk_manager, only_rank_0=only_rank_0)
         if destination is None:
             return {prefix + key: value for key, value in state.items()}
@@ -435,7 +500,13 @@ class ZeroModel(nn.Module):
         the same dict and keeps its own slice. Returns (missing_keys, unexpected_keys)."""
         if assign:
             raise ValueError("assign=True cannot be honoured: parameters are views of chunks")
-        return load_full_state_dict(self.module, self.chunk_manager, state_dict, strict=strict)
+        if self._module_state is ModuleState.SHARDED:
+            return load_full_state_dict(self.module, self.chunk_manager, state_dict, strict=strict)
+        self.shard_module()
+        try:
+            return load_full_state_dict(self.module, self.chunk_manager, state_dict, strict=strict)
+        finally:
+            self.gather_module()  # the module keeps holding its (new) whole values
 
     def full_grads(self, only_rank_0: bool = False) -> dict[str, torch.Tensor | None]:
         """The gradients the next `step()` would use, whole: each trainable parameter's
@@ -443,8 +514,9 @@ class ZeroModel(nn.Module):
         (divide by `optimizer.loss_scale` under fp16), in fp32 on CPU, by the inner module's
         names; None where no rank's gradient reached it since `zero_grad()`.
         For logging and inspecting gradients, which live sharded in the chunks. A collective:
-        it reduces what backward left unreduced (stage 1, `no_sync`), so call it after the
-        last backward before `step()`. With `only_rank_0`, other ranks get an empty dict."""
+        it reduces what backward left unreduced (`no_sync`, and stage 1 where it reduces at
+        the step), so call it after the last backward before `step()`. With `only_rank_0`,
+        other ranks get an empty dict."""
         self.reducer.reduce_all()
         keep = not only_rank_0 or comm.rank(self.config.topology.process_group) == 0
         return gather_full_grads(self.chunk_manager, keep=keep)

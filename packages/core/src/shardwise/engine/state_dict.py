@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -14,11 +14,13 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
 
 
-def gathered_chunks(chunk_manager: ChunkManager) -> Iterator[tuple[Chunk, torch.Tensor]]:
-    """Every chunk with its whole values (fp32 masters; the payload for frozen chunks), one
-    chunk at a time, each dropped when the next is gathered. A collective over the chunks'
-    group: every rank must walk it to the end."""
-    for chunk in chunk_manager.chunks:
+def gathered_chunks(
+    chunk_manager: ChunkManager, chunks: Iterable[Chunk] | None = None
+) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """Every chunk (or those of `chunks`, the same on every rank) with its whole values (fp32
+    masters; the payload for frozen chunks), one chunk at a time, each dropped when the next
+    is gathered. A collective over the chunks' group: every rank must walk it to the end."""
+    for chunk in chunk_manager.chunks if chunks is None else chunks:
         source = chunk.master if chunk.requires_grad else chunk.payload.shard
         full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
         comm.all_gather(full, source, chunk_manager.stats, chunk_manager.group)

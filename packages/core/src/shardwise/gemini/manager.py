@@ -15,6 +15,7 @@ Every choice depends only on chunk order, so every rank and every run decides al
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -26,9 +27,11 @@ from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.collaborators import NoOptimizer, OptimizerSide, ReductionsInFlight
 from shardwise.gemini.device_tally import DeviceTally
 from shardwise.gemini.errors import DeviceBudgetExceeded
-from shardwise.gemini.policies import AutoPlacement, PlacementPolicy
+from shardwise.gemini.policies import AutoPlacement, DevicePlacement, PlacementPolicy
 from shardwise.gemini.policies import placement_policy as placement_policy_object
 from shardwise.gemini.tracer import MemoryTracer
+
+_log = logging.getLogger(__name__)
 
 
 class GeminiManager:
@@ -290,6 +293,37 @@ def device_budget(
             f"(on CUDA it defaults to the device's capacity less 10%)"
         )
     return budget
+
+
+# [Note: "auto" without a budget]
+# "auto" moves chunks between the compute device and host memory under a device budget. On
+# CUDA the budget defaults to the device's capacity; a device without one to read (a CPU host)
+# has no budget unless one is given, and there both pools are host memory anyway, so keeping
+# every chunk where it computes ("cuda", alias "device") is the fastest choice and the only one
+# that makes sense. The front ends that default to "auto" (GeminiPlugin, Lightning's
+# GeminiStrategy) resolve it through `placement_on`, so their defaults work on every host.
+
+
+def placement_on(
+    policy: PlacementPolicy, device: torch.device, device_budget_bytes: int | None
+) -> PlacementPolicy:
+    """The policy that runs on `device`: "auto" with no `device_budget_bytes`, on a device
+    without a capacity to default a budget from (anything but CUDA), is "cuda" (every chunk on
+    the compute device; see [Note: "auto" without a budget]); any other policy is `policy`.
+
+    Args:
+        policy: the policy asked for.
+        device: the compute device the chunks will live on.
+        device_budget_bytes: the budget given for "auto" (None: none given).
+    """
+    if (
+        policy.needs_budget
+        and device_budget_bytes is None
+        and device.type != "cuda"  # CUDA defaults one, see _default_budget
+    ):
+        _log.info("placement_policy=%r on %s keeps every chunk there", policy.name, device)
+        return DevicePlacement()
+    return policy
 
 
 def _default_budget(device: torch.device) -> int | None:

@@ -99,7 +99,8 @@ def engine_bytes(
             params += compute_bytes * psi_padded
     grads = 4 * shard
     if stage == 1:
-        # The fp32 shard lives inside an fp32 whole gradient (Chunk.share_grad_shard_with_full).
+        # The fp32 shard lives inside an fp32 whole gradient (Chunk.share_grad_shard_with_full,
+        # Chunk.keep_averaged_grads).
         grads = reduce_bytes * psi_padded + (0.0 if reduce_bytes == 4 else grads)
     return StateBytes(
         params=params, grads=grads, optimizer=optimizer_bytes_per_param * shard, master=master

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
@@ -56,8 +57,11 @@ class GradReducer:
     Args:
         chunk_manager: the chunks holding the parameters.
         reduce_in_backward: reduce each chunk during backward once its gradients are complete
-            (stages 2 and 3); otherwise gradients accumulate unreduced in the chunks' full
-            buffers until `reduce_all()` (stage 1).
+            (stages 0, 2 and 3, and stage 1 where `.grad` shows the average: see [Note: stage
+            1 averages in backward] in chunk/grads.py); otherwise gradients accumulate
+            unreduced in the chunks' full buffers until `reduce_all()` (the rest of stage 1).
+            Where chunks show `.grad` (stages 0 and 1), a synchronised backward ends by
+            showing it for every tensor some rank's gradient reached, as DDP does.
         overlap: launch those reductions asynchronously and wait for them when backward ends,
             so communication runs while backward computes.
         max_in_flight: with `overlap`, at most this many reductions run at once: the oldest
@@ -314,7 +318,10 @@ class GradReducer:
             for pending in self._in_flight:
                 self._finish(pending)
             self._in_flight.clear()
+            # This pass reduced what the passes under no_sync left: nothing is left for the step.
+            self._unreduced_passes = False
             self._replicas_differ = self._hybrid
+            self._expose_reached()
             if not self._order_settled and self._learn_order:
                 self._settle_order()
         else:
@@ -328,12 +335,31 @@ class GradReducer:
         self._units_done.clear()
         self._plain_received.clear()
 
+    def _expose_reached(self) -> None:
+        """Show `.grad` of every tensor some rank's gradient reached, where the chunks show it
+        (`GradSide.exposes`), as DDP with `find_unused_parameters=True` does after exchanging
+        its map of used parameters: one all-reduce of a flag per tensor. A `.grad` already set
+        counts as reached: it holds the sum of earlier passes, the same on every rank once
+        averaged."""
+        chunks = [c for c in self.chunk_manager.trainable_chunks() if c.grads.exposes]
+        if not chunks:
+            return
+        local = [info.compute.grad is not None for chunk in chunks for info in chunk.tensors]
+        flags = torch.tensor(local, dtype=torch.int32, device=self.chunk_manager.device)
+        data_parallel = self.chunk_manager.topology.data_parallel
+        comm.all_reduce(flags, self.chunk_manager.stats, data_parallel, op=ReduceOp.MAX)
+        reached = flags.bool().tolist()
+        offset = 0
+        for chunk in chunks:
+            chunk.grads.expose_reached(reached[offset : offset + len(chunk.tensors)])
+            offset += len(chunk.tensors)
+
     def reduce_all(self) -> None:
-        """Reduce the gradients that backward passes left unreduced (every pass in stage 1,
-        passes under no_sync otherwise), every chunk in the fixed order; under hybrid
-        sharding, then average the gradient shards across the shard groups. Whether anything
-        is left depends only on the passes run, which every rank runs alike, so all ranks
-        agree."""
+        """Reduce the gradients that backward passes left unreduced (every pass where stage 1
+        reduces at the step, passes under no_sync otherwise), every chunk in the fixed order;
+        under hybrid sharding, then average the gradient shards across the shard groups.
+        Whether anything is left depends only on the passes run, which every rank runs alike,
+        so all ranks agree."""
         if self._unreduced_passes:
             for chunk in self._order:
                 reduce_now([chunk], keep_full=not self.reduce_in_backward)

@@ -10,12 +10,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ProcessGroup
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
-from shardwise.chunk import Chunk
-from shardwise.chunk.grads import WholeGrads
 from shardwise.comm import CommStats
 from shardwise.engine.build import chunk_manager_for
 from shardwise.engine.config import Chunking, EngineConfig, MixedPrecision, Topology
@@ -101,12 +99,12 @@ class ColoDDP(nn.Module):
         with torch.no_grad():
             for buffer in module.buffers():
                 comm.broadcast(buffer.data, 0, self.comm_stats, process_group)
-        self._num_reduced = 0
+        # Each synchronised backward ends by showing `.grad` of every parameter some rank's
+        # gradient reached (one all-reduce of flags), as DDP with find_unused_parameters=True.
         self.reducer = GradReducer(
             self.chunk_manager,
             reduce_in_backward=True,
             overlap=True,  # every chunk's all-reduce runs while backward goes on
-            on_reduced=self._chunk_reduced,
             learn_order=rebuild_bucket,
         )
 
@@ -120,32 +118,6 @@ class ColoDDP(nn.Module):
             params_to_ignore: the parameters to leave alone.
         """
         mark_ignored(params_to_ignore)
-
-    def _chunk_reduced(self, chunk: Chunk) -> None:
-        # Every chunk is reduced after every backward, the last once all gradients are in.
-        # Under no_sync() the reducer reports complete chunks too, unreduced: nothing to do.
-        if not self.reducer.require_sync:
-            return
-        self._num_reduced += 1
-        if self._num_reduced == len(self._chunks):
-            self._num_reduced = 0
-            self._expose_reached_grads()
-
-    def _expose_reached_grads(self) -> None:
-        """Give `.grad` to every parameter some rank's gradient reached, as DDP with
-        `find_unused_parameters=True` does after exchanging its map of used parameters: one
-        all-reduce of a flag per tensor. A `.grad` already set counts as reached: it holds the
-        sum of earlier passes, and every rank holds it after the last backward."""
-        local = [info.param.grad is not None for chunk in self._chunks for info in chunk.tensors]
-        flags = torch.tensor(local, dtype=torch.int32, device=self.chunk_manager.device)
-        comm.all_reduce(flags, self.comm_stats, self.process_group, op=ReduceOp.MAX)
-        reached = flags.bool().tolist()
-        offset = 0
-        for chunk in self._chunks:
-            grads = chunk.grads
-            assert isinstance(grads, WholeGrads)  # see keep_whole_grads() above
-            grads.expose_reached(reached[offset : offset + len(chunk.tensors)])
-            offset += len(chunk.tensors)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

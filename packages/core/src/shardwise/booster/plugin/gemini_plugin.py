@@ -20,6 +20,7 @@ from shardwise.engine.config import (
     default_device,
 )
 from shardwise.gemini import placement_policy as placement_policy_object
+from shardwise.gemini.manager import placement_on
 
 _log = logging.getLogger(__name__)
 PLACEMENTS = ("static", "auto", "cuda", "cpu")
@@ -203,19 +204,17 @@ class GeminiPlugin(ZeroPluginBase):
         if policy == "auto" and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = int(total * steady_cuda_cap_ratio)
-        elif policy == "auto":
-            # No device to budget: both pools are host memory, and keeping every chunk where
-            # it computes is the fastest choice.
-            _log.info("GeminiPlugin: placement_policy='auto' on %s keeps chunks there", self.device)
-            policy = "cuda"
+        asked = placement_policy_object(
+            policy,
+            shard_param_frac=shard_param_frac,
+            offload_optim_frac=offload_optim_frac,
+            offload_param_frac=offload_param_frac,
+            gpu_margin_mem_ratio=gpu_margin_mem_ratio if policy == "auto" else None,
+        )
+        # "auto" without CUDA keeps every chunk on the compute device: see [Note: "auto"
+        # without a budget] in gemini/manager.py.
         return Placement(
-            policy=placement_policy_object(
-                policy,
-                shard_param_frac=shard_param_frac,
-                offload_optim_frac=offload_optim_frac,
-                offload_param_frac=offload_param_frac,
-                gpu_margin_mem_ratio=gpu_margin_mem_ratio if policy == "auto" else None,
-            ),
+            policy=placement_on(asked, self.device, budget),
             device_budget_bytes=budget,
             pin_memory=pin_memory,
         )

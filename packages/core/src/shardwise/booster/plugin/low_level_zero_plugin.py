@@ -34,7 +34,8 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         max_norm, norm_type: gradient clipping in the step (0: none).
         reduce_bucket_size_in_m: millions (2**20) of elements per gradient bucket.
         communication_dtype: the dtype gradients are reduced in (None: the parameters').
-        overlap_communication: reduce each bucket in the background of backward (stage 2).
+        overlap_communication: reduce each bucket in the background of backward (stage 2, and
+            stage 1 in fp32, where `.grad` shows the average after backward, as under DDP).
         overlap_allgather: let the all-gather of updated parameters run into the next forward.
         cpu_offload, master_weights, use_fp8, fp8_communication: refused unless at their
             defaults.

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from shardwise.checkpoint_io import CheckpointIO
 from shardwise.interface import OptimizerWrapper
 
 Boosted = tuple[nn.Module, OptimizerWrapper | None, Callable[..., Any] | None, Any, Any]
@@ -65,9 +66,9 @@ class Plugin(ABC):
     ) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support LoRA")
 
-    def get_checkpoint_io(self) -> Any:
+    @abstractmethod
+    def get_checkpoint_io(self) -> CheckpointIO:
         """The object the Booster's save_* / load_* methods go through."""
-        raise NotImplementedError(f"{type(self).__name__} has no checkpoint IO")
 
     def control_device(self) -> bool:
         return True

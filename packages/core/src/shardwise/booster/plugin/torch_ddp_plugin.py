@@ -13,9 +13,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from shardwise.booster import lora
-from shardwise.booster.checkpoint_io.torch_checkpoint_io import TorchCheckpointIO
 from shardwise.booster.plugin.plugin_base import Boosted, DPPluginBase
 from shardwise.booster.plugin.refusals import refuse_model_parallel
+from shardwise.checkpoint_io import GeneralCheckpointIO
 from shardwise.comm import CommStats
 from shardwise.engine.config import default_device
 from shardwise.interface import ModelWrapper, OptimizerWrapper
@@ -103,8 +103,8 @@ class TorchDDPPlugin(DPPluginBase):
     def support_no_sync(self) -> bool:
         return True
 
-    def get_checkpoint_io(self) -> TorchCheckpointIO:
-        return TorchCheckpointIO()
+    def get_checkpoint_io(self) -> GeneralCheckpointIO:
+        return GeneralCheckpointIO()
 
     @contextmanager
     def no_sync(  # type: ignore[override]  # a generator-based context manager

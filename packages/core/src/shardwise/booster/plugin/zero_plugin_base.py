@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from shardwise.amp import LossScaleConfig
 from shardwise.booster import lora
-from shardwise.booster.checkpoint_io.zero_checkpoint_io import ZeroCheckpointIO
 from shardwise.booster.plugin.plugin_base import Boosted, DPPluginBase
+from shardwise.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
 from shardwise.booster.zero_optimizer import ZeroOptimizerWrapper
 from shardwise.engine.config import EngineConfig
 from shardwise.engine.model import ZeroModel

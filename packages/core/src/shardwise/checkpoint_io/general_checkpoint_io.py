@@ -1,15 +1,16 @@
-"""Checkpoints of models boosted by TorchDDPPlugin (every rank holds the whole model): the
-same layouts as the ZeRO plugins', so either loads the other's. Every rank writes the files it
-was given from its own replica, with no communication."""
+"""ColossalAI's `GeneralCheckpointIO`: checkpoints of plain torch models, in one process or as
+DDP replicas (TorchDDPPlugin): the same layouts as the ZeRO plugins', so either loads the
+other's. Under torch.distributed every rank writes the files it was given from its own replica,
+with no communication."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from shardwise.booster.checkpoint_io.checkpoint_io_base import CheckpointIO
 from shardwise.checkpoint.commit import CheckpointError, Ranks
 from shardwise.checkpoint.file_writer import FileWriter
 from shardwise.checkpoint.model_checkpoint import write_model_checkpoint
@@ -19,15 +20,19 @@ from shardwise.checkpoint.optimizer_checkpoint import (
     write_optimizer_checkpoint,
 )
 from shardwise.checkpoint.weights_source import WeightsSource
+from shardwise.checkpoint_io.checkpoint_io_base import CheckpointIO, unwrapped_optimizer
 from shardwise.comm import CommStats
-from shardwise.interface import ModelWrapper, OptimizerWrapper
+from shardwise.interface import ModelWrapper
 
 
-class TorchCheckpointIO(CheckpointIO):
-    def __init__(self) -> None:
-        self.ranks = Ranks(CommStats())
+class GeneralCheckpointIO(CheckpointIO):
+    @property
+    def ranks(self) -> Ranks:
+        """Every rank of the default group, or this process alone without one."""
+        distributed = dist.is_available() and dist.is_initialized()
+        return Ranks(CommStats()) if distributed else Ranks.alone()
 
-    def save_model(
+    def _save_model(
         self,
         model: nn.Module,
         checkpoint: str,
@@ -57,7 +62,7 @@ class TorchCheckpointIO(CheckpointIO):
             config=getattr(module, "config", None),
         )
 
-    def load_model(self, model: nn.Module, checkpoint: str, *, strict: bool) -> None:
+    def _load_model(self, model: nn.Module, checkpoint: str, *, strict: bool) -> None:
         """Every rank reads the whole model (each holds one); a tied parameter is found under
         any of its names, as in the ZeRO plugins' load."""
         module = _unwrapped(model)
@@ -78,16 +83,16 @@ class TorchCheckpointIO(CheckpointIO):
             except RuntimeError as error:
                 raise CheckpointError(f"{checkpoint} does not match the model: {error}") from None
 
-    def save_optimizer(
+    def _save_optimizer(
         self,
-        optimizer: OptimizerWrapper,
+        optimizer: Any,
         checkpoint: str,
         *,
         shard: bool,
         prefix: str | None,
         size_per_shard: float,
     ) -> None:
-        whole = _unwrapped_optimizer(optimizer).state_dict()
+        whole = unwrapped_optimizer(optimizer).state_dict()
         states: dict[int, dict[str, Any]] = whole["state"]
 
         def offer(writer: FileWriter) -> None:
@@ -107,8 +112,8 @@ class TorchCheckpointIO(CheckpointIO):
             size_per_shard=size_per_shard,
         )
 
-    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
-        inner = _unwrapped_optimizer(optimizer)
+    def _load_optimizer(self, optimizer: Any, checkpoint: str) -> None:
+        inner = unwrapped_optimizer(optimizer)
         source = OptimizerCheckpoint.open(checkpoint)
         source.check_groups([len(group["params"]) for group in inner.param_groups])
         groups = []
@@ -129,16 +134,6 @@ class TorchCheckpointIO(CheckpointIO):
 
 def _unwrapped(model: nn.Module) -> nn.Module:
     return model.unwrap() if isinstance(model, ModelWrapper) else model
-
-
-def _unwrapped_optimizer(optimizer: OptimizerWrapper) -> torch.optim.Optimizer:
-    if isinstance(optimizer, OptimizerWrapper):
-        return optimizer.unwrap()
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    raise TypeError(
-        f"optimizer must be the one booster.boost() returned, got {type(optimizer).__name__}"
-    )
 
 
 def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,21 +1,23 @@
-"""Checkpoints of models boosted by GeminiPlugin and LowLevelZeroPlugin: every rank writes the
-files it was given from one gathered chunk at a time, and reads only what it owns."""
+"""The checkpoint IO of GeminiPlugin and LowLevelZeroPlugin: every rank writes the files it was
+given from one gathered chunk at a time, and reads only what it owns (see
+shardwise/checkpoint/zero_model_io.py and zero_optimizer_io.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
-from shardwise.booster.checkpoint_io.checkpoint_io_base import CheckpointIO
 from shardwise.booster.zero_optimizer import ZeroOptimizerWrapper
 from shardwise.checkpoint.optimizer_checkpoint import OptimizerCheckpoint
 from shardwise.checkpoint.zero_model_io import load_zero_model, save_zero_model
 from shardwise.checkpoint.zero_optimizer_io import load_zero_optimizer, save_zero_optimizer
+from shardwise.checkpoint_io import CheckpointIO
 from shardwise.engine.model import ZeroModel
-from shardwise.interface import OptimizerWrapper
 
 
 class ZeroCheckpointIO(CheckpointIO):
-    def save_model(
+    def _save_model(
         self,
         model: nn.Module,
         checkpoint: str,
@@ -34,12 +36,12 @@ class ZeroCheckpointIO(CheckpointIO):
             use_safetensors=use_safetensors,
         )
 
-    def load_model(self, model: nn.Module, checkpoint: str, *, strict: bool) -> None:
+    def _load_model(self, model: nn.Module, checkpoint: str, *, strict: bool) -> None:
         load_zero_model(_boosted(model), checkpoint, strict=strict)
 
-    def save_optimizer(
+    def _save_optimizer(
         self,
-        optimizer: OptimizerWrapper,
+        optimizer: Any,
         checkpoint: str,
         *,
         shard: bool,
@@ -54,7 +56,7 @@ class ZeroCheckpointIO(CheckpointIO):
             size_per_shard=size_per_shard,
         )
 
-    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
+    def _load_optimizer(self, optimizer: Any, checkpoint: str) -> None:
         load_zero_optimizer(
             _boosted_optimizer(optimizer).engine, OptimizerCheckpoint.open(checkpoint)
         )
@@ -68,7 +70,7 @@ def _boosted(model: nn.Module) -> ZeroModel:
     return model
 
 
-def _boosted_optimizer(optimizer: OptimizerWrapper) -> ZeroOptimizerWrapper:
+def _boosted_optimizer(optimizer: Any) -> ZeroOptimizerWrapper:
     if not isinstance(optimizer, ZeroOptimizerWrapper):
         raise TypeError(
             f"optimizer must be the one booster.boost() returned, got {type(optimizer).__name__}"

@@ -1,0 +1,116 @@
+"""A stage-3 module holding its whole parameters between runs, sharded again before the engine
+next computes with it.
+
+[Note: a module at rest]
+Between a framework's runs (Lightning's fit, validate, test, predict) users treat the module as
+their own: they `torch.save(model.state_dict())`, often on rank 0 only, read a weight, copy the
+module, load other weights into it. A sharded parameter holds no element outside the forward
+and backward of its gather unit (see [Note: two faces of a stage-3 parameter] in
+chunk/parameters.py), so all of that would see empty tensors, silently. `give_whole_values`
+therefore gathers each sharded chunk once and makes each of its parameters a plain parameter
+holding its whole values (fp32, as `ZeroModel.state_dict()` gives them) in host memory, on every
+rank: a full copy of the model per rank, the price of a module usable on its own. From then on
+the module's values are the truth, whatever the user does to them in place: before the engine
+computes again, `empty_parameters` writes them into this rank's shards (fp32 master and
+payload, a local copy) and makes the parameters sharded faces again. Chunks that keep their
+payload gathered are left alone: their parameters are views of it already.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+
+import torch
+from torch.distributed import ReduceOp
+
+from shardwise import comm
+from shardwise.chunk import Chunk, ChunkManager
+from shardwise.chunk.parameters import empty_face, whole_face
+from shardwise.engine.state_dict import gather_parameters
+
+
+class ModuleState(Enum):
+    """Where the values of a stage-3 module's sharded parameters are."""
+
+    SHARDED = "sharded"
+    """In the chunks: each rank holds its shards, and a sharded parameter holds no element
+    outside the forward and backward of its gather unit (the state while the engine runs)."""
+    WHOLE = "whole"
+    """In the module: every sharded parameter is a plain parameter holding its whole fp32
+    values in host memory, on every rank, and those are the truth; the chunks keep their
+    shards, rewritten from the module's values before the engine next computes."""
+
+
+def whole_copy_bytes(chunk_manager: ChunkManager) -> int:
+    """Bytes of host memory one rank's whole fp32 copy of the sharded parameters takes."""
+    return sum(chunk.numel * 4 for chunk in _sharded(chunk_manager))
+
+
+def room_for_whole_copies(chunk_manager: ChunkManager) -> bool:
+    """Whether every host can hold a whole fp32 copy per rank it runs (`LOCAL_WORLD_SIZE`, or
+    every rank when unknown) in half its available memory; the same answer on every rank,
+    agreed with one all-reduce, since the gather that follows is a collective. A module too
+    big for its host stays sharded rather than have the host run out of memory."""
+    group = chunk_manager.topology.data_parallel
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size(group)))
+    available = _available_host_bytes()
+    fits = available is None or whole_copy_bytes(chunk_manager) * local_ranks <= available // 2
+    agreed = torch.tensor([1.0 if fits else 0.0], device=chunk_manager.device)
+    comm.all_reduce(agreed, chunk_manager.stats, group, op=ReduceOp.MIN)
+    return bool(agreed.item() > 0)
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def give_whole_values(chunk_manager: ChunkManager) -> None:
+    """Give every parameter of a sharded chunk its whole values (fp32 masters; the payload of
+    frozen chunks), on CPU, as a plain parameter. A collective over the chunks' group, one
+    chunk gathered at a time."""
+    values = gather_parameters(chunk_manager, keep=True)
+    for chunk in _sharded(chunk_manager):
+        for info in chunk.tensors:
+            whole_face(info.param, values[id(info.param)])
+
+
+def write_whole_values(chunk_manager: ChunkManager) -> None:
+    """Write the whole values the parameters of sharded chunks hold now into the part of each
+    chunk this rank owns (fp32 master and payload). Local: each rank reads its own copy."""
+    for chunk in _sharded(chunk_manager):
+        for index, info in enumerate(chunk.tensors):
+            value = info.param.data
+            if value.shape != info.shape:
+                raise ValueError(
+                    f"{info.name} holds a tensor of shape {tuple(value.shape)}, but was built "
+                    f"with shape {tuple(info.shape)}: change its values in place "
+                    f"(param.data.copy_(...), load_state_dict) rather than giving it a new "
+                    f"tensor"
+                )
+            owned = chunk.tensor_shard_range(index)
+            if owned is None:
+                continue
+            begin = owned[0] + chunk.shard_begin - info.offset
+            flat = value.reshape(-1)[begin : begin + owned[1] - owned[0]]
+            chunk.write_range(index, begin, flat)
+
+
+def empty_parameters(chunk_manager: ChunkManager) -> None:
+    """Write the parameters' whole values into the shards (`write_whole_values`), then make
+    each one a sharded face again, holding no element."""
+    write_whole_values(chunk_manager)
+    for chunk in _sharded(chunk_manager):
+        for info in chunk.tensors:
+            empty_face(info.param, chunk.dtypes.compute, chunk.device)
+
+
+def _sharded(chunk_manager: ChunkManager) -> list[Chunk]:
+    return [chunk for chunk in chunk_manager.chunks if not chunk.keep_gathered]

@@ -1,0 +1,10 @@
+"""`colossalai.lazy`'s path: build a model without allocating its tensors, and give them their
+values when it is boosted (see [Note: lazily built models] in lazy/context.py)."""
+
+from shardwise.lazy.context import (
+    LazyInitContext,
+    LazyInitialiser,
+    initialiser_for,
+)
+
+__all__ = ["LazyInitContext", "LazyInitialiser", "initialiser_for"]
