@@ -298,7 +298,7 @@ def _launch(
         log = log_file.read().decode(errors="replace")
     if not outcome:
         outcome = "ok" if process.returncode == 0 and out.exists() else "failed"
-    if outcome == "failed":
+    if outcome != "ok":
         print(log[-3000:], file=sys.stderr)
     return outcome, highest
 
@@ -347,6 +347,20 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                     args.cpu,
                     ranks=args.ranks,
                 )
+                if outcome.startswith("past the"):
+                    # A launch that never got going (its rendezvous, say) is tried once more;
+                    # the log of the first went to stderr, and a second hang still fails.
+                    print(f"{engine} at {size}: {outcome}; trying once more", file=sys.stderr)
+                    outcome, _ = _launch(
+                        engine,
+                        size,
+                        args.steps,
+                        out,
+                        args.attempt_timeout,
+                        args.limit_gib,
+                        args.cpu,
+                        ranks=args.ranks,
+                    )
                 if outcome != "ok":
                     raise SystemExit(f"{engine} at {size}: {outcome}")
                 run = json.loads(out.read_text())
