@@ -198,6 +198,17 @@ def write_results(result: dict[str, Any], path: Path, command: str) -> None:
         lines.append(
             f"| {name} | {figures['peak_mib']:,.0f} | {figures['seconds']:.1f} | {written} |"
         )
+    calls = result["calls"]
+    ratio = calls["sharded save"]["peak_mib"] / calls["one file save"]["peak_mib"]
+    lines += [
+        "",
+        f"The sharded save's peak is {ratio:.2f} "
+        f"of the one-file save's (rank 0 receiving everything, as ColossalAI's Gemini saves): a "
+        f"rank holds one gathered chunk and the file it is filling. FSDP2's "
+        f"torch.distributed.checkpoint writes each rank's shards as they lie, in torch's own "
+        f"format, so it gathers nothing; the Hugging Face layout needs whole tensors. Loads read "
+        f"torch files memory-mapped, whose pages count in the resident set while open.",
+    ]
     _write_block(path, "bench_checkpoint", lines)
 
 

@@ -194,10 +194,16 @@ def main() -> None:
     print(f"wrote {args.out}")
     if not args.quick and out.resolve() == (HERE / "RESULTS.md").resolve():
         # These write their own blocks of RESULTS.md (kept above on the next run).
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         for script in ("bench_auto.py", "bench_hybrid.py"):
             print(script, flush=True)
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
             subprocess.run([sys.executable, str(HERE / script)], env=env, timeout=1800, check=True)
+        print("bench_checkpoint.py", flush=True)
+        checkpoints = [
+            *_torchrun(2), str(HERE / "bench_checkpoint.py"), "--size", "117m",
+            "--out", str(out.with_name("checkpoint.json")), "--results", str(out),
+        ]  # fmt: skip
+        subprocess.run(checkpoints, env=env, timeout=1800, check=True)
 
 
 if __name__ == "__main__":
