@@ -191,3 +191,33 @@ def test_a_module_too_big_for_the_host_stays_sharded_with_a_warning(
     for result in results:
         assert result["no_room_numels"] and not any(result["no_room_numels"])
     assert results[0]["no_room_warned"]  # rank 0 warns
+
+
+class _FailsOnRankZero(Net):
+    def on_train_end(self) -> None:
+        if self.trainer.global_rank == 0:
+            raise RuntimeError("rank 0 alone fails after training")
+
+
+def _one_rank_fails() -> tuple[str, list[int]]:
+    pl.seed_everything(0, verbose=False)
+    module = _FailsOnRankZero()
+    outcome = "finished"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer(GeminiStrategy(), max_epochs=1).fit(module)
+        except RuntimeError as error:
+            outcome = str(error)
+    return outcome, [v.numel() for v in module.state_dict().values()]
+
+
+def test_a_run_that_raised_on_one_rank_never_leaves_another_waiting() -> None:
+    # Rank 0's run raises after training, rank 1's finishes: at teardown both agree not to
+    # gather (rank 1 alone would wait in the gather for ever), and both return.
+    (failed, failed_numels), (finished, finished_numels) = run_ranks(
+        _one_rank_fails, 2, timeout_s=90
+    )
+    assert failed == "rank 0 alone fails after training"
+    assert finished == "finished"
+    assert not any(failed_numels) and not any(finished_numels)  # sharded on both ranks

@@ -49,7 +49,7 @@ from shardwise.checkpoint.consolidate import (
 from shardwise.checkpoint.layout import param_slices
 from shardwise.engine.module_at_rest import (
     ModuleState,
-    room_for_whole_copies,
+    agree_to_gather,
     whole_copy_bytes,
 )
 from shardwise.engine.optimizer import optimizer_of
@@ -502,14 +502,15 @@ class ShardwiseStrategyBase(DDPStrategy):
         chunks, so a later fit/validate/test/predict of the same Trainer reuses it."""
         assert self.cluster_environment is not None and self.accelerator is not None
         engine = self._zero_model
-        if (
-            engine is not None
-            and engine.module_state is ModuleState.SHARDED
-            and _run_finished(self.lightning_module)
-        ):
-            if room_for_whole_copies(engine.chunk_manager):
+        if engine is not None and engine.module_state is ModuleState.SHARDED:
+            # Every rank says whether its run finished, a rank whose run raised included, so
+            # no rank waits in a gather another will not join.
+            finished, room = agree_to_gather(
+                engine.chunk_manager, ready=_run_finished(self.lightning_module)
+            )
+            if finished and room:
                 engine.gather_module()
-            else:
+            elif finished:
                 gib = whole_copy_bytes(engine.chunk_manager) / 2**30
                 rank_zero_warn(
                     f"the LightningModule keeps its parameters sharded after this run (empty "

@@ -47,18 +47,21 @@ def whole_copy_bytes(chunk_manager: ChunkManager) -> int:
     return sum(chunk.numel * 4 for chunk in _sharded(chunk_manager))
 
 
-def room_for_whole_copies(chunk_manager: ChunkManager) -> bool:
-    """Whether every host can hold a whole fp32 copy per rank it runs (`LOCAL_WORLD_SIZE`, or
-    every rank when unknown) in half its available memory; the same answer on every rank,
-    agreed with one all-reduce, since the gather that follows is a collective. A module too
-    big for its host stays sharded rather than have the host run out of memory."""
+def agree_to_gather(chunk_manager: ChunkManager, *, ready: bool) -> tuple[bool, bool]:
+    """Whether every rank is `ready` (its run finished), and whether every host can hold a
+    whole fp32 copy per rank it runs (`LOCAL_WORLD_SIZE`, or every rank when unknown) in half
+    its available memory: the same answers on every rank, from one all-reduce, since the
+    gather that may follow is a collective. A rank whose run raised still takes part (it says
+    it is not ready), so the others never wait in a gather it will not join; a module too big
+    for its host stays sharded rather than have the host run out of memory."""
     group = chunk_manager.topology.data_parallel
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size(group)))
     available = _available_host_bytes()
     fits = available is None or whole_copy_bytes(chunk_manager) * local_ranks <= available // 2
-    agreed = torch.tensor([1.0 if fits else 0.0], device=chunk_manager.device)
-    comm.all_reduce(agreed, chunk_manager.stats, group, op=ReduceOp.MIN)
-    return bool(agreed.item() > 0)
+    flags = torch.tensor([float(ready), float(fits)], device=chunk_manager.device)
+    comm.all_reduce(flags, chunk_manager.stats, group, op=ReduceOp.MIN)
+    all_ready, all_fit = (bool(flag > 0) for flag in flags.tolist())
+    return all_ready, all_fit
 
 
 def _available_host_bytes() -> int | None:
