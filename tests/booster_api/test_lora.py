@@ -27,8 +27,8 @@ import peft
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_models import llama
 from helpers import adamw, batch_slice, make_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardwise.booster import Booster
 from shardwise.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
@@ -186,26 +186,12 @@ def test_each_plugin_trains_lora_as_the_plain_loop_and_saves_what_peft_loads(
         assert torch.equal(value, ref_state[key]), key
 
 
-def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    return LlamaForCausalLM(config)
-
-
 def _ported_check_fwd_bwd(tempdir: str) -> list[str]:
     """ColossalAI's `check_fwd_bwd` for the causal-LM Llama, over every plugin."""
     failures = []
     lora_config = peft.LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=32, lora_dropout=0.1)
     for name, make_plugin in PLUGINS.items():
-        model_save = _llama()
+        model_save = llama()  # checkpoint_models' tiny Llama
         model_load = copy.deepcopy(model_save)
         booster = Booster(plugin=make_plugin())
         model_save = booster.enable_lora(model_save, lora_config=lora_config)

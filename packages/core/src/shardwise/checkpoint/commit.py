@@ -80,7 +80,7 @@ def check_save_target(path: Path, ranks: Ranks) -> None:
             f"{path} exists and is an ordinary {kind}, not a shardwise checkpoint link: save to "
             f"another path, or remove it first"
         )
-    _raise_on_every_rank(problem, ranks)
+    raise_on_every_rank(problem, ranks)
 
 
 def remove_unfinished_versions(path: Path, ranks: Ranks) -> None:
@@ -220,8 +220,14 @@ def verify_files(path: Path, manifest: dict[str, Any], ranks: Ranks) -> None:
         raise CheckpointError(problems[0][1])
 
 
-def _raise_on_every_rank(problem: str | None, ranks: Ranks) -> None:
+def raise_on_every_rank(problem: str | None, ranks: Ranks, what: str | None = None) -> None:
     """Raise the lowest rank's problem on every rank, or return on every rank."""
-    found = [p for p in ranks.all_gather(problem) if p]
-    if found:
-        raise CheckpointError(found[0])
+    raise_first(ranks.all_gather(problem), what)
+
+
+def raise_first(problems: list[str | None], what: str | None = None) -> None:
+    """Raise `CheckpointError` with the first problem of `problems` (one per rank, in rank
+    order), after `what` and naming its rank when `what` is given; return if there is none."""
+    for rank, problem in enumerate(problems):
+        if problem:
+            raise CheckpointError(f"{what}: {problem} (rank {rank})" if what else problem)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardwise.checkpoint.commit import CheckpointError, Ranks
+from shardwise.checkpoint.commit import Ranks, raise_first, raise_on_every_rank
 from shardwise.checkpoint.file_plan import FilePlan
 
 FileFormat = Callable[[dict[str, Any], Path], None]
@@ -84,7 +84,7 @@ def start_writing(directory: Path, ranks: Ranks) -> None:
             directory.mkdir(parents=True, exist_ok=True)
         except (OSError, ValueError) as error:
             problem = f"{type(error).__name__}: {error}"
-    raise_if_any(ranks.all_gather(problem), "could not create the checkpoint directory")
+    raise_on_every_rank(problem, ranks, "could not create the checkpoint directory")
 
 
 def publish(
@@ -107,21 +107,21 @@ def publish(
         for partial in writer.partials:
             partial.unlink(missing_ok=True)
         ranks.barrier()  # so that no rank returns while another still cleans up
-        raise_if_any(problems, "the checkpoint was not saved")
+        raise_first(problems, "the checkpoint was not saved")
     problem = None
     try:
         for partial in writer.partials:
             os.replace(partial, partial.with_name(partial.name[: -len(PARTIAL)]))
     except OSError as error:
         problem = f"{type(error).__name__}: {error}"
-    raise_if_any(ranks.all_gather(problem), "the checkpoint's files could not be put in place")
+    raise_on_every_rank(problem, ranks, "the checkpoint's files could not be put in place")
     problem = None
     if ranks.rank == 0:
         try:
             _finish_on_rank_0(writer, stale, index, on_rank_0)
         except (OSError, RuntimeError, ValueError) as error:
             problem = f"{type(error).__name__}: {error}"
-    raise_if_any([ranks.from_first(problem)], "the checkpoint's index was not written")
+    raise_on_every_rank(problem, ranks, "the checkpoint's index was not written")
 
 
 def _finish_on_rank_0(
@@ -147,10 +147,3 @@ def _finish_on_rank_0(
         os.replace(partial, directory / name)
     if on_rank_0 is not None:
         on_rank_0(directory)
-
-
-def raise_if_any(problems: list[str | None], what: str) -> None:
-    """Raise `CheckpointError` naming the first rank's problem, if any rank had one."""
-    for rank, problem in enumerate(problems):
-        if problem:
-            raise CheckpointError(f"{what}: {problem} (rank {rank})")

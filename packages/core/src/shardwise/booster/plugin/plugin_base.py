@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from shardwise.booster import lora
 from shardwise.checkpoint_io import CheckpointIO
 from shardwise.interface import OptimizerWrapper
 
@@ -85,6 +86,28 @@ class DPPluginBase(Plugin):
             )
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+
+    def support_lora(self) -> bool:
+        return True
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """peft's adapters added before `boost` (see `Booster.enable_lora` and [Note: LoRA on
+        the engine] in booster/lora.py); each plugin saves them its own way."""
+        return lora.enable_lora(
+            type(self).__name__,
+            model,
+            pretrained_dir,
+            lora_config,
+            bnb_quantization_config,
+            quantize,
+        )
 
     def prepare_dataloader(
         self,

@@ -119,27 +119,6 @@ class TorchDDPPlugin(DPPluginBase):
         with ddp.no_sync():
             yield
 
-    def support_lora(self) -> bool:
-        return True
-
-    def enable_lora(
-        self,
-        model: nn.Module,
-        pretrained_dir: str | None = None,
-        lora_config: Any = None,
-        bnb_quantization_config: Any = None,
-        quantize: bool = False,
-    ) -> nn.Module:
-        """See `Booster.enable_lora`."""
-        return lora.enable_lora(
-            type(self).__name__,
-            model,
-            pretrained_dir,
-            lora_config,
-            bnb_quantization_config,
-            quantize,
-        )
-
     def save_lora_as_pretrained(
         self, model: nn.Module, checkpoint: str, use_safetensors: bool = False
     ) -> None:
