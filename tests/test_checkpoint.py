@@ -17,7 +17,10 @@ from shardwise.testing import RankFailure, run_ranks
 
 
 def _build(
-    stage: int, precision: MixedPrecision | None = None, placement: dict[str, Any] | None = None
+    stage: int,
+    precision: MixedPrecision | None = None,
+    placement: dict[str, Any] | None = None,
+    compiled: bool = False,
 ) -> tuple[Any, Any]:
     config: dict[str, Any] = {"device": torch.device("cpu"), **(placement or {})}
     if precision is not None:
@@ -25,6 +28,8 @@ def _build(
     if stage == 3:
         config["chunk_size_numel"] = CHUNK_NUMEL
     model = make_model()
+    if compiled:
+        model = torch.compile(model, backend="eager")
     wrapped = zero_model_wrapper(model, stage, config)
     optimizer = zero_optim_wrapper(
         wrapped,
@@ -153,6 +158,36 @@ def test_model_only_round_trip_is_exact(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     saved = run_ranks(_save_model_only, 2, path)[0]
     loaded = run_ranks(_load_model_only, 4, path)[0]
+    assert max_abs_diff(saved, loaded) == 0.0
+
+
+def _save_compiled_or_not(path: str, compiled: bool) -> dict[str, torch.Tensor]:
+    wrapped, optimizer = _build(3, compiled=compiled)
+    _train(wrapped, optimizer, range(2))
+    checkpoint.save(path, wrapped, optimizer)
+    return _own_names(wrapped.state_dict())
+
+
+def _load_compiled_or_not(path: str, compiled: bool) -> dict[str, Any]:
+    wrapped, optimizer = _build(3, compiled=compiled)
+    checkpoint.load(path, wrapped, optimizer)
+    return _own_names(wrapped.state_dict())
+
+
+def _own_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key.removeprefix("_orig_mod."): value for key, value in state.items()}
+
+
+@pytest.mark.parametrize("saved_compiled", [True, False])
+def test_compiling_the_model_or_not_between_save_and_load(
+    saved_compiled: bool, tmp_path: Path
+) -> None:
+    # torch.compile(model)'s wrapper puts `_orig_mod.` before every name; a checkpoint holds
+    # the model's own names, so a run may turn compilation on or off when it resumes.
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_save_compiled_or_not, 2, path, saved_compiled)[0]
+    loaded = run_ranks(_load_compiled_or_not, 2, path, not saved_compiled)[0]
+    assert sorted(saved) == sorted(loaded)
     assert max_abs_diff(saved, loaded) == 0.0
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from checkpoint_models import (
     MODELS,
@@ -191,6 +192,46 @@ def test_save_pretrained_shards_load_into_a_boosted_model(tmp_path: Path) -> Non
     MODELS["llama"]().save_pretrained(str(tmp_path), max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     run_ranks(_save_pretrained_run, 2, tmp_path)
+
+
+def _compiled_run(plugin: str, root: Path) -> None:
+    # torch.compile(model), as nanoGPT and torch's tutorials compile: the wrapper's state dict
+    # puts `_orig_mod.` before every key. The checkpoint holds the model's own names, so
+    # from_pretrained, the model run uncompiled and the model compiled again all read it.
+    booster = Booster(plugin=PLUGINS[plugin]())
+    compiled = torch.compile(MODELS["llama"](), backend="eager")
+    model, optimizer, *_ = booster.boost(compiled, HybridAdam(compiled.parameters(), lr=1e-3))
+    train_step(booster, model, optimizer)
+    booster.save_model(
+        model, str(root / "compiled"), shard=True, size_per_shard=0.02, use_safetensors=True
+    )
+    booster.save_optimizer(optimizer, str(root / "optim"), shard=True, size_per_shard=0.02)
+    saved = _without_compile_prefix(whole_state(model))
+    loaded = type(MODELS["llama"]()).from_pretrained(str(root / "compiled"))
+    assert_states_equal(saved, dict(loaded.state_dict()))
+    _, plain, plain_optimizer = _boosted(plugin, "llama")
+    booster.load_model(plain, str(root / "compiled"))
+    booster.load_optimizer(plain_optimizer, str(root / "optim"))
+    assert_states_equal(saved, whole_state(plain))
+    assert_optimizer_states_equal(
+        whole_optimizer_state(optimizer), whole_optimizer_state(plain_optimizer)
+    )
+    # And back: the uncompiled model's checkpoint loads into the compiled one.
+    train_step(booster, plain, plain_optimizer, step=1)
+    booster.save_model(plain, str(root / "plain"), shard=True, size_per_shard=0.02)
+    booster.load_model(model, str(root / "plain"))
+    assert_states_equal(whole_state(plain), _without_compile_prefix(whole_state(model)))
+
+
+def _without_compile_prefix(state: dict[str, Any]) -> dict[str, Any]:
+    return {key.removeprefix("_orig_mod."): value for key, value in state.items()}
+
+
+@pytest.mark.parametrize("plugin", ["gemini", "ddp"])
+def test_a_model_compiled_whole_saves_and_loads_under_its_own_names(
+    plugin: str, tmp_path: Path
+) -> None:
+    run_ranks(_compiled_run, 2, plugin, tmp_path)
 
 
 def _failing_run(root: Path) -> str:

@@ -38,6 +38,7 @@ from shardwise.checkpoint.commit import (
     write_manifest_and_commit,
 )
 from shardwise.checkpoint.layout import ParamSlice, param_slices
+from shardwise.checkpoint.saved_module import saved_module
 from shardwise.checkpoint.sharded_tensor import local_part, sharded_1d
 from shardwise.comm.topology import replica_index
 from shardwise.engine.model import ZeroModel
@@ -65,10 +66,11 @@ def save(
     check_save_target(target, ranks)
     remove_unfinished_versions(target, ranks)
     slices = param_slices(model)
+    buffers = dict(saved_module(model.module).named_buffers())
     state: dict[str, Any] = {}
     for item in slices:
         state[f"model.{item.name}"] = _sharded(item, item.local_values().detach().clone())
-    for name, buffer in model.module.named_buffers():
+    for name, buffer in buffers.items():
         state[f"buffer.{name}"] = buffer.detach().clone()
     objects: dict[str, Any] = {"extra": extra}
     if optimizer is not None:
@@ -85,7 +87,7 @@ def save(
         dcp_save(state, storage_writer=FileSystemWriter(version), process_group=topology.shard)
     description = {
         "params": {item.name: list(item.shape) for item in slices},
-        "buffers": {name: list(b.shape) for name, b in model.module.named_buffers()},
+        "buffers": {name: list(b.shape) for name, b in buffers.items()},
         "has_optimizer": optimizer is not None,
         "saved_world_size": slices[0].chunk.world_size if slices else 1,
         "saved_stage": model.stage,
@@ -126,7 +128,8 @@ def load(
         state[f"model.{item.name}"] = _sharded(
             item, torch.empty(end - begin, dtype=item.local_values().dtype)
         )
-    for name, buffer in model.module.named_buffers():
+    buffers = dict(saved_module(model.module).named_buffers())
+    for name, buffer in buffers.items():
         state[f"buffer.{name}"] = torch.empty_like(buffer)
     metadata = FileSystemReader(source).read_metadata().state_dict_metadata
     if optimizer is not None:
@@ -153,7 +156,7 @@ def load(
     for chunk in model.chunk_manager.chunks:
         chunk.payload.refresh_gathered()
     with torch.no_grad():
-        for name, buffer in model.module.named_buffers():
+        for name, buffer in buffers.items():
             buffer.copy_(state[f"buffer.{name}"])
     state["objects"].seek(0)
     objects = torch.load(state["objects"], weights_only=False)
@@ -182,12 +185,13 @@ def _state_dict_keys(model: ZeroModel, slices: list[ParamSlice]) -> dict[str, st
     """The module's `state_dict()` keys, each with the saved entry holding its value: a tied
     weight under every name it has there, persistent buffers only. A consolidated checkpoint
     is rebuilt from this (see shardwise/checkpoint/consolidate.py)."""
+    module = saved_module(model.module)
     entry_of = {id(item.chunk.tensors[item.index].param): f"model.{item.name}" for item in slices}
-    for name, buffer in model.module.named_buffers():
+    for name, buffer in module.named_buffers():
         entry_of.setdefault(id(buffer), f"buffer.{name}")
     return {
         key: entry_of[id(value)]
-        for key, value in model.module.state_dict(keep_vars=True).items()
+        for key, value in module.state_dict(keep_vars=True).items()
         if id(value) in entry_of
     }
 
@@ -241,7 +245,7 @@ def _check_same_model(manifest: dict[str, Any], slices: list[ParamSlice], model:
     extra = sorted(set(saved) - {item.name for item in slices})
     if extra:
         raise CheckpointError(f"checkpoint has parameters this model lacks, first {extra[0]!r}")
-    for name, buffer in model.module.named_buffers():
+    for name, buffer in saved_module(model.module).named_buffers():
         if manifest["buffers"].get(name) != list(buffer.shape):
             raise CheckpointError(
                 f"buffer {name!r} has shape {list(buffer.shape)} here but "

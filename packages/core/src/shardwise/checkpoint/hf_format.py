@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
+from shardwise.checkpoint.saved_module import saved_module
 from shardwise.checkpoint.weights_source import safetensors_module
 from shardwise.checkpoint.zero_model_io import load_zero_model
 from shardwise.engine.model import ZeroModel
@@ -78,7 +79,7 @@ def export_hf(
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
-        config: Any = getattr(model.module, "config", None)
+        config: Any = getattr(saved_module(model.module), "config", None)
         if hasattr(config, "save_pretrained"):
             config.save_pretrained(str(staging))
         if target.exists():
@@ -96,10 +97,11 @@ def _gathered_tensors(model: ZeroModel, dtype: torch.dtype | None) -> dict[str, 
     tensors: dict[str, torch.Tensor] = {}
     if not keep:
         return tensors
-    for name, param in model.module.named_parameters():
+    module = saved_module(model.module)
+    for name, param in module.named_parameters():
         tensors[name] = by_param[id(param)]
-    persistent = set(model.module.state_dict(keep_vars=True))
-    for name, buffer in model.module.named_buffers():
+    persistent = set(module.state_dict(keep_vars=True))
+    for name, buffer in module.named_buffers():
         if name in persistent:
             tensors[name] = buffer.detach().to("cpu", copy=True).contiguous()
     return tensors

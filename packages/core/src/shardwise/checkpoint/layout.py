@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.checkpoint.saved_module import saved_module
 from shardwise.chunk import Chunk
 from shardwise.engine.model import ZeroModel
 
@@ -56,7 +57,7 @@ def param_slices(model: ZeroModel) -> list[ParamSlice]:
     """Every managed parameter of `model`, in `named_parameters()` order."""
     manager = model.chunk_manager
     slices = []
-    for name, param in model.module.named_parameters():
+    for name, param in saved_module(model.module).named_parameters():
         chunk, index = manager.locate(param)
         info = chunk.tensors[index]
         ranges = []

@@ -12,6 +12,7 @@ from shardwise.checkpoint.commit import CheckpointError, Ranks
 from shardwise.checkpoint.file_writer import FileWriter
 from shardwise.checkpoint.layout import param_slices
 from shardwise.checkpoint.model_checkpoint import write_model_checkpoint
+from shardwise.checkpoint.saved_module import saved_module
 from shardwise.checkpoint.weights_source import WeightsSource
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.state_dict import gathered_chunks
@@ -34,7 +35,8 @@ def save_zero_model(
     masters, frozen ones as stored, tied ones under every name) as one file that rank 0
     writes, or with `shard` as a sharded directory every rank writes part of. A collective."""
     manager = model.chunk_manager
-    state = model.module.state_dict(keep_vars=True)
+    module = saved_module(model.module)
+    state = module.state_dict(keep_vars=True)
     keys_of: dict[int, list[str]] = {}
     sizes: list[tuple[str, int]] = []
     for key, value in state.items():
@@ -71,7 +73,7 @@ def save_zero_model(
         prefix=prefix,
         size_per_shard=size_per_shard,
         use_safetensors=use_safetensors,
-        config=getattr(model.module, "config", None),
+        config=getattr(module, "config", None),
     )
 
 
@@ -81,7 +83,7 @@ def load_zero_model(model: ZeroModel, checkpoint: str | Path, *, strict: bool = 
     key of the model missing from the files, or one of the files the model lacks, is an error
     (every rank reads the same index, so every rank raises alike)."""
     manager = model.chunk_manager
-    expected = model.module.state_dict(keep_vars=True)
+    expected = saved_module(model.module).state_dict(keep_vars=True)
     aliases: dict[int, list[str]] = {}
     for key, value in expected.items():
         if isinstance(value, torch.Tensor) and manager.manages(value):

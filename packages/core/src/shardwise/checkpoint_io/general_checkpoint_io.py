@@ -19,6 +19,7 @@ from shardwise.checkpoint.optimizer_checkpoint import (
     state_bytes,
     write_optimizer_checkpoint,
 )
+from shardwise.checkpoint.saved_module import saved_module
 from shardwise.checkpoint.weights_source import WeightsSource
 from shardwise.checkpoint_io.checkpoint_io_base import CheckpointIO, unwrapped_optimizer
 from shardwise.comm import CommStats
@@ -133,7 +134,7 @@ class GeneralCheckpointIO(CheckpointIO):
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    return model.unwrap() if isinstance(model, ModelWrapper) else model
+    return saved_module(model.unwrap() if isinstance(model, ModelWrapper) else model)
 
 
 def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
