@@ -42,8 +42,9 @@ ALONE_ENGINES = [
     "ddp", "colo", "zero1", "zero2", "zero2+sync", "fsdp1", "fsdp2", "zero3-cuda",
     "zero3-cuda+telemetry", "zero3-cpu", "zero2-rs", "zero3-cuda-rs", "zero2-ar",
 ]  # fmt: skip
-# Blocks of RESULTS.md that other benchmarks write (between these markers) survive a rewrite.
-KEPT_BLOCK = re.compile(r"<!-- (?P<name>[\w-]+):begin -->.*?<!-- (?P=name):end -->\n?", re.S)
+# Blocks of RESULTS.md that other benchmarks write (between these markers, "name:begin" or
+# "name: begin") survive a rewrite.
+KEPT_BLOCK = re.compile(r"<!-- (?P<name>[\w-]+): ?begin -->.*?<!-- (?P=name): ?end -->\n?", re.S)
 SIZES = {
     "small": ["--n-layer", "2", "--n-embd", "128"],
     "medium": ["--n-layer", "4", "--n-embd", "256"],
