@@ -242,6 +242,7 @@ def _export(path: str) -> dict[str, torch.Tensor]:
     wrapped, optimizer = _build(3)
     _train(wrapped, optimizer, range(2))
     checkpoint.export_hf(path, wrapped, max_shard_bytes=40_000)
+    checkpoint.export_hf(path + "-bf16", wrapped, dtype=torch.bfloat16)
     return wrapped.state_dict()
 
 
@@ -272,3 +273,13 @@ def test_hugging_face_export_and_sharded_import(tmp_path: Path) -> None:
     assert set(trained) - set(exported) == {"gpt.lm_head.weight"}
     loaded = run_ranks(_import, 4, str(path))[0]
     assert max_abs_diff(loaded, trained) == 0.0
+    # Cast on the way out; under the default file limit still files of at most half the whole,
+    # so that no rank writes (or holds) the whole model.
+    bf16 = tmp_path / "hf-bf16"
+    index = json.loads((bf16 / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2
+    cast = {name: v for file in files for name, v in load_file(str(bf16 / file)).items()}
+    assert sorted(cast) == sorted(exported)
+    for name, value in cast.items():
+        assert torch.equal(value, trained[name].to(torch.bfloat16)), name

@@ -7,8 +7,9 @@ The callback therefore gathers the whole model into rank 0's memory at the momen
 known to follow, on every rank (a step or epoch end that set `control.should_save`, and the end
 of training), and a state-dict hook on the model hands those values to `save_pretrained`.
 The result is an ordinary Hugging Face checkpoint: safetensors, split with an index above
-`max_shard_size`, with config.json. The memory cost on rank 0 is that of any consolidated
-export (`shardwise.checkpoint.export_hf` gathers the same way).
+`max_shard_size`, with config.json. The cost is the whole model in rank 0's memory, since
+`save_pretrained` writes from rank 0 alone (`shardwise.checkpoint.export_hf` and the Booster's
+`save_model` have every rank write part of the files instead).
 
 Loading the model files of a Trainer checkpoint on resume goes the other way: a load hook takes
 the whole tensors out of the state dict and writes each rank's slice into the chunks, and tells

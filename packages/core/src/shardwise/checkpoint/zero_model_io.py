@@ -30,39 +30,59 @@ def save_zero_model(
     prefix: str | None = None,
     size_per_shard: float = 1024,
     use_safetensors: bool = False,
+    tied_once: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Write `model`'s state dict (its module's names; trainable parameters as their fp32
-    masters, frozen ones as stored, tied ones under every name) as one file that rank 0
-    writes, or with `shard` as a sharded directory every rank writes part of. A collective."""
+    masters, frozen ones as stored, tied ones under every name, or with `tied_once` under the
+    first only, as `save_pretrained` writes them) as one file that rank 0 writes, or with
+    `shard` as a sharded directory every rank writes part of. `dtype` casts floating tensors.
+    A collective."""
     manager = model.chunk_manager
     module = saved_module(model.module)
-    state = module.state_dict(keep_vars=True)
+    state: dict[str, torch.Tensor] = {}
+    kept: set[int] = set()  # the tensors named so far (state_dict() holds them alive)
     keys_of: dict[int, list[str]] = {}
     sizes: list[tuple[str, int]] = []
-    for key, value in state.items():
+    for key, value in module.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(
                 f"state dict entry {key!r} is a {type(value).__name__}, not a tensor: a weights "
                 f"file holds tensors only"
             )
+        if tied_once and id(value) in kept:
+            continue
+        kept.add(id(value))
+        state[key] = value
         if manager.manages(value):
             chunk, index = manager.locate(value)
             stored = chunk.master if chunk.requires_grad else chunk.payload.shard
             keys_of.setdefault(id(value), []).append(key)
-            sizes.append((key, chunk.tensors[index].numel * stored.element_size()))
+            numel, element_size = chunk.tensors[index].numel, stored.element_size()
+            floating = stored.is_floating_point()
         else:
-            sizes.append((key, value.numel() * value.element_size()))
+            numel, element_size = value.numel(), value.element_size()
+            floating = value.is_floating_point()
+        if dtype is not None and floating:
+            element_size = dtype.itemsize
+        sizes.append((key, numel * element_size))
+
+    def saved(value: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        return value.detach().to("cpu", dtype=cast, copy=True)
 
     def offer(writer: FileWriter) -> None:
         for key, value in state.items():
             if not manager.manages(value) and writer.wants(key):
-                writer.add(key, value.detach().to("cpu", copy=True))
+                writer.add(key, saved(value))
         for chunk, full in gathered_chunks(manager):
             for info in chunk.tensors:
                 for key in keys_of.get(id(info.param), ()):
                     if writer.wants(key):
-                        piece = full[info.offset : info.offset + info.numel].view(info.shape)
-                        writer.add(key, piece.to("cpu", copy=True))
+                        writer.add(
+                            key,
+                            saved(full[info.offset : info.offset + info.numel]).view(info.shape),
+                        )
 
     write_model_checkpoint(
         checkpoint,
