@@ -200,11 +200,12 @@ def main() -> None:
             print(script, flush=True)
             subprocess.run([sys.executable, str(HERE / script)], env=env, timeout=1800, check=True)
         print("bench_checkpoint.py", flush=True)
-        checkpoints = [
-            *_torchrun(2), str(HERE / "bench_checkpoint.py"), "--size", "117m",
-            "--out", str(out.with_name("checkpoint.json")), "--results", str(out),
-        ]  # fmt: skip
-        subprocess.run(checkpoints, env=env, timeout=1800, check=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            checkpoints = [
+                *_torchrun(2), str(HERE / "bench_checkpoint.py"), "--size", "117m",
+                "--out", f"{scratch}/checkpoint.json", "--results", str(out),
+            ]  # fmt: skip
+            subprocess.run(checkpoints, env=env, timeout=1800, check=True)
 
 
 if __name__ == "__main__":
