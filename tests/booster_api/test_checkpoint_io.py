@@ -14,7 +14,8 @@
 CPU and gloo instead of CUDA and NCCL; tiny transformers models (checkpoint_models.py) instead
 of the model zoo's; 2 ranks. Beyond the originals: every rank writes its own files; a
 checkpoint loads at another world size and into another plugin or stage; `save_pretrained`'s
-own shard names load; a failed write leaves the previous checkpoint and raises on every rank.
+own shard names load; a failed write leaves the previous checkpoint and raises on every rank;
+a model compiled whole saves under its own names; `checkpoint.export_hf` writes the same way.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from checkpoint_models import (
 )
 from torch.optim import Adam
 
+from shardwise import zero_model_wrapper
 from shardwise.booster import Booster
-from shardwise.checkpoint import CheckpointError
+from shardwise.checkpoint import CheckpointError, export_hf
 from shardwise.checkpoint.file_plan import plan_files
 from shardwise.checkpoint.file_writer import FileWriter
 from shardwise.nn.optimizer import HybridAdam
@@ -301,3 +303,22 @@ def test_every_file_is_written_whole_by_one_rank() -> None:
     assert alone.files == (("big",), ("small",))
     with pytest.raises(ValueError, match="positive"):
         plan_files(sizes, max_file_bytes=0, world_size=1, shard_name="m.bin")
+
+
+def _export_hf_run(root: Path) -> dict[str, Any]:
+    module = MODELS["gpt2"]()
+    wrapped = zero_model_wrapper(module, 3, {"device": torch.device("cpu")})
+    export_hf(root, wrapped)
+    return {k: v.float() for k, v in wrapped.state_dict(only_rank_0=False).items()}
+
+
+def test_export_hf_of_a_tied_model_is_read_by_from_pretrained(tmp_path: Path) -> None:
+    # checkpoint.export_hf writes as save_pretrained does (the tied head once, config.json),
+    # every rank some of the files.
+    exported = run_ranks(_export_hf_run, 2, tmp_path)[0]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    assert len(set(index["weight_map"].values())) >= 2
+    loaded = type(MODELS["gpt2"]()).from_pretrained(str(tmp_path))
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert_states_equal(exported, dict(loaded.state_dict()))
