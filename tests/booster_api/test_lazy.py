@@ -316,6 +316,19 @@ def test_ported_lazy_from_pretrained_boosts_to_the_pretrained_values(
     assert not lazy.training  # eval mode, as from_pretrained leaves it
 
 
+def test_lazy_from_pretrained_reads_a_torch_file_of_the_legacy_format(tmp_path: Path) -> None:
+    # A pytorch_model.bin in torch's legacy (non-zip) format, as older checkpoints are: it
+    # cannot be memory-mapped, and transformers' own from_pretrained reads it all the same.
+    pretrained = MODELS["gpt2"]()
+    pretrained.config.save_pretrained(tmp_path)
+    state = pretrained.state_dict()
+    torch.save(state, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    with LazyInitContext():
+        lazy = AutoModelForCausalLM.from_pretrained(tmp_path)
+    LazyInitContext.materialize(lazy)
+    _assert_model_equal(AutoModelForCausalLM.from_pretrained(tmp_path), lazy)
+
+
 def _reenter() -> None:
     with LazyInitContext(), LazyInitContext():
         pass

@@ -13,7 +13,7 @@ import shardwise
 ROOT = Path(shardwise.__file__).parent
 # Lowest first: a package may import those before it, never one after it.
 LAYERS = [
-    ("comm", "amp", "optim", "testing"),
+    ("comm", "amp", "optim", "testing", "torch_files"),
     ("chunk",),
     ("gemini", "planner", "prepare"),
     ("runtime",),

@@ -21,7 +21,7 @@ from shardwise.checkpoint.file_names import INDEX_SUFFIX, STATES_INDEX_NAME, opt
 from shardwise.checkpoint.file_plan import plan_files
 from shardwise.checkpoint.file_writer import FileWriter, publish, start_writing
 from shardwise.checkpoint.model_checkpoint import check_size_per_shard
-from shardwise.checkpoint.weights_source import load_torch_file
+from shardwise.torch_files import load_torch_file
 
 # Flags of the optimizer that saved (which kernel it ran), not hyper-parameters: a loaded
 # optimizer keeps its own.

@@ -23,6 +23,7 @@ from shardwise.checkpoint.file_names import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
 )
+from shardwise.torch_files import load_torch_file
 
 
 def safetensors_module() -> Any:
@@ -33,18 +34,6 @@ def safetensors_module() -> Any:
             "safetensors files need the safetensors package: pip install 'shardwise[hf]'"
         ) from None
     return safetensors
-
-
-def load_torch_file(path: Path) -> Any:
-    """A torch checkpoint file, memory-mapped where its format allows (only the pages read are
-    loaded), tensors on the CPU; plain Python values only, never arbitrary objects."""
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError as error:
-        if "mmap" not in str(error):
-            raise
-        # The legacy (non-zip) format cannot be mapped.
-        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def weights_files(path: Path) -> dict[str, str]:

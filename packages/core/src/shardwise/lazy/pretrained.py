@@ -32,6 +32,7 @@ import torch
 
 from shardwise.lazy.recipe import TARGET, Call, Write, geometry_of, root_of
 from shardwise.lazy.recorder import Recorder
+from shardwise.torch_files import load_torch_file
 
 _log = logging.getLogger(__name__)
 
@@ -193,8 +194,8 @@ class _Checkpoint:
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 tensor: torch.Tensor = handle.get_tensor(key)
                 return tensor
-        if path not in self._loaded:  # a pickle is read whole (memory-mapped)
-            self._loaded[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if path not in self._loaded:  # a pickle is read whole (memory-mapped where it can be)
+            self._loaded[path] = load_torch_file(path)
         return self._loaded[path][key]
 
 
