@@ -26,9 +26,8 @@ from shardwise.engine.model import ZeroModel
 VOCAB = 128
 
 
-def llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -37,13 +36,11 @@ def llama() -> nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    return LlamaForCausalLM(config)
 
 
-def gpt2() -> nn.Module:
+def gpt2_config() -> GPT2Config:
     """Tied input and output embeddings."""
-    torch.manual_seed(0)
-    config = GPT2Config(
+    return GPT2Config(
         vocab_size=VOCAB,
         n_positions=32,
         n_embd=32,
@@ -55,12 +52,10 @@ def gpt2() -> nn.Module:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    return GPT2LMHeadModel(config)
 
 
-def bert() -> nn.Module:
-    torch.manual_seed(0)
-    config = BertConfig(
+def bert_config() -> BertConfig:
+    return BertConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=2,
@@ -70,7 +65,21 @@ def bert() -> nn.Module:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    return BertForSequenceClassification(config)
+
+
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(llama_config())
+
+
+def gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(gpt2_config())
+
+
+def bert() -> nn.Module:
+    torch.manual_seed(0)
+    return BertForSequenceClassification(bert_config())
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "gpt2": gpt2, "bert": bert}

@@ -32,15 +32,13 @@ from typing import Any
 import peft
 import pytest
 import torch
+from checkpoint_models import bert_config, gpt2_config, llama_config
 from helpers import CONFIG
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
-    BertConfig,
     BertForPreTraining,
-    GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
     LlamaForCausalLM,
 )
 
@@ -55,41 +53,15 @@ SEED = 42
 
 
 def _gpt2() -> nn.Module:
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=64,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(gpt2_config())
 
 
 def _llama() -> nn.Module:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(llama_config())
 
 
 def _bert() -> nn.Module:
-    config = BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-    )
-    return BertForPreTraining(config)
+    return BertForPreTraining(bert_config())
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
