@@ -46,14 +46,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from checkpoint_models import VOCAB, bert, gpt2, llama, whole_state
+from checkpoint_models import VOCAB, bert, gpt2, llama, llama_config, whole_state
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import SGD, Adam
 from torch.utils.data import TensorDataset
 from transformers import (
-    LlamaConfig,
     LlamaForSequenceClassification,
     T5Config,
     T5ForConditionalGeneration,
@@ -141,17 +140,8 @@ def convnet() -> nn.Module:
 
 def llama_for_sequence_classification() -> nn.Module:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        num_labels=3,
-        pad_token_id=0,
-    )
+    config = llama_config()
+    config.num_labels, config.pad_token_id = 3, 0
     return LlamaForSequenceClassification(config)
 
 
