@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from shardwise.checkpoint.commit import CheckpointError
+from shardwise.checkpoint.commit import CheckpointError, Ranks
+from shardwise.comm import CommStats
 
 
 class CheckpointIO(ABC):
@@ -25,6 +26,12 @@ class CheckpointIO(ABC):
     `gather_dtensor`, `use_async`, `low_cpu_mem_mode` and `num_threads` are accepted: there are
     no distributed tensors to keep apart, the files are complete when a save returns, and a
     load reads only what it keeps (torch files memory-mapped, safetensors sliced)."""
+
+    @property
+    def ranks(self) -> Ranks:
+        """Every rank of the default group, or this process alone without one."""
+        distributed = dist.is_available() and dist.is_initialized()
+        return Ranks(CommStats()) if distributed else Ranks.alone()
 
     def save_model(
         self,
@@ -89,9 +96,9 @@ class CheckpointIO(ABC):
         """Write `lr_scheduler.state_dict()` to the file `checkpoint`: rank 0 writes it whole or
         not at all; every rank returns once it is there, or raises what rank 0 met."""
         path = Path(checkpoint)
-        distributed = dist.is_available() and dist.is_initialized()
+        ranks = self.ranks
         problem: str | None = None
-        if not distributed or dist.get_rank() == 0:
+        if ranks.rank == 0:
             try:
                 if path.is_dir():
                     raise ValueError(f"{checkpoint} is a directory: give the file to write")
@@ -100,11 +107,8 @@ class CheckpointIO(ABC):
                 os.replace(partial, path)
             except (OSError, ValueError) as error:
                 problem = f"{type(error).__name__}: {error}"
-        if distributed:
-            # Rank 0's outcome reaches every rank, so none waits for a file that never comes.
-            outcome = [problem]
-            dist.broadcast_object_list(outcome, src=0)
-            problem = outcome[0]
+        # Rank 0's outcome reaches every rank, so none waits for a file that never comes.
+        problem = ranks.from_first(problem)
         if problem is not None:
             raise CheckpointError(f"save_lr_scheduler failed on rank 0: {problem}")
 

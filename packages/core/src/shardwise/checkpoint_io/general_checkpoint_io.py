@@ -8,10 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint.commit import CheckpointError, Ranks
+from shardwise.checkpoint.commit import CheckpointError
 from shardwise.checkpoint.file_writer import FileWriter
 from shardwise.checkpoint.model_checkpoint import write_model_checkpoint
 from shardwise.checkpoint.optimizer_checkpoint import (
@@ -22,17 +21,10 @@ from shardwise.checkpoint.optimizer_checkpoint import (
 from shardwise.checkpoint.saved_module import saved_module
 from shardwise.checkpoint.weights_source import WeightsSource
 from shardwise.checkpoint_io.checkpoint_io_base import CheckpointIO, unwrapped_optimizer
-from shardwise.comm import CommStats
 from shardwise.interface import ModelWrapper
 
 
 class GeneralCheckpointIO(CheckpointIO):
-    @property
-    def ranks(self) -> Ranks:
-        """Every rank of the default group, or this process alone without one."""
-        distributed = dist.is_available() and dist.is_initialized()
-        return Ranks(CommStats()) if distributed else Ranks.alone()
-
     def _save_model(
         self,
         model: nn.Module,
