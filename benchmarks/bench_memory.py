@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -337,7 +338,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         for size in sizes:
             for engine in engines:
                 out = Path(scratch) / f"{engine}-{size}.json"
-                outcome, _ = _launch(
+                launch = functools.partial(
+                    _launch,
                     engine,
                     size,
                     args.steps,
@@ -347,20 +349,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                     args.cpu,
                     ranks=args.ranks,
                 )
+                outcome, _ = launch()
                 if outcome.startswith("past the"):
                     # A launch that never got going (its rendezvous, say) is tried once more;
                     # the log of the first went to stderr, and a second hang still fails.
                     print(f"{engine} at {size}: {outcome}; trying once more", file=sys.stderr)
-                    outcome, _ = _launch(
-                        engine,
-                        size,
-                        args.steps,
-                        out,
-                        args.attempt_timeout,
-                        args.limit_gib,
-                        args.cpu,
-                        ranks=args.ranks,
-                    )
+                    outcome, _ = launch()
                 if outcome != "ok":
                     raise SystemExit(f"{engine} at {size}: {outcome}")
                 run = json.loads(out.read_text())
