@@ -177,7 +177,7 @@ def _cached_counts_agree_with_a_fresh_count() -> int:
         nonlocal checks
         fresh = sum(
             device_resident_bytes(c)
-            + (gemini._optimizer_bytes(c) if c.placement.optim is Pool.DEVICE else 0)
+            + (c.optimizer_state.nbytes() if c.placement.optim is Pool.DEVICE else 0)
             for c in gemini.chunk_manager.chunks
         )
         assert gemini.tally.device_bytes() == fresh, where

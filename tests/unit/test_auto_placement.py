@@ -33,7 +33,7 @@ def test_farthest_next_use_is_evicted_first_and_unused_before_all() -> None:
     # One step uses chunks 0, 1, 2 in forward and 2, 1, 0 in backward; chunk 3 never.
     for ids in [(0,), (1,), (2,), (2,), (1,), (0,)]:
         placer.before_gather([manager.chunks[i] for i in ids], backward=False)
-    placer.end_warmup(move_optim=lambda chunk: None, optim_bytes=lambda chunk: 0)
+    placer.end_warmup(move_optim=lambda chunk: None)
     # At position 1 (chunk 1 in use): never-used chunk 3 goes first; then chunk 0, whose next
     # use (position 5) is farther than chunk 2's (position 2).
     order = []

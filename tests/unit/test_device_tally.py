@@ -1,6 +1,6 @@
 """DeviceTally on one process: the device bytes it reports for a chunk manager's chunks as they
 are gathered, given gradients, reduced, released and moved between pools; the optimizer state
-it counts (only where a chunk's optim pool is the device, kept until `forget_optimizer`); that
+it counts (only where a chunk's optim pool is the device, as the chunk adopts it); that
 it recounts only the chunks that changed, and of those only the transient buffers when only
 those changed (see [Note: device tally]); that it picks up chunks packed after it was built;
 and the error for a chunk it does not count.
@@ -39,22 +39,26 @@ def _manager(num_chunks: int = 4, *, keep_gathered: bool = False) -> ChunkManage
     return manager
 
 
-class _StateBytes:
-    """An optimizer-state count that records which chunks it was asked about."""
-
-    def __init__(self, nbytes: int = STATE) -> None:
-        self.nbytes = nbytes
-        self.asked: list[int] = []
-
-    def __call__(self, chunk: Chunk) -> int:
-        self.asked.append(chunk.chunk_id)
-        return self.nbytes if chunk.requires_grad else 0
+def _give_state(manager: ChunkManager, copies: int = 2) -> None:
+    """Give each trainable chunk the state an optimizer stepping its whole master would keep:
+    `copies` fp32 tensors of the master's shape (Adam's two moments: STATE bytes)."""
+    for chunk in manager.trainable_chunks():
+        _adopt(chunk, copies)
 
 
-def _fresh_count(manager: ChunkManager, state_of: Callable[[Chunk], int]) -> int:
+def _adopt(chunk: Chunk, copies: int) -> None:
+    states = chunk.optimizer_state
+    if not states.views:
+        states.bind(chunk.master[:], 0, chunk.master.numel())
+    view = states.views[0][0]
+    states.adopt([{f"moment{n}": torch.zeros_like(view) for n in range(copies)}])
+
+
+def _fresh_count(manager: ChunkManager) -> int:
     """The device bytes of every chunk counted from scratch, optimizer state included."""
     return sum(
-        device_resident_bytes(c) + (state_of(c) if c.placement.optim is Pool.DEVICE else 0)
+        device_resident_bytes(c)
+        + (c.optimizer_state.nbytes() if c.placement.optim is Pool.DEVICE else 0)
         for c in manager.chunks
     )
 
@@ -66,8 +70,8 @@ def _add_grads(chunk: Chunk) -> None:
 
 def test_counts_buffers_and_state_in_the_device_pool_and_nothing_in_host_memory() -> None:
     manager = _manager()
-    state = _StateBytes()
-    tally = DeviceTally(manager, state)
+    _give_state(manager)
+    tally = DeviceTally(manager)
     chunks = manager.chunks
     chunks[0].place(payload=Pool.DEVICE, optim=Pool.DEVICE)  # the master is the shard
     chunks[1].place(payload=Pool.HOST, optim=Pool.DEVICE)  # a master of its own
@@ -78,13 +82,12 @@ def test_counts_buffers_and_state_in_the_device_pool_and_nothing_in_host_memory(
     assert [tally.chunk_device_bytes(c) for c in chunks] == [n * CHUNK_BYTES for n in expected]
     assert tally.device_bytes() == sum(expected) * CHUNK_BYTES
     assert tally.transient_bytes() == 0  # nothing gathered, no gradient buffer
-    # The optimizer state of a chunk whose optim pool is host memory is neither asked nor counted.
-    assert sorted(set(state.asked)) == [0, 1]
 
 
 def test_gather_gradients_reduction_and_release_move_both_totals_by_their_bytes() -> None:
     manager = _manager()
-    tally = DeviceTally(manager, _StateBytes())
+    _give_state(manager)
+    tally = DeviceTally(manager)
     for chunk in manager.chunks:  # placement "cpu": nothing on the device at rest
         chunk.place(payload=Pool.HOST, optim=Pool.HOST)
     chunk = manager.chunks[1]
@@ -105,7 +108,8 @@ def test_gather_gradients_reduction_and_release_move_both_totals_by_their_bytes(
 
 def test_moving_a_shard_or_an_optimizer_side_between_pools_is_counted() -> None:
     manager = _manager()
-    tally = DeviceTally(manager, _StateBytes())
+    _give_state(manager)
+    tally = DeviceTally(manager)
     chunk = manager.chunks[0]
     at_rest = tally.device_bytes()
     # Shard (also the master), gradient shard and state of chunk 0 on the device.
@@ -125,30 +129,21 @@ def test_moving_a_shard_or_an_optimizer_side_between_pools_is_counted() -> None:
     assert tally.device_bytes() == at_rest
 
 
-def test_optimizer_state_is_counted_once_until_forget_optimizer() -> None:
+def test_optimizer_state_is_counted_when_a_chunk_adopts_it() -> None:
     manager = _manager()
-    state = _StateBytes()
-    tally = DeviceTally(manager, state)
-    before = tally.device_bytes()
-    asked = len(state.asked)
-    assert asked == len(manager.chunks)  # every chunk's optim pool is the device
-    state.nbytes = 5 * STATE  # the optimizer made more state, unannounced
-    chunk = manager.chunks[0]
-    chunk.payload.gather()
-    chunk.payload.release()
-    # A change of a buffer kept between steps; the master stays on the device, so the
-    # bytes held there do not change.
-    chunk.move_payload(Pool.HOST)
-    assert tally.device_bytes() == before  # the state counted first still stands
-    assert len(state.asked) == asked
-    tally.forget_optimizer(chunk)
-    assert len(state.asked) == asked  # asked only when the totals are next asked for
-    assert tally.device_bytes() == before + 4 * STATE  # chunk 0's state alone
-    assert state.asked[asked:] == [0]
-    tally.forget_optimizer()
+    tally = DeviceTally(manager)
+    before = tally.device_bytes()  # no optimizer has stepped: no state
+    _give_state(manager)
     trainable = sum(c.requires_grad for c in manager.chunks)
-    assert tally.device_bytes() == before + trainable * 4 * STATE
-    assert sorted(state.asked[asked + 1 :]) == [c.chunk_id for c in manager.chunks]
+    assert tally.device_bytes() == before + trainable * STATE
+    chunk = manager.chunks[0]
+    _adopt(chunk, copies=5)  # the optimizer replaced chunk 0's state with more
+    # Shard (also the master), gradient shard, five state tensors.
+    assert tally.chunk_device_bytes(chunk) == (1 + 1 + 5) * CHUNK_BYTES
+    assert tally.device_bytes() == _fresh_count(manager)
+    chunk.move_optim(Pool.HOST)  # master, gradient shard and state go; the shard stays
+    assert tally.chunk_device_bytes(chunk) == CHUNK_BYTES
+    assert tally.device_bytes() == _fresh_count(manager)
 
 
 def test_only_changed_chunks_are_recounted_and_only_their_transient_part_when_only_it_changed(
@@ -169,7 +164,8 @@ def test_only_changed_chunks_are_recounted_and_only_their_transient_part_when_on
     monkeypatch.setattr(device_tally, "resting_device_bytes", counting_resting)
     monkeypatch.setattr(device_tally, "transient_bytes", counting_transient)
     manager = _manager()
-    tally = DeviceTally(manager, _StateBytes())
+    _give_state(manager)
+    tally = DeviceTally(manager)
     tally.device_bytes()
     everyone = Counter({c.chunk_id: 1 for c in manager.chunks})
     assert resting == transient == everyone
@@ -186,20 +182,21 @@ def test_only_changed_chunks_are_recounted_and_only_their_transient_part_when_on
     tally.transient_bytes()
     assert transient == everyone + Counter({2: 2})
     assert resting == everyone + Counter({2: 1})
-    tally.forget_optimizer(manager.chunks[1])
+    _adopt(manager.chunks[1], copies=3)  # new state: a change of what it keeps
     tally.chunk_device_bytes(manager.chunks[1])
     assert resting == everyone + Counter({1: 1, 2: 1})
 
 
 def test_chunks_packed_after_the_tally_was_built_are_counted_and_watched() -> None:
     manager = ChunkManager(chunk_size_numel=20, device=CPU, keep_gathered=False)
-    state = _StateBytes()
-    tally = DeviceTally(manager, state)  # as GeminiManager builds it: before packing
+    tally = DeviceTally(manager)  # as GeminiManager builds it: before packing
     assert tally.device_bytes() == tally.transient_bytes() == 0
     manager.register(nn.Linear(4, 4).named_parameters())
+    _give_state(manager)
     (first,) = manager.chunks
     assert tally.device_bytes() == 4 * CHUNK_BYTES
     manager.register(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).named_parameters())
+    _give_state(manager)
     assert tally.device_bytes() == 3 * 4 * CHUNK_BYTES
     last = manager.chunks[-1]
     assert tally.chunk_device_bytes(last) == 4 * CHUNK_BYTES
@@ -212,8 +209,8 @@ def test_chunks_packed_after_the_tally_was_built_are_counted_and_watched() -> No
 @pytest.mark.parametrize("keep_gathered", [False, True], ids=["sharded", "kept-gathered"])
 def test_totals_agree_with_a_fresh_count_through_a_training_step(keep_gathered: bool) -> None:
     manager = _manager(keep_gathered=keep_gathered)
-    state = _StateBytes()
-    tally = DeviceTally(manager, state)
+    _give_state(manager)
+    tally = DeviceTally(manager)
     chunks = manager.chunks
     trainable = [c for c in chunks if c.requires_grad]
     events: list[tuple[str, Callable[[], None]]] = []
@@ -232,16 +229,16 @@ def test_totals_agree_with_a_fresh_count_through_a_training_step(keep_gathered: 
     for where, event in events:
         event()
         device = tally.device_bytes()
-        assert device == _fresh_count(manager, state), where
+        assert device == _fresh_count(manager), where
         assert tally.transient_bytes() == sum(transient_bytes(c) for c in chunks), where
         assert sum(tally.chunk_device_bytes(c) for c in chunks) == device, where
         assert 0 <= tally.transient_bytes() <= device, where
 
 
 def test_asking_about_a_chunk_the_manager_does_not_hold_raises() -> None:
-    tally = DeviceTally(_manager(2), _StateBytes())
+    tally = DeviceTally(_manager(2))
     other = _manager(3).chunks[2]  # an id the tally's manager has no chunk for
     with pytest.raises(ValueError, match="not one of this tally's chunk manager's"):
         tally.chunk_device_bytes(other)
     with pytest.raises(ValueError, match="not one of this tally's chunk manager's"):
-        tally.forget_optimizer(_manager(2).chunks[0])  # same id, another manager's chunk
+        tally.chunk_device_bytes(_manager(2).chunks[0])  # same id, another manager's chunk

@@ -12,9 +12,8 @@ from torch import nn
 
 import shardwise
 from shardwise import ChunkManager, GeminiManager
-from shardwise.chunk import Chunk, ChunkState, Pool
+from shardwise.chunk import ChunkState, Pool
 from shardwise.chunk.reduction import reduce_now
-from shardwise.gemini.collaborators import NoOptimizer
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.manager import placement_on
 from shardwise.gemini.policies import DevicePlacement, placement_policy
@@ -84,11 +83,14 @@ MEMORY = [
 ]
 
 
-class _FixedState(NoOptimizer):
-    """An optimizer keeping STATE bytes for each trainable chunk."""
-
-    def chunk_state_bytes(self, chunk: Chunk) -> int:
-        return STATE if chunk.requires_grad else 0
+def _give_state(manager: ChunkManager) -> None:
+    """Give each trainable chunk the STATE bytes an Adam over its whole master keeps."""
+    for chunk in manager.trainable_chunks():
+        chunk.optimizer_state.bind(chunk.master[:], 0, chunk.master.numel())
+        view = chunk.optimizer_state.views[0][0]
+        chunk.optimizer_state.adopt(
+            [{"exp_avg": torch.zeros_like(view), "exp_avg_sq": torch.zeros_like(view)}]
+        )
 
 
 @pytest.mark.parametrize(("policy", "options", "device", "host"), MEMORY)
@@ -97,7 +99,7 @@ def test_memory_by_pool_counts_every_buffer_and_optimizer_state(
 ) -> None:
     gemini, manager = _placed(policy, **options)
     device, host = device * CHUNK_BYTES, host * CHUNK_BYTES
-    gemini.attach_optimizer(_FixedState())
+    _give_state(manager)
     assert gemini.memory_by_pool() == {"device": device, "host": host}
     chunk = manager.chunks[0]
     chunk.payload.gather()  # a gathered payload always lives on the device

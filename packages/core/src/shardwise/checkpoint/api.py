@@ -355,4 +355,5 @@ def _restore_optimizer(
                 )
         if per_param:
             optimizer.optim.state[view] = per_param
+    optimizer.state_replaced()
     optimizer.grad_scaler.load_state_dict(objects["grad_scaler"])

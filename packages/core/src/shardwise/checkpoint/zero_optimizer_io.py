@@ -254,6 +254,7 @@ def load_zero_optimizer(optimizer: ZeroOptimizer, source: OptimizerCheckpoint) -
             position += 1
         groups.append({**source.hyperparameters(index, group), "params": positions})
     optimizer.optim.load_state_dict({"state": local, "param_groups": groups})
+    optimizer.state_replaced()
     scaler = optimizer.grad_scaler
     # A scaler of another kind (a bf16 or fp32 run's constant scale, loaded by an fp16 run) has
     # nothing this one could resume from: it starts afresh, as the plugin configured it.

@@ -69,6 +69,7 @@ from shardwise.chunk.grads import (
     SliceOfFullGrads,
     WholeGrads,
 )
+from shardwise.chunk.optimizer_state import OptimizerState
 from shardwise.chunk.parameters import (
     adopt,
     compute_face,
@@ -157,6 +158,9 @@ class Chunk:
         self.grads = OwnBufferGrads(self, torch.empty(0, dtype=torch.float32, device=device))
         # See [Note: pools].
         self.placement = ChunkPlacement(self, device)
+        # The views the optimizer steps and its state for them, which move with the master
+        # (see [Note: the chunk owns its optimizer state] in optimizer_state.py).
+        self.optimizer_state = OptimizerState(self)
         self.predivide_factor = predivide_factor
         self.reduce_method = reduce_method
         self.replicate_group = replicate_group
@@ -248,6 +252,7 @@ class Chunk:
                 self.master = self.placement.move_to(self.master, optim, torch.float32)
             if optim is not self.placement.optim:
                 self.grads.shard = self.placement.move_to(self.grads.shard, optim)
+            self.placement.count_bytes(self.optimizer_state.follow(self.master), into=optim)
         self.placement.optim = optim
 
     def move_payload(self, pool: Pool) -> None:
@@ -262,9 +267,10 @@ class Chunk:
         self.placement.payload = pool
 
     def move_optim(self, pool: Pool) -> None:
-        """Move the fp32 master and gradient shard to `pool`; the optimizer must then re-point
-        its views (ZeroOptimizer.rebind_chunk) and move its state. An fp32 master that lands
-        beside its shard becomes the shard itself."""
+        """Move the fp32 master, the gradient shard and the optimizer's state to `pool`, the
+        optimizer's views following in place (see [Note: the chunk owns its optimizer state]
+        in optimizer_state.py). An fp32 master that lands beside its shard becomes the shard
+        itself."""
         if pool is self.placement.optim or not self.requires_grad:
             self.placement.optim = pool
             return
@@ -276,6 +282,7 @@ class Chunk:
         else:
             self.master = self.placement.move_to(self.master, pool, torch.float32)
         self.grads.shard = self.placement.move_to(self.grads.shard, pool)
+        self.placement.count_bytes(self.optimizer_state.follow(self.master), into=pool)
         self.placement.optim = pool
 
     # ---- gradient layouts (see [Note: gradient layouts] in grads.py) -------------------------

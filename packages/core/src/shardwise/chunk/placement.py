@@ -51,7 +51,10 @@ class ChunkPlacement:
     def count_copy(self, tensor: torch.Tensor, into: Pool) -> None:
         """Count a copy of `tensor` made elsewhere into `into` (an in-place copy_ between
         pools)."""
-        nbytes = tensor.numel() * tensor.element_size()
+        self.count_bytes(tensor.numel() * tensor.element_size(), into)
+
+    def count_bytes(self, nbytes: int, into: Pool) -> None:
+        """Count `nbytes` copied elsewhere into `into`."""
         if into is Pool.DEVICE:
             self.bytes_to_device += nbytes
         else:

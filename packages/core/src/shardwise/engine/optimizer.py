@@ -18,6 +18,22 @@ this rank since `zero_grad()`, the flags ride in the step's gradient-norm all-re
 collective), and a tensor no rank flagged gets `.grad = None` on its shard view, which every
 torch optimizer skips. A tensor some ranks flagged is stepped with the average over ranks, the
 others contributing zeros, as DDP does.
+
+[Note: the step, chunk by chunk]
+After the one all-reduce that gives the global gradient norm and the overflow flag, the inner
+optimizer steps each chunk's views on their own: its param groups are narrowed to the views of
+one chunk, `step()` runs (torch's fused kernels over that chunk's master and state), and the
+chunk publishes its updated parameters before the next chunk steps. Every elementwise optimizer
+updates each element from that element's own state and the group's hyperparameters, so this is
+bit-identical to one step over every view (tests/test_chunked_step.py holds it at every stage
+and placement, clipping and fp16 overflow included); what changes is the working set: one
+chunk's master, gradient and state at a time, so a chunk whose optimizer side lives elsewhere
+(host memory, the disk tier) is brought in, stepped and sent back while the next one is
+fetched, and the temporaries an optimizer makes per step (the foreach implementations' copies
+of every moment) are one chunk's. Each chunk's step also adopts the state the optimizer made
+for it (see [Note: the chunk owns its optimizer state] in chunk/optimizer_state.py). The param
+groups hold every view again when the step returns, also when it raises, so state dicts and LR
+schedulers see the whole optimizer; an inner optimizer's own step hooks run once per chunk.
 """
 
 from __future__ import annotations
@@ -130,10 +146,10 @@ class ZeroOptimizer:
         # Every group's parameters by name, in the order the user gave them (frozen ones and
         # ones this rank owns no element of too): torch's parameter numbers in checkpoints.
         self.group_param_names: list[list[str]] = []
-        self._views_of_chunk: dict[int, list[torch.Tensor]] = {}
+        # Per chunk id, per parameter group: the views of that chunk the group steps (see
+        # [Note: the step, chunk by chunk]).
+        self._groups_of_chunk: dict[int, list[list[torch.Tensor]]] = {}
         self._swap_params_for_shards()
-        if model.gemini_manager is not None:
-            model.gemini_manager.attach_optimizer(self)
         _OPTIMIZER_OF[model] = weakref.ref(self)
 
     def close(self) -> None:
@@ -167,7 +183,8 @@ class ZeroOptimizer:
                 f"{', '.join(foreign[:5])}); build the optimizer over model.parameters() of "
                 f"the model passed to zero_model_wrapper"
             )
-        for group in self.optim.param_groups:
+        num_groups = len(self.optim.param_groups)
+        for group_index, group in enumerate(self.optim.param_groups):
             shards: list[torch.Tensor] = []
             names: list[str] = []
             self.group_param_names.append(names)
@@ -184,7 +201,11 @@ class ZeroOptimizer:
                 position = self._flag_position[(chunk.chunk_id, index)]
                 self._slots.append((shard, chunk, begin, end, position))
                 self.shard_views[chunk.tensors[index].name] = shard
-                self._views_of_chunk.setdefault(chunk.chunk_id, []).append(shard)
+                chunk.optimizer_state.bind(shard, begin, end)
+                groups = self._groups_of_chunk.setdefault(
+                    chunk.chunk_id, [[] for _ in range(num_groups)]
+                )
+                groups[group_index].append(shard)
                 shards.append(shard)
             group["params"] = shards
 
@@ -252,18 +273,42 @@ class ZeroOptimizer:
         for view, chunk, begin, end, position in self._slots:
             # See [Note: tensors without gradients].
             view.grad = chunk.grads.shard[begin:end] if got_grad[position] else None
+        self._step_chunk_by_chunk(coef, grads)
+        self._after_step()
+        return True
+
+    def _step_chunk_by_chunk(self, coef: float, grads: list[torch.Tensor]) -> None:
+        """See [Note: the step, chunk by chunk]; `grads` are the chunks' gradient shards."""
+        groups = self.optim.param_groups
+        whole = [group["params"] for group in groups]
+        wait = not self.model.config.defers_param_gather
+        try:
+            for chunk, grad in zip(self._chunks, grads, strict=True):
+                views = self._groups_of_chunk.get(chunk.chunk_id)
+                if views is not None:
+                    for group, chunk_views in zip(groups, views, strict=True):
+                        group["params"] = chunk_views
+                    self._step_one_chunk(chunk, coef, grad)
+                chunk.publish_master(wait=wait)
+                chunk.grads.end_step()
+        finally:
+            for group, params in zip(groups, whole, strict=True):
+                group["params"] = params
+
+    def _step_one_chunk(self, chunk: Chunk, coef: float, grad: torch.Tensor) -> None:
+        """The inner optimizer over `chunk`'s views alone (its param groups hold only them),
+        then the state it made or replaced adopted by the chunk (see [Note: the chunk owns its
+        optimizer state] in chunk/optimizer_state.py)."""
+        states = chunk.optimizer_state
+        states.adopt(self.optim.state.get(view, {}) for view, _, _ in states.views)
         if isinstance(self.optim, HybridAdam):
             # Unscaled and clipped inside the fused update: no separate pass over gradients.
             self.optim.step(grad_scale=1.0 / coef)
         else:
             if coef != 1.0:
-                torch._foreach_mul_(grads, coef)
+                grad.mul_(coef)
             self.optim.step()
-        for chunk in self._chunks:
-            chunk.publish_master(wait=not self.model.config.defers_param_gather)
-            chunk.grads.end_step()
-        self._after_step()
-        return True
+        states.adopt(self.optim.state.get(view, {}) for view, _, _ in states.views)
 
     def _overran_plan(self) -> bool:
         gemini = self.model.gemini_manager
@@ -312,19 +357,6 @@ class ZeroOptimizer:
         for hook in self._step_hooks:
             hook(self)
 
-    def rebind_chunk(self, chunk: Chunk) -> None:
-        """Point the views of `chunk` at its master again after it moved pools, and move the
-        optimizer's state for them along."""
-        for view, owner, begin, end, _ in self._slots:
-            if owner is not chunk:
-                continue
-            view.data = chunk.master[begin:end]
-            state = self.optim.state.get(view)
-            if state:
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.device != view.device:
-                        state[key] = value.to(view.device)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards (they are kept allocated: `set_to_none` is accepted for
         compatibility and zeroes all the same)."""
@@ -338,26 +370,24 @@ class ZeroOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optim.load_state_dict(state["optimizer"])
         self.grad_scaler.load_state_dict(state["grad_scaler"])
+        self.state_replaced()
+
+    def state_replaced(self) -> None:
+        """The inner optimizer's state was replaced (loaded): let each chunk adopt the new
+        tensors now, so the old ones are freed and the new ones move with the chunk (see
+        [Note: the chunk owns its optimizer state] in chunk/optimizer_state.py)."""
+        for chunk in self._chunks:
+            states = chunk.optimizer_state
+            states.adopt(self.optim.state.get(view, {}) for view, _, _ in states.views)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state (e.g. Adam moments) this rank holds."""
-        return sum(self._tensor_bytes(state) for state in self.optim.state.values())
+        """Bytes of optimizer state (e.g. Adam moments) this rank holds in memory."""
+        return sum(self.chunk_state_bytes(chunk) for chunk in self._chunks)
 
     def chunk_state_bytes(self, chunk: Chunk) -> int:
-        """Bytes of optimizer state held for the parameters of `chunk` on this rank."""
-        return sum(
-            self._tensor_bytes(self.optim.state.get(view, {}))
-            for view in self._views_of_chunk.get(chunk.chunk_id, [])
-        )
-
-    @staticmethod
-    def _tensor_bytes(state: dict[str, Any]) -> int:
-        # Per-element state only: scalars such as Adam's step are not model state.
-        return sum(
-            v.numel() * v.element_size()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.numel() > 1
-        )
+        """Bytes of optimizer state held in memory for the parameters of `chunk` on this
+        rank."""
+        return chunk.optimizer_state.nbytes()
 
     def __repr__(self) -> str:
         name = type(self.optim).__name__

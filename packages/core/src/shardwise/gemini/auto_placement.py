@@ -280,7 +280,6 @@ class AutoPlacer:
     def end_warmup(
         self,
         move_optim: Callable[[Chunk], None],
-        optim_bytes: Callable[[Chunk], int],
         agree_max: Callable[[int], int] = lambda value: value,
     ) -> None:
         """Fix the timeline, then plan what stays on the device (see [Note: auto placement])."""
@@ -289,12 +288,11 @@ class AutoPlacer:
         for position, ids in enumerate(self.timeline):
             for chunk_id in ids:
                 self._uses.setdefault(chunk_id, []).append(position)
-        self._plan(move_optim, optim_bytes, agree_max)
+        self._plan(move_optim, agree_max)
 
     def replan(
         self,
         move_optim: Callable[[Chunk], None],
-        optim_bytes: Callable[[Chunk], int],
         agree_max: Callable[[int], int] = lambda value: value,
     ) -> None:
         """A step allocated more than the plan foresaw (`overruns_since_plan`: e.g. gradients
@@ -309,12 +307,11 @@ class AutoPlacer:
             if chunk.placement.payload is Pool.DEVICE and chunk.payload.state is ChunkState.SHARDED:
                 chunk.move_payload(Pool.HOST)
         self.replans += 1
-        self._plan(move_optim, optim_bytes, agree_max)
+        self._plan(move_optim, agree_max)
 
     def _plan(
         self,
         move_optim: Callable[[Chunk], None],
-        optim_bytes: Callable[[Chunk], int],
         agree_max: Callable[[int], int],
     ) -> None:
         self.overruns_since_plan = 0
@@ -360,7 +357,7 @@ class AutoPlacer:
                 continue
             if chunk.placement.payload is Pool.HOST:
                 continue
-            side = _side_bytes(chunk, optim_bytes)
+            side = _side_bytes(chunk)
             if side <= margin:
                 margin -= side
                 move_optim(chunk)
@@ -372,14 +369,14 @@ class AutoPlacer:
             if chunk.placement.optim is Pool.DEVICE:
                 continue
             shard_bytes = chunk.payload.shard.numel() * chunk.payload.shard.element_size()
-            side = _side_bytes(chunk, optim_bytes)
+            side = _side_bytes(chunk)
             if shard_bytes + side <= margin:
                 margin -= shard_bytes + side
                 chunk.move_payload(Pool.DEVICE)
                 move_optim(chunk)
 
 
-def _side_bytes(chunk: Chunk, optim_bytes: Callable[[Chunk], int]) -> int:
+def _side_bytes(chunk: Chunk) -> int:
     """Device bytes `chunk`'s optimizer side takes there beside its shard: the fp32 master
     (none when the shard is fp32), the gradient shard, and the optimizer's state (Adam's two
     moments when it has none yet)."""
@@ -393,7 +390,7 @@ def _side_bytes(chunk: Chunk, optim_bytes: Callable[[Chunk], int]) -> int:
     )
     # An fp32 master beside its shard on the device is the shard itself (Chunk.move_optim).
     master = 0 if chunk.dtypes.payload == torch.float32 else chunk.master.numel() * 4
-    return master + grad + (optim_bytes(chunk) or owned * 8)
+    return master + grad + (chunk.optimizer_state.nbytes() or owned * 8)
 
 
 def _reduce_size(chunk: Chunk) -> int:

@@ -9,14 +9,12 @@ changed since the last question and keeps the totals. Of a changed chunk it reco
 transient buffers when only those changed: the buffers it keeps between steps (shard, master,
 gradient shard) change only by assignment, and counting them at every gather made a placement
 that keeps them on the device cost more bookkeeping per step than one that keeps them in host
-memory. A chunk's optimizer state (in its optim pool) only grows within a step and moves only
-by the manager, so its count is kept until the manager says it may have changed
-(`forget_optimizer`).
+memory. A chunk's optimizer state (in its optim pool) is one of those: the chunk reports it as
+a resident change when the step makes or replaces it (see [Note: the chunk owns its optimizer
+state] in chunk/optimizer_state.py).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from shardwise.chunk import Chunk, ChunkManager, Pool
 from shardwise.chunk.accounting import resting_device_bytes, transient_bytes
@@ -28,19 +26,13 @@ class DeviceTally:
 
     Args:
         chunk_manager: the chunks to count; chunks packed later are picked up when asked.
-        optimizer_bytes: the bytes of a chunk's optimizer state (counted where its optim pool
-            is the device).
     """
 
-    def __init__(
-        self, chunk_manager: ChunkManager, optimizer_bytes: Callable[[Chunk], int]
-    ) -> None:
+    def __init__(self, chunk_manager: ChunkManager) -> None:
         self.chunk_manager = chunk_manager
-        self.optimizer_bytes = optimizer_bytes
         self._watched: list[Chunk] = []
         # Per chunk id: (its model-state device bytes, their transient part) when last counted.
         self._counted: dict[int, tuple[int, int]] = {}
-        self._optimizer: dict[int, int] = {}
         # Per chunk id: the device bytes it keeps between steps (optimizer state included).
         self._resting: dict[int, int] = {}
         self._dirty: dict[int, Chunk] = {}
@@ -62,16 +54,6 @@ class DeviceTally:
         self._check_held(chunk)
         self._settle()
         return self._counted[chunk.chunk_id][0]
-
-    def forget_optimizer(self, chunk: Chunk | None = None) -> None:
-        """Count the optimizer state of `chunk` (None: of every chunk) again when next asked."""
-        if chunk is not None:
-            self._check_held(chunk)
-        chunks = self.chunk_manager.chunks if chunk is None else [chunk]
-        for each in chunks:
-            self._optimizer.pop(each.chunk_id, None)
-            self._resting.pop(each.chunk_id, None)
-            self._dirty[each.chunk_id] = each
 
     def resident_changed(self, chunk: Chunk, transient: bool) -> None:
         """A watched chunk's buffers changed (see [Note: resident changes] in
@@ -107,7 +89,6 @@ class DeviceTally:
             chunk.resident_watch = None
         self._watched = list(chunks)
         self._counted.clear()
-        self._optimizer.clear()
         self._resting.clear()
         self._model = self._transient = 0
         for chunk in chunks:
@@ -124,8 +105,5 @@ class DeviceTally:
     def _count_resting(self, chunk: Chunk) -> int:
         held = resting_device_bytes(chunk)
         if chunk.placement.optim is Pool.DEVICE:
-            state = self._optimizer.get(chunk.chunk_id)
-            if state is None:
-                state = self._optimizer[chunk.chunk_id] = self.optimizer_bytes(chunk)
-            held += state
+            held += chunk.optimizer_state.nbytes()
         return held

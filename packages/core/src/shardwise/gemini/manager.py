@@ -24,7 +24,7 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
 from shardwise.chunk.accounting import resident_bytes_by_pool
 from shardwise.gemini.auto_placement import AutoPlacer
-from shardwise.gemini.collaborators import NoOptimizer, OptimizerSide, ReductionsInFlight
+from shardwise.gemini.collaborators import ReductionsInFlight
 from shardwise.gemini.device_tally import DeviceTally
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.policies import AutoPlacement, DevicePlacement, PlacementPolicy
@@ -92,11 +92,8 @@ class GeminiManager:
         # Model state alone, which the budget bounds ("auto" may pass it only by activations
         # it could not make room for: those cannot move to the host).
         self.peak_model_device_bytes = 0
-        # See gemini/collaborators.py: the layers above, as the manager needs them.
-        self._optimizer: OptimizerSide = NoOptimizer()
-        # See [Note: device tally]; it counts optimizer state through `attach_optimizer`'s
-        # function, looked up at each count.
-        self.tally = DeviceTally(chunk_manager, self._optimizer_bytes)
+        # See [Note: device tally].
+        self.tally = DeviceTally(chunk_manager)
         self.auto: AutoPlacer | None = None
         if isinstance(self.policy, AutoPlacement):
             assert self.device_budget_bytes is not None
@@ -127,20 +124,11 @@ class GeminiManager:
                 pin_memory=pin_memory,
             )
 
-    def attach_optimizer(self, optimizer: OptimizerSide) -> None:
-        """Count `optimizer`'s state of each chunk (in its optim pool), and re-point it at a
-        chunk whose optimizer side moved."""
-        self._optimizer = optimizer
-        self.tally.forget_optimizer()
-
     def attach_reducer(self, reductions: ReductionsInFlight) -> None:
         """The model's gradient reductions in flight: "auto" finishes them to free room, and
         counts what they hold and what the next one's start frees."""
         if self.auto is not None:
             self.auto.reductions = reductions
-
-    def _optimizer_bytes(self, chunk: Chunk) -> int:
-        return self._optimizer.chunk_state_bytes(chunk)
 
     @property
     def prefetch_planned(self) -> bool:
@@ -161,7 +149,6 @@ class GeminiManager:
     # ---- calls from the gather schedule (stage 3) --------------------------------------------
 
     def begin_forward(self) -> None:
-        self.tally.forget_optimizer()  # a step may have created optimizer state
         if self.auto is not None:
             self.auto.begin_step()
             if not self.auto.warm:
@@ -182,11 +169,7 @@ class GeminiManager:
         """After the first backward: the "auto" policy fixes its timeline and may move
         optimizer sides to the device."""
         if self.auto is not None and not self.auto.warm:
-            self.auto.end_warmup(
-                self._move_optim_to_device,
-                self._optimizer_bytes,
-                self._agree_max,
-            )
+            self.auto.end_warmup(self._move_optim_to_device, self._agree_max)
 
     @property
     def overran_since_plan(self) -> bool:
@@ -197,7 +180,7 @@ class GeminiManager:
         """Under "auto", plan again what stays on the device (see AutoPlacer.replan). A
         collective: call it on every rank alike, at the end of a step some rank overran."""
         if self.auto is not None and self.auto.warm:
-            self.auto.replan(self._move_optim_to_device, self._optimizer_bytes, self._agree_max)
+            self.auto.replan(self._move_optim_to_device, self._agree_max)
 
     def _agree_max(self, value: int) -> int:
         # Over every rank: the decision orders collectives, which must agree across shard
@@ -206,15 +189,13 @@ class GeminiManager:
         values = comm.all_gather_object(value, self.chunk_manager.stats, group)
         return max(int(v) for v in values)
 
-    def _move_optim_to_device(self, chunk: Chunk) -> None:
+    @staticmethod
+    def _move_optim_to_device(chunk: Chunk) -> None:
         chunk.move_optim(Pool.DEVICE)
-        self._optimizer.rebind_chunk(chunk)
-        self.tally.forget_optimizer(chunk)
 
-    def _move_optim_to_host(self, chunk: Chunk) -> None:
+    @staticmethod
+    def _move_optim_to_host(chunk: Chunk) -> None:
         chunk.move_optim(Pool.HOST)
-        self._optimizer.rebind_chunk(chunk)
-        self.tally.forget_optimizer(chunk)
 
     def memory_by_pool(self) -> dict[str, int]:
         """Bytes of model state (payloads, masters, gradients, optimizer state) per pool now."""
@@ -222,7 +203,7 @@ class GeminiManager:
         for chunk in self.chunk_manager.chunks:
             for pool, nbytes in resident_bytes_by_pool(chunk).items():
                 held[pool] += nbytes
-            held[chunk.placement.optim] += self._optimizer_bytes(chunk)
+            held[chunk.placement.optim] += chunk.optimizer_state.nbytes()
         return {pool.value: nbytes for pool, nbytes in held.items()}
 
     def check_budget(self, where: str) -> None:

@@ -302,7 +302,6 @@ class ShardedOptimizerV2(ZeroOptimizer):
                 break
             margin -= side
             chunk.move_optim(Pool.DEVICE)
-            self.rebind_chunk(chunk)
             self.chunks_moved_to_device += 1
 
     def _log_memory(self, when: str) -> None:
