@@ -13,7 +13,6 @@ import torch.distributed as dist
 from helpers import CHUNK_NUMEL, batch_slice, make_model
 
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
-from shardwise.chunk import Chunk
 from shardwise.gemini import DeviceBudgetExceeded
 from shardwise.testing import run_ranks
 
@@ -208,23 +207,17 @@ def _steady_waits(budget: int, mixed_precision: MixedPrecision) -> dict[str, int
     gemini = wrapped.gemini_manager
     assert gemini is not None and gemini.auto is not None
     auto = gemini.auto
-    reductions, drains = auto.reductions, 0
+    drains = 0
+    resume = gemini.resume
 
-    class Counted:
-        """The model's reductions, counting how often "auto" finishes them for room."""
+    def counted_resume() -> None:
+        """Resume a decision paused for the reductions in flight, which the model has just
+        finished: one wait for them, counted (see [Note: room after the reductions])."""
+        nonlocal drains
+        drains += 1
+        resume()
 
-        def finish_in_flight(self) -> None:
-            nonlocal drains
-            drains += 1
-            reductions.finish_in_flight()
-
-        def in_flight_bytes(self) -> int:
-            return reductions.in_flight_bytes()
-
-        def retiring_bytes(self, chunks: list[Chunk]) -> int:
-            return reductions.retiring_bytes(chunks)
-
-    auto.reductions = Counted()
+    gemini.resume = counted_resume  # type: ignore[method-assign]
     for step in range(STEPS):
         optimizer.zero_grad()
         optimizer.backward(wrapped(*batch_slice(step, 0, rank, 2)))

@@ -215,6 +215,8 @@ class ZeroModel(nn.Module):
                 ),
                 prefetch=self.config.overlap.prefetch,
                 gemini=gemini,
+                # The reducer is built below; this runs only once a pass has started.
+                finish_reductions=lambda: self._reducer.finish_in_flight(),
                 on_backward=lambda: self.rank_sync.backward_started(self.config.device),
                 units=units,
                 trail=self._trail,
@@ -240,7 +242,7 @@ class ZeroModel(nn.Module):
             bucket_bytes=self.config.reduction.bucket_bytes,
             on_reduced=self.scheduler.release_done if self.scheduler else None,
             on_complete=self.scheduler.release_done if self.scheduler else None,
-            after_grad=gemini.check_budget if gemini is not None else None,
+            gemini=gemini,
             units=units,
         )
         if gemini is not None:

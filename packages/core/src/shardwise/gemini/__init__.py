@@ -11,6 +11,7 @@ from shardwise.gemini.policies import (
     StaticPlacement,
     placement_policy,
 )
+from shardwise.gemini.room import Room
 from shardwise.gemini.tracer import MemoryTracer
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "HostPlacement",
     "MemoryTracer",
     "PlacementPolicy",
+    "Room",
     "StaticPlacement",
     "placement_policy",
 ]

@@ -9,7 +9,8 @@ backward, their gradient buffers, less the reduction in flight that the next red
 frees) within the budget less the non-model bytes traced there; if it has not, reductions
 still in flight are finished (only where that makes the room, or where the model state alone
 passes the budget: waiting cannot make room for activations and would serialise the step's
-reductions) and shards resident on the device are sent to host memory, the one used again
+reductions; the caller finishes them, see [Note: room after the reductions] in room.py) and
+shards resident on the device are sent to host memory, the one used again
 farthest in the future first (during warm-up, when the future is unknown, the least recently
 used first). A shard gathered from host memory is copied to the device for the gather and
 stays in its pool.
@@ -53,12 +54,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, Pool
 from shardwise.chunk.accounting import gathered_bytes, gathered_held_bytes
 from shardwise.gemini.collaborators import NoReductions, ReductionsInFlight
+from shardwise.gemini.room import Room
 from shardwise.gemini.tracer import MemoryTracer
 
 
@@ -114,8 +117,11 @@ class AutoPlacer:
         # placement]).
         self.plan_holds = False
         # The model's gradient reductions in flight, once the model attaches its reducer
-        # (GeminiManager.attach_reducer): what they hold, finished to make room.
+        # (GeminiManager.attach_reducer): what they hold, which finishing them frees.
         self.reductions: ReductionsInFlight = NoReductions()
+        # A decision paused for the caller to finish the reductions in flight (see [Note: room
+        # after the reductions] in room.py), resumed by `resume()`.
+        self._paused: Callable[[], Room] | None = None
         # Sends a chunk's optimizer side back to host memory (the manager's move).
         self.evict_optim = evict_optim
         self._position = 0
@@ -136,7 +142,7 @@ class AutoPlacer:
         the same point of the warm-up step (asked at every check: kept, not looked up)."""
         return self._planned_non_model if self.warm else self.tracer.sample()
 
-    def before_gather(self, chunks: list[Chunk], backward: bool) -> None:
+    def before_gather(self, chunks: list[Chunk], backward: bool) -> Room:
         """Make room on the device for `chunks` (see [Note: auto placement])."""
         position = self._position
         self._position += 1
@@ -152,15 +158,23 @@ class AutoPlacer:
                 self._last_use[chunk_id] = position
         # In backward the gradient buffers of the chunks gathered for a module arrive with
         # its gradients, right after the gather.
-        self.make_room(chunks, with_grads=backward, position=position)
+        return self.make_room(chunks, with_grads=backward, position=position)
 
-    def make_room(self, chunks: list[Chunk], with_grads: bool, position: int | None = None) -> None:
-        """Finish reductions in flight and evict shards until `chunks` fit beside the device's
-        model state and the non-model bytes planned here (with their gradient buffers, when
-        those arrive before anything is freed); leave the rest to the budget check after the
-        allocation."""
+    def make_room(
+        self,
+        chunks: list[Chunk],
+        with_grads: bool,
+        position: int | None = None,
+        *,
+        drained: bool = False,
+    ) -> Room:
+        """Evict shards until `chunks` fit beside the device's model state and the non-model
+        bytes planned here (with their gradient buffers, when those arrive before anything is
+        freed); leave the rest to the budget check after the allocation. Where finishing the
+        reductions in flight is worth it, answer `Room.AFTER_REDUCTIONS` first (`drained`:
+        the caller has just finished them)."""
         if self.plan_holds:
-            return
+            return Room.MADE
         if position is None:
             position = max(self._position - 1, 0)
         gathers = grads = 0
@@ -181,23 +195,28 @@ class AutoPlacer:
             need += max(0, grads - self.reductions.retiring_bytes(chunks))
         room = self.budget - self.non_model_now()
         if self._device_bytes() + need <= room:
-            return
-        self._drain_if_worth_it(self._device_bytes() + need - room, need)
+            return Room.MADE
+        if not drained and self._draining_helps(self._device_bytes() + need - room, need):
+            return self._pause(partial(self.make_room, chunks, with_grads, position, drained=True))
         needed = {c.chunk_id for c in chunks}
         excess = self._device_bytes() + need - room
         while excess > 0:
             victim = self._victim(needed, position)
             if victim is None:
-                return
+                break
             excess -= self._move(victim, lambda c: c.move_payload(Pool.HOST))
+        return Room.MADE
 
-    def relieve(self, excess: int) -> None:
-        """The device passed the budget by `excess` bytes after an allocation: finish
-        reductions in flight, evict shards, then optimizer sides, until it is back within or
-        nothing is left to move."""
-        self.overruns += 1
+    def relieve(self, excess: int, *, drained: bool = False) -> Room:
+        """The device passed the budget by `excess` bytes after an allocation: evict shards,
+        then optimizer sides, until it is back within or nothing is left to move. Where
+        finishing the reductions in flight is worth it, answer `Room.AFTER_REDUCTIONS` first
+        (`drained`: the caller has just finished them, and `excess` is what is left)."""
+        if not drained:
+            self.overruns += 1
+            if self._draining_helps(excess, 0):
+                return Room.AFTER_REDUCTIONS
         evictions = self.evictions
-        excess -= self._drain_if_worth_it(excess, 0)
         position = max(self._position - 1, 0)
         while excess > 0:
             victim = self._victim(set(), position)
@@ -215,6 +234,18 @@ class AutoPlacer:
             # waited for reductions, or had nothing to move, changes no plan.)
             self.overruns_since_plan += 1
             self.plan_holds = False
+        return Room.MADE
+
+    def _pause(self, resume: Callable[[], Room]) -> Room:
+        self._paused = resume
+        return Room.AFTER_REDUCTIONS
+
+    def resume(self) -> Room:
+        """Finish the decision that answered `Room.AFTER_REDUCTIONS`, now that the caller has
+        finished the reductions in flight."""
+        paused, self._paused = self._paused, None
+        assert paused is not None, "nothing was paused for the reductions in flight"
+        return paused()
 
     def _gathered_bytes(self, chunk: Chunk) -> int:
         # Asked before every gather: fixed per chunk, so counted once.
@@ -230,17 +261,16 @@ class AutoPlacer:
             self._grad_buffer[chunk.chunk_id] = nbytes
         return nbytes
 
-    def _drain_if_worth_it(self, excess: int, need: int) -> int:
-        """Finish the reductions in flight when that makes the `excess` bytes of room, or
-        when the model state (with `need` more bytes) passes the budget on its own; the bytes
-        it freed. Otherwise the excess is activations that nothing frees: waiting would only
-        take the reductions' overlap with backward away, at every gather and gradient of the
-        step ("cpu" placement, which does not count activations, keeps it)."""
-        before = self._device_bytes()
-        if excess > self.reductions.in_flight_bytes() and before + need <= self.budget:
-            return 0
-        self.reductions.finish_in_flight()
-        return before - self._device_bytes()
+    def _draining_helps(self, excess: int, need: int) -> bool:
+        """Whether to finish the reductions in flight: when that makes the `excess` bytes of
+        room, or when the model state (with `need` more bytes) passes the budget on its own.
+        Otherwise the excess is activations that nothing frees: waiting would only take the
+        reductions' overlap with backward away, at every gather and gradient of the step
+        ("cpu" placement, which does not count activations, keeps it)."""
+        in_flight = self.reductions.in_flight_bytes()
+        if in_flight == 0:
+            return False
+        return excess <= in_flight or self._device_bytes() + need > self.budget
 
     def _move(self, chunk: Chunk, move: Callable[[Chunk], None]) -> int:
         """Move part of `chunk` to the host; the device bytes that freed."""

@@ -17,10 +17,6 @@ from shardwise.chunk import Chunk
 class ReductionsInFlight(Protocol):
     """The gradient reductions started but not yet waited for."""
 
-    def finish_in_flight(self) -> None:
-        """Wait for every reduction in flight, freeing what each holds."""
-        ...
-
     def in_flight_bytes(self) -> int:
         """Device bytes the reductions in flight hold."""
         ...
@@ -32,9 +28,6 @@ class ReductionsInFlight(Protocol):
 
 class NoReductions:
     """A model that reduces nothing in the background."""
-
-    def finish_in_flight(self) -> None:
-        pass
 
     def in_flight_bytes(self) -> int:
         return 0

@@ -16,6 +16,8 @@ Every choice depends only on chunk order, so every rank and every run decides al
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from shardwise.gemini.device_tally import DeviceTally
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.policies import AutoPlacement, DevicePlacement, PlacementPolicy
 from shardwise.gemini.policies import placement_policy as placement_policy_object
+from shardwise.gemini.room import Room
 from shardwise.gemini.tracer import MemoryTracer
 
 _log = logging.getLogger(__name__)
@@ -94,6 +97,9 @@ class GeminiManager:
         self.peak_model_device_bytes = 0
         # See [Note: device tally].
         self.tally = DeviceTally(chunk_manager)
+        # A decision paused for the reductions in flight (see [Note: room after the
+        # reductions] in room.py).
+        self._paused: Callable[[], Room] | None = None
         self.auto: AutoPlacer | None = None
         if isinstance(self.policy, AutoPlacement):
             assert self.device_budget_bytes is not None
@@ -136,15 +142,34 @@ class GeminiManager:
         only once its plan has room for it (see [Note: auto placement])."""
         return self.auto is None or (self.auto.warm and self.auto.prefetch)
 
-    def before_prefetch(self, chunks: list[Chunk], backward: bool) -> None:
-        if self.auto is not None:
-            # Room for the gather alone: a chunk prefetched in backward gets its gradient
-            # buffer only when the module before it has run backward, by which time the
-            # reduction in flight has usually finished; the budget check at that gradient
-            # waits for it only if it has not. Counting the buffer here would wait for the
-            # reduction at every backward prefetch, and serialise them, where "cpu"
-            # placement keeps them overlapped in the same memory.
-            self.auto.make_room(chunks, with_grads=False)
+    # Each call that may need room answers with a `Room`; on `Room.AFTER_REDUCTIONS` the caller
+    # finishes the gradient reductions in flight and calls `resume()` (see [Note: room after
+    # the reductions] in room.py).
+
+    def before_prefetch(self, chunks: list[Chunk], backward: bool) -> Room:
+        if self.auto is None:
+            return Room.MADE
+        # Room for the gather alone: a chunk prefetched in backward gets its gradient buffer
+        # only when the module before it has run backward, by which time the reduction in
+        # flight has usually finished; the budget check at that gradient waits for it only if
+        # it has not. Counting the buffer here would wait for the reduction at every backward
+        # prefetch, and serialise them, where "cpu" placement keeps them overlapped in the
+        # same memory.
+        return self._paused_by(self.auto.make_room(chunks, with_grads=False), self.auto.resume)
+
+    def resume(self) -> None:
+        """Finish the decision that answered `Room.AFTER_REDUCTIONS`, once the caller has
+        finished the gradient reductions in flight."""
+        paused, self._paused = self._paused, None
+        if paused is None:
+            raise RuntimeError("resume() without a decision paused for the reductions in flight")
+        room = paused()
+        assert room is Room.MADE, "a resumed decision asked for the reductions again"
+
+    def _paused_by(self, room: Room, resume: Callable[[], Room]) -> Room:
+        if room is Room.AFTER_REDUCTIONS:
+            self._paused = resume
+        return room
 
     # ---- calls from the gather schedule (stage 3) --------------------------------------------
 
@@ -158,12 +183,13 @@ class GeminiManager:
         if self.auto is not None:
             self.auto.tracer.stop()
 
-    def before_gather(self, chunks: list[Chunk], backward: bool) -> None:
-        if self.auto is not None:
-            self.auto.before_gather(chunks, backward)
+    def before_gather(self, chunks: list[Chunk], backward: bool) -> Room:
+        if self.auto is None:
+            return Room.MADE
+        return self._paused_by(self.auto.before_gather(chunks, backward), self.auto.resume)
 
-    def after_gather(self, chunks: list[Chunk], where: str) -> None:
-        self.check_budget(where)
+    def after_gather(self, chunks: list[Chunk], where: str) -> Room:
+        return self.check_budget(where)
 
     def end_of_warmup(self) -> None:
         """After the first backward: the "auto" policy fixes its timeline and may move
@@ -206,10 +232,13 @@ class GeminiManager:
             held[chunk.placement.optim] += chunk.optimizer_state.nbytes()
         return {pool.value: nbytes for pool, nbytes in held.items()}
 
-    def check_budget(self, where: str) -> None:
+    def check_budget(self, where: str) -> Room:
         """Record the device's bytes (model state, and under "auto" the traced non-model
         memory too); raise if the model state passes the budget. "auto" first makes room
         (see [Note: auto placement]) and raises only where nothing is left to move."""
+        return self._check_budget(where, drained=False)
+
+    def _check_budget(self, where: str, *, drained: bool) -> Room:
         device = self.tally.device_bytes()
         self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
         if self.auto is not None:
@@ -217,7 +246,10 @@ class GeminiManager:
             non_model = self.auto.non_model_now()
             excess = device + non_model - self.auto.budget
             if excess > 0:
-                self.auto.relieve(excess)
+                if self.auto.relieve(excess, drained=drained) is Room.AFTER_REDUCTIONS:
+                    return self._paused_by(
+                        Room.AFTER_REDUCTIONS, partial(self._check_budget, where, drained=True)
+                    )
                 device = self.tally.device_bytes()
             self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
             self.peak_device_bytes = max(self.peak_device_bytes, device + non_model)
@@ -239,6 +271,7 @@ class GeminiManager:
                 f"of {self.device_budget_bytes} by {short}; use placement_policy='cpu', raise "
                 f"the static offload fractions, use smaller chunks, or raise device_budget_bytes"
             )
+        return Room.MADE
 
     def bytes_moved(self) -> dict[str, int]:
         """Bytes copied host->device and device->host since the chunks were placed."""

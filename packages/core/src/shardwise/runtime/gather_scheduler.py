@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, TensorState
 from shardwise.chunk.parameters import ShardedParameter, on_use
-from shardwise.gemini import GeminiManager
+from shardwise.gemini import GeminiManager, Room
 from shardwise.runtime.gather_units import UnitMap
 from shardwise.runtime.rank_sync import VisitTrail
 from shardwise.runtime.unit_plan import GatherUnit, compiled
@@ -97,6 +97,9 @@ class GatherScheduler:
         prefetch: gather the next chunk of the recorded order asynchronously.
         gemini: the memory manager to consult around every gather (room for the chunks,
             the budget check), if any.
+        finish_reductions: finishes the gradient reductions in flight, when the memory
+            manager answers that room needs it (see [Note: room after the reductions] in
+            gemini/room.py).
         on_backward: called when a backward pass starts, before its first gather.
         units: the conditional blocks, whose backward signals their chunks' completion (see
             [Note: conditional units]); none when not given.
@@ -112,6 +115,7 @@ class GatherScheduler:
         plan: Callable[[dict[str, set[str]], bool], list[GatherUnit]],
         prefetch: bool,
         gemini: GeminiManager | None = None,
+        finish_reductions: Callable[[], None] = lambda: None,
         on_backward: Callable[[], None] | None = None,
         units: UnitMap | None = None,
         trail: VisitTrail | None = None,
@@ -124,6 +128,7 @@ class GatherScheduler:
         # (GeminiManager.prefetch_planned).
         self.prefetch = prefetch and (gemini is None or gemini.policy.allows_prefetch)
         self._gemini = gemini
+        self._finish_reductions = finish_reductions
         self._warmed_up = False
         self._used_in_pass: dict[int, set[int]] = {}
         self._in_backward = False
@@ -285,11 +290,18 @@ class GatherScheduler:
         if not sharded:
             return
         if self._gemini is not None:
-            self._gemini.before_gather(sharded, backward=backward)
+            self._settle(self._gemini.before_gather(sharded, backward=backward))
         for chunk in sharded:
             chunk.payload.gather()
         if self._gemini is not None:
-            self._gemini.after_gather(sharded, where)
+            self._settle(self._gemini.after_gather(sharded, where))
+
+    def _settle(self, room: Room) -> None:
+        """See [Note: room after the reductions] in gemini/room.py."""
+        if room is Room.AFTER_REDUCTIONS:
+            assert self._gemini is not None
+            self._finish_reductions()
+            self._gemini.resume()
 
     def _post_forward(self, unit: GatherUnit, visit: int) -> Any:
         places = unit.places
@@ -448,10 +460,10 @@ class GatherScheduler:
             chunk = self.chunk_manager.chunks[chunk_id]
             if chunk.payload.state is ChunkState.SHARDED and not chunk.payload.gather_pending:
                 if self._gemini is not None:
-                    self._gemini.before_prefetch([chunk], backward=self._in_backward)
+                    self._settle(self._gemini.before_prefetch([chunk], backward=self._in_backward))
                 chunk.payload.start_gather()
                 if self._gemini is not None:
-                    self._gemini.check_budget(f"after prefetching chunk {chunk_id}")
+                    self._settle(self._gemini.check_budget(f"after prefetching chunk {chunk_id}"))
 
     def release_done(self, chunk: Chunk) -> None:
         """Backward needs `chunk`'s parameters no more: its gradients are complete, or

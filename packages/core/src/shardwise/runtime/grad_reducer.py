@@ -47,6 +47,7 @@ from shardwise.chunk.reduction import (
     reduce_now,
     start_reduction,
 )
+from shardwise.gemini import GeminiManager, Room
 from shardwise.runtime.gather_units import UnitMap
 
 
@@ -73,8 +74,10 @@ class GradReducer:
         on_complete: called with each chunk once its gradients of the pass are all in, before
             it is reduced: backward needs its parameters no more (stage 3 frees its payload
             there, not after the reduction: see [Note: gradients in flight]).
-        after_grad: called when a gradient copy allocated a chunk's gradient buffer (the
-            memory budget check: the only moment backward's model-state bytes grow).
+        gemini: the memory manager, whose budget is checked when a gradient copy allocated a
+            chunk's gradient buffer (the only moment backward's model-state bytes grow); when
+            it answers that the reductions in flight must finish first, they are finished here
+            (see [Note: room after the reductions] in gemini/room.py).
         units: stage 3's conditional units: a chunk holding tensors of a unit is complete
             once the unit's backward is done on this rank, whichever of them got gradients
             here (see [Note: conditional units] in runtime/gather_units.py).
@@ -92,7 +95,7 @@ class GradReducer:
         bucket_bytes: int = 0,
         on_reduced: Callable[[Chunk], None] | None = None,
         on_complete: Callable[[Chunk], None] | None = None,
-        after_grad: Callable[[str], None] | None = None,
+        gemini: GeminiManager | None = None,
         units: UnitMap | None = None,
         learn_order: bool = True,
     ) -> None:
@@ -107,7 +110,7 @@ class GradReducer:
         self.require_sync = True
         self._on_reduced = on_reduced
         self._on_complete = on_complete
-        self._after_grad = after_grad
+        self._gemini = gemini
         # Descending chunk id: see [Note: why chunks are reduced in a fixed order].
         self._order = sorted(chunk_manager.trainable_chunks(), key=lambda c: -c.chunk_id)
         self._learn_order = learn_order
@@ -175,8 +178,11 @@ class GradReducer:
             # The chunk now holds the gradient; dropping .grad frees the per-parameter copy
             # (stage 1 shows a view of the chunk's copy instead).
             param.grad = chunk.grads.exposed(index)
-            if allocates and self._after_grad is not None:
-                self._after_grad(f"after the gradient of {chunk.tensors[index].name}")
+            if allocates and self._gemini is not None:
+                where = f"after the gradient of {chunk.tensors[index].name}"
+                if self._gemini.check_budget(where) is Room.AFTER_REDUCTIONS:
+                    self.finish_in_flight()
+                    self._gemini.resume()
             if chunk.chunk_id in self._waits_on:
                 if unit is None:
                     self._plain_received.setdefault(chunk.chunk_id, set()).add(index)
@@ -304,8 +310,8 @@ class GradReducer:
 
     def finish_in_flight(self) -> None:
         """Wait for every reduction in flight now: the memory manager needs the room their
-        gathered chunks and gradient buffers hold. Only waits: no rank issues a collective
-        another does not."""
+        gathered chunks and gradient buffers hold (see [Note: room after the reductions] in
+        gemini/room.py). Only waits: no rank issues a collective another does not."""
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
 
