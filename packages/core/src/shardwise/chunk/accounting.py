@@ -25,7 +25,7 @@ def resident_bytes(chunk: Chunk) -> dict[str, int]:
     payload += 0 if chunk.keep_gathered else nbytes(chunk.payload.shard)
     master = 0 if chunk.master is chunk.payload.shard else nbytes(chunk.master)
     # Stage 1's gradient shard may be a view into its full gradient buffer: counted once.
-    shard = 0 if chunk.grads.SHARD_IN_FULL else nbytes(chunk.grads.shard)
+    shard = 0 if chunk.grads.shard_in_full else nbytes(chunk.grads.shard)
     grads = nbytes(chunk.grads.full) + shard
     return {"params": payload, "master": master, "grads": grads}
 
@@ -45,7 +45,7 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
         held[chunk.placement.payload] += nbytes(chunk.payload.shard)
     if chunk.master is not chunk.payload.shard:
         held[chunk.placement.optim] += nbytes(chunk.master)
-    if not chunk.grads.SHARD_IN_FULL:
+    if not chunk.grads.shard_in_full:
         held[chunk.placement.optim] += nbytes(chunk.grads.shard)
     return held
 
@@ -66,7 +66,7 @@ def resting_device_bytes(chunk: Chunk) -> int:
     if chunk.placement.optim is Pool.DEVICE:
         if chunk.master is not chunk.payload.shard:
             held += nbytes(chunk.master)
-        if not chunk.grads.SHARD_IN_FULL:
+        if not chunk.grads.shard_in_full:
             held += nbytes(chunk.grads.shard)
     return held
 

@@ -103,8 +103,6 @@ class GradSide:
     layout: ClassVar[GradLayout]
     # The states this layout can be in; `_enter` refuses any other.
     STATES: ClassVar[frozenset[GradState]]
-    # Whether `shard` is a view into `full` (stage 1), so its bytes are counted once.
-    SHARD_IN_FULL: ClassVar[bool] = False
     full = Resident[torch.Tensor | None](transient=True)
     """Gradients of the whole chunk, in the reduce dtype (see [Note: gradient buffers start
     uninitialised] in grad_buffer.py)."""
@@ -119,6 +117,8 @@ class GradSide:
         self._chunk = chunk
         self.full = full
         self.shard = shard
+        # Whether `shard` is a view into `full` (stage 1), so its bytes are counted once.
+        self.shard_in_full = False
         self.state = GradState.OPEN
         # Whether `.grad` of each tensor views its part of `full` (see `exposed`).
         self.exposes = False
@@ -285,11 +285,15 @@ class OwnBufferGrads(GradSide):
 
     def _take_reduced(self, reduced: torch.Tensor) -> None:
         chunk = self._chunk
-        if chunk.placement.optim is Pool.HOST:
-            reduced = chunk.placement.move_to(reduced, Pool.HOST)
         if self.state is GradState.STALE:  # the first gradients since zero_grad()
+            # Straight into the shard, wherever it lives (stage 2's offload copies each
+            # bucket's reduced gradient to the host here, as its reduction completes).
+            if chunk.placement.optim is not Pool.DEVICE:
+                chunk.placement.count_copy(reduced, into=Pool.HOST)
             self.shard.copy_(reduced)
         else:
+            if chunk.placement.optim is not Pool.DEVICE:
+                reduced = chunk.placement.move_to(reduced, Pool.HOST)
             self.shard.add_(reduced)
         self._enter(GradState.OPEN)
 
@@ -315,13 +319,12 @@ class SliceOfFullGrads(GradSide):
 
     layout = GradLayout.SLICE_OF_FULL
     STATES = frozenset({GradState.OPEN, GradState.CLOSED})
-    SHARD_IN_FULL = True
 
     def __init__(self, chunk: OwningChunk, full: torch.Tensor | None) -> None:
         if full is None:
             full = torch.zeros(chunk.padded_numel, dtype=torch.float32, device=chunk.device)
-        own = full[chunk.shard_begin : chunk.shard_begin + chunk.shard_numel]
-        super().__init__(chunk, own, full)
+        super().__init__(chunk, _own_slice_or_host_shard(chunk, full), full)
+        self.shard_in_full = chunk.placement.optim is Pool.DEVICE
 
     def _check_open_to_gradients(self) -> None:
         if self.state is GradState.CLOSED:
@@ -333,10 +336,15 @@ class SliceOfFullGrads(GradSide):
         if post != 1.0:
             reduced.div_(post)
         if reduced.data_ptr() != self.shard.data_ptr():  # all-reduce: already there
+            if not self.shard_in_full:  # the optimizer side is in host memory
+                self._chunk.placement.count_copy(reduced, into=Pool.HOST)
             self.shard.copy_(reduced)  # over this rank's own unreduced gradients
         begin, numel = self._chunk.shard_begin, self._chunk.shard_numel
-        self.full[:begin].zero_()
-        self.full[begin + numel :].zero_()
+        if self.shard_in_full:
+            self.full[:begin].zero_()
+            self.full[begin + numel :].zero_()
+        else:  # the reduced slice is in host memory: the next backward starts from zero
+            self.full.zero_()
         self._enter(GradState.CLOSED, GradState.OPEN)  # add() refused gradients otherwise
         self.end_pass()
 
@@ -391,14 +399,13 @@ class AveragedFullGrads(_ViewedGrads):
 
     layout = GradLayout.AVERAGED_FULL
     STATES = frozenset({GradState.OPEN, GradState.CLOSED})
-    SHARD_IN_FULL = True
 
     def __init__(self, chunk: OwningChunk, full: torch.Tensor | None) -> None:
         assert chunk.dtypes.compute == chunk.dtypes.reduce == torch.float32, chunk.dtypes
         if full is None:
             full = torch.zeros(chunk.padded_numel, dtype=torch.float32, device=chunk.device)
-        own = full[chunk.shard_begin : chunk.shard_begin + chunk.shard_numel]
-        super().__init__(chunk, own, full)
+        super().__init__(chunk, _own_slice_or_host_shard(chunk, full), full)
+        self.shard_in_full = chunk.placement.optim is Pool.DEVICE
         self.exposes = True
 
     def _check_open_to_gradients(self) -> None:
@@ -420,6 +427,13 @@ class AveragedFullGrads(_ViewedGrads):
         post = self._chunk.world_size / self._chunk.predivide_factor
         if post != 1.0:
             self.full.div_(post)
+        if not self.shard_in_full:
+            # The optimizer side is in host memory: this rank's slice of the average goes
+            # there as its reduction completes (stage 1's offload).
+            chunk = self._chunk
+            own = self.full[chunk.shard_begin : chunk.shard_begin + chunk.shard_numel]
+            chunk.placement.count_copy(own, into=Pool.HOST)
+            self.shard.copy_(own)
         self.end_pass()
 
     def end_step(self) -> None:
@@ -433,6 +447,8 @@ class AveragedFullGrads(_ViewedGrads):
         super().zero_grad()
         assert self.full is not None
         self.full.zero_()
+        if not self.shard_in_full:
+            self.shard.zero_()
         self._enter(GradState.OPEN)
 
 
@@ -511,6 +527,14 @@ class WholeGrads(_ViewedGrads):
     def zero_grad(self) -> None:
         """The next reduction zeroes what no gradient reaches then."""
         super().zero_grad()
+
+
+def _own_slice_or_host_shard(chunk: OwningChunk, full: torch.Tensor) -> torch.Tensor:
+    """Stage 1's gradient shard: this rank's slice of `full`, or, where the optimizer side
+    lives in host memory (offload), an fp32 buffer of its own there."""
+    if chunk.placement.optim is Pool.DEVICE:
+        return full[chunk.shard_begin : chunk.shard_begin + chunk.shard_numel]
+    return torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.placement.host)
 
 
 def _no_shard(chunk: OwningChunk) -> torch.Tensor:

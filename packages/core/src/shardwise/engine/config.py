@@ -16,7 +16,7 @@ from shardwise.chunk.search import (
     DEFAULT_SEARCH_RANGE_BYTES,
 )
 from shardwise.comm import ReduceScatterMethod
-from shardwise.gemini.policies import DevicePlacement, PlacementPolicy
+from shardwise.gemini.policies import DevicePlacement, HostPlacement, PlacementPolicy
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_CHUNK_SIZE_NUMEL = 32 * 1024 * 1024
@@ -116,6 +116,30 @@ class MixedPrecision:
         return torch.float16 in (dtypes.payload, dtypes.compute, dtypes.reduce)
 
 
+def _check_low_level_placement(stage: int, placement: Placement) -> None:
+    """Stages 0-2 keep every payload gathered on the device: only the optimizer side can move,
+    all of it or none (`cpu_offload`); stage 0 has no optimizer side."""
+    policy = placement.policy
+    allowed = (DevicePlacement,) if stage == 0 else (DevicePlacement, HostPlacement)
+    if not isinstance(policy, allowed):
+        raise ValueError(
+            f"placement_policy={policy.name!r} applies to stage 3, which shards parameters; "
+            f"at stage {stage} parameters stay gathered on the device"
+            + (
+                ", and the optimizer side lives there ('cuda') or in host memory ('cpu', "
+                "ColossalAI's cpu_offload=True)"
+                if stage
+                else " (stage 0 keeps no optimizer side: step your own optimizer)"
+            )
+        )
+    if placement.device_budget_bytes is not None:
+        raise ValueError(
+            f"device_budget_bytes applies to stage 3 placement, got zero_stage={stage}; "
+            f"at stages 1 and 2 use placement_policy='cpu' (cpu_offload) to keep the optimizer "
+            f"side off the device"
+        )
+
+
 def _int_at_least(name: str, value: object, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
@@ -168,7 +192,11 @@ class Chunking:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
-    """Where stage 3's chunks live (see [Note: placement policies] in gemini/manager.py)."""
+    """Where chunks live (see [Note: placement policies] in gemini/manager.py). At stages 1
+    and 2, whose payloads stay gathered on the device, it is where the optimizer side lives:
+    "cuda" (the device) or "cpu" (host memory: fp32 masters, reduced gradients and optimizer
+    state, ColossalAI's `cpu_offload`; see [Note: offload at stages 1 and 2] in
+    engine/model.py)."""
 
     policy: PlacementPolicy = field(default_factory=DevicePlacement)
     """The placement policy, validated when built (`gemini.placement_policy(name, ...)`)."""
@@ -368,6 +396,13 @@ class EngineConfig:
                 f"gather_units applies to stage 3 (where parameters are gathered), "
                 f"got zero_stage={self.stage}"
             )
+        if self.stage < 3:
+            _check_low_level_placement(self.stage, self.placement)
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """Stages 1-2: the optimizer side lives in host memory (see `Placement`)."""
+        return self.stage < 3 and isinstance(self.placement.policy, HostPlacement)
 
     @property
     def defers_param_gather(self) -> bool:

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
-from shardwise.engine.build import averages_in_backward, chunk_manager_for
+from shardwise.engine.build import averages_in_backward, chunk_manager_for, gemini_manager_for
 from shardwise.engine.config import EngineConfig
 from shardwise.engine.module_at_rest import (
     ModuleState,
@@ -61,7 +61,9 @@ class ZeroModel(nn.Module):
         chunk_manager: an empty chunk manager to pack the parameters into (built from
             `config` when not given).
         gemini_manager: stage 3's placement of chunks in device and host memory, over
-            `chunk_manager`; without one every buffer stays on the device.
+            `chunk_manager`; without one every buffer stays on the device (stages 1-2 make
+            their own when `config` offloads the optimizer side: see [Note: offload at stages
+            1 and 2]).
     """
 
     def __init__(
@@ -178,8 +180,22 @@ class ZeroModel(nn.Module):
         self._pack_chunks(chunk_manager, values_agree=False)
         self._install_hooks()
 
+    # [Note: offload at stages 1 and 2]
+    # ColossalAI's `cpu_offload` for low-level ZeRO: the payloads stay gathered on the device
+    # (they are the parameters forward and backward use), and each chunk's optimizer side
+    # lives in host memory: its fp32 master, its reduced gradient shard and, through the views
+    # the optimizer steps, its state. Each bucket's reduced gradient is copied to the host as
+    # its reduction completes, while backward goes on (stage 2's reduce-scatters, stage 1's
+    # all-reduces; stage 1 keeps `.grad` viewing the averaged buffer on the device); the
+    # optimizer steps on the host, chunk by chunk, and each chunk's updated values are copied
+    # back into its payload before its all-gather. The memory manager ("cpu" placement) places
+    # the chunks and counts the copies (`bytes_moved()`).
+
     def _pack_chunks(self, chunk_manager: ChunkManager, *, values_agree: bool) -> None:
         self._chunk_manager = chunk_manager
+        if self.config.offloads_optimizer:
+            # See [Note: offload at stages 1 and 2]; a new manager for each packing.
+            self.gemini_manager = gemini_manager_for(self.config, chunk_manager)
         gemini = self.gemini_manager
         self._register_parameters(
             chunk_manager,

@@ -30,7 +30,7 @@ from shardwise.engine.config import (
     Topology,
     compute_device,
 )
-from shardwise.gemini import placement_policy
+from shardwise.gemini import DevicePlacement, placement_policy
 
 GEMINI_CONFIG_KEYS = (
     "device",
@@ -61,6 +61,8 @@ GEMINI_CONFIG_KEYS = (
 # What stages 1 and 2 take from `gemini_config`; their bucket size is `optim_config`'s.
 LOW_LEVEL_KEYS = (
     "device",
+    "placement_policy",
+    "pin_memory",
     "mixed_precision",
     "process_group",
     "force_outputs_fp32",
@@ -68,7 +70,12 @@ LOW_LEVEL_KEYS = (
     "param_init_fn",
     "shard_size",
 )
-OPTIM_CONFIG_KEYS = ("reduce_bucket_size", "overlap_communication", "overlap_param_gather")
+OPTIM_CONFIG_KEYS = (
+    "reduce_bucket_size",
+    "overlap_communication",
+    "overlap_param_gather",
+    "cpu_offload",
+)
 
 
 def engine_config(stage: int, gemini_config: Mapping[str, Any] | None) -> EngineConfig:
@@ -104,7 +111,7 @@ def engine_config(stage: int, gemini_config: Mapping[str, Any] | None) -> Engine
         device=compute_device(options.get("device")),
         precision=_precision(options.get("mixed_precision", MixedPrecision())),
         chunking=_chunking(options) if stage == 3 else Chunking(),
-        placement=_placement(options) if stage == 3 else Placement(),
+        placement=_placement(options),
         reduction=Reduction(
             method=options.get("gradient_reduction", "auto"),
             bucket_bytes=options.get("reduce_scatter_bucket_bytes", 0),
@@ -138,6 +145,9 @@ def with_optim_config(config: EngineConfig, optim_config: Mapping[str, Any] | No
             )
         return config
     bucket = options.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_NUMEL)
+    placement = config.placement
+    if "cpu_offload" in options:
+        placement = _offloaded(config.placement, options["cpu_offload"])
     # Overlapping was faster in every interleaved stage-2 measurement here, and costs only the
     # buckets in flight; see `Overlap` for the defaults.
     overlap = Overlap(
@@ -145,7 +155,23 @@ def with_optim_config(config: EngineConfig, optim_config: Mapping[str, Any] | No
         param_gather=options.get("overlap_param_gather"),
         prefetch=config.overlap.prefetch,
     )
-    return replace_parts(config, chunking=Chunking(size_numel=bucket), overlap=overlap)
+    return replace_parts(
+        config, chunking=Chunking(size_numel=bucket), overlap=overlap, placement=placement
+    )
+
+
+def _offloaded(placement: Placement, cpu_offload: object) -> Placement:
+    """`optim_config["cpu_offload"]`: the optimizer side in host memory (placement "cpu"),
+    or on the device; refused where `gemini_config["placement_policy"]` said otherwise."""
+    if not isinstance(cpu_offload, bool):
+        raise TypeError(f"optim_config['cpu_offload'] must be a bool, got {cpu_offload!r}")
+    wanted = "cpu" if cpu_offload else "cuda"
+    if placement.policy != DevicePlacement() and placement.policy.name != wanted:
+        raise ValueError(
+            f"optim_config['cpu_offload']={cpu_offload} contradicts "
+            f"gemini_config['placement_policy']={placement.policy.name!r}; set one of them"
+        )
+    return Placement(policy=placement_policy(wanted), pin_memory=placement.pin_memory)
 
 
 def replace_parts(config: EngineConfig, **parts: Any) -> EngineConfig:

@@ -23,7 +23,8 @@ def zero_model_wrapper(
 
     Stage 3 builds a `GeminiDDP` from `gemini_config` (its keys: device, placement_policy,
     chunk_size_numel, mixed_precision, shard_size, ...: `front_door.GEMINI_CONFIG_KEYS`, each
-    a field of `EngineConfig`). Stages 1 and 2 take `device`, `mixed_precision`,
+    a field of `EngineConfig`). Stages 1 and 2 take `device`, `placement_policy` ("cuda", or
+    "cpu" for the optimizer side in host memory), `pin_memory`, `mixed_precision`,
     `process_group`, `force_outputs_fp32`, `gradient_reduction`, `param_init_fn` and
     `shard_size` from it; their bucket size comes from `zero_optim_wrapper`'s
     `optim_config["reduce_bucket_size"]`, and they pack the parameters once it is known.
@@ -77,7 +78,10 @@ def zero_optim_wrapper(
             while backward goes on, as DDP does; stage 1 reduces at the step either way) and
             `overlap_param_gather` (bool, default True: let the all-gather of updated
             parameters run into the next forward, any read of a parameter before it waiting
-            for its chunk; False waits for it in `step()`; see `Overlap`).
+            for its chunk; False waits for it in `step()`; see `Overlap`) and `cpu_offload`
+            (bool, default False: fp32 masters, reduced gradients and optimizer state in host
+            memory, the step on the host; see [Note: offload at stages 1 and 2] in
+            engine/model.py).
         warn_after_skipped_steps: warn when this many steps in a row were skipped for inf or
             nan gradients with no loss scale left to lower (see `ZeroOptimizer`).
         loss_scale: the seven scaler settings as one `LossScaleConfig`, in place of the

@@ -13,18 +13,19 @@ from shardwise.engine.config import (
     EngineConfig,
     MixedPrecision,
     Overlap,
+    Placement,
     Topology,
     default_device,
 )
+from shardwise.gemini import placement_policy
 
 
 class LowLevelZeroPlugin(ZeroPluginBase):
     """ZeRO stage 1 (optimizer state sharded) or 2 (gradients too), with ColossalAI 0.5's
     `LowLevelZeroPlugin` arguments, defaults and order.
 
-    Beyond ColossalAI: `no_sync` at stage 2 too; any `norm_type`. `cpu_offload`, fp8 and
-    `master_weights=False` are refused (for optimizer state in host memory use
-    `GeminiPlugin(placement_policy="static", offload_optim_frac=1.0)`).
+    Beyond ColossalAI: `no_sync` at stage 2 too; any `norm_type`. fp8 and
+    `master_weights=False` are refused.
 
     Args (ColossalAI's):
         stage: 1 or 2.
@@ -37,8 +38,9 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         overlap_communication: reduce each bucket in the background of backward (stage 2, and
             stage 1 in fp32, where `.grad` shows the average after backward, as under DDP).
         overlap_allgather: let the all-gather of updated parameters run into the next forward.
-        cpu_offload, master_weights, use_fp8, fp8_communication: refused unless at their
-            defaults.
+        cpu_offload: fp32 masters, reduced gradients and optimizer state in host memory, the
+            step on the host (see [Note: offload at stages 1 and 2] in engine/model.py).
+        master_weights, use_fp8, fp8_communication: refused unless at their defaults.
         verbose: accepted (overflows are reported by a warning when steps keep being skipped).
         cast_inputs: floating inputs are cast to the compute dtype; False is refused.
         extra_dp_size: replicate the sharded state this many times (hybrid sharding).
@@ -76,12 +78,8 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             raise ValueError(
                 f"{name}: stage must be 1 or 2 (GeminiPlugin is stage 3), got {stage!r}"
             )
-        if cpu_offload:
-            raise ValueError(
-                f"{name}: cpu_offload=True cannot be honoured at stages 1-2; for optimizer state "
-                f"in host memory use GeminiPlugin(placement_policy='static', "
-                f"offload_optim_frac=1.0)"
-            )
+        if not isinstance(cpu_offload, bool):
+            raise TypeError(f"{name}: cpu_offload must be a bool, got {cpu_offload!r}")
         if not master_weights:
             raise ValueError(
                 f"{name}: master_weights=False cannot be honoured: the engine "
@@ -94,6 +92,11 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             )
         self.stage = stage
         self.device = default_device()
+        self.placement = Placement(
+            policy=placement_policy("cpu" if cpu_offload else "cuda"),
+            # Host copies feed a CUDA device faster from pinned memory.
+            pin_memory=cpu_offload and self.device.type == "cuda",
+        )
         dtypes = precision_of(name, precision, self.device)
         self.precision = MixedPrecision(
             param_dtype=dtypes.param_dtype,
@@ -123,6 +126,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             device=self.device,
             precision=self.precision,
             chunking=self.chunking,
+            placement=self.placement,
             overlap=self.overlap,
             topology=self.topology,
         )
