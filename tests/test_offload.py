@@ -65,6 +65,8 @@ def _low_level_run(
     per_step = {
         "to_host": sum(element * c.shard_numel for c in chunks),
         "to_device": sum(element * c.shard_numel for c in chunks),
+        "to_disk": 0,
+        "from_disk": 0,
     }
     state = optimizer.optim.state
     return {

@@ -100,15 +100,15 @@ def test_memory_by_pool_counts_every_buffer_and_optimizer_state(
     gemini, manager = _placed(policy, **options)
     device, host = device * CHUNK_BYTES, host * CHUNK_BYTES
     _give_state(manager)
-    assert gemini.memory_by_pool() == {"device": device, "host": host}
+    assert gemini.memory_by_pool() == {"device": device, "host": host, "disk": 0}
     chunk = manager.chunks[0]
     chunk.payload.gather()  # a gathered payload always lives on the device
-    assert gemini.memory_by_pool() == {"device": device + CHUNK_BYTES, "host": host}
+    assert gemini.memory_by_pool() == {"device": device + CHUNK_BYTES, "host": host, "disk": 0}
     chunk.grads.add(0, torch.ones(4, 4))  # so does the gradient buffer
-    assert gemini.memory_by_pool() == {"device": device + 2 * CHUNK_BYTES, "host": host}
+    assert gemini.memory_by_pool() == {"device": device + 2 * CHUNK_BYTES, "host": host, "disk": 0}
     chunk.payload.release()
     reduce_now([chunk], keep_full=False)  # frees the gradient buffer into the gradient shard
-    assert gemini.memory_by_pool() == {"device": device, "host": host}
+    assert gemini.memory_by_pool() == {"device": device, "host": host, "disk": 0}
     # The tally the budget check reads agrees with the pools.
     assert gemini.tally.device_bytes() == device
 

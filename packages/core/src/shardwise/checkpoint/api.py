@@ -74,7 +74,8 @@ def save(
         state[f"buffer.{name}"] = buffer.detach().clone()
     objects: dict[str, Any] = {"extra": extra}
     if optimizer is not None:
-        state.update(_optimizer_state(optimizer, slices))
+        with optimizer.optim_sides_in_memory():  # copies of what is on the disk tier
+            state.update(_optimizer_state(optimizer, slices))
         objects["param_groups"] = [
             {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
         ]

@@ -45,6 +45,9 @@ class ParamSlice:
 
     def local_values(self) -> torch.Tensor:
         """This rank's elements: the fp32 master for trainable parameters, else the payload."""
+        if self.trainable:
+            # A master on the disk tier stays in memory until the next step writes it back.
+            self.chunk.ensure_resident()
         owned = self.chunk.tensor_shard_range(self.index)
         if owned is None:
             source = self.chunk.master if self.trainable else self.chunk.payload.shard

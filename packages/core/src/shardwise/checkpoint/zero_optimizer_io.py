@@ -187,7 +187,8 @@ def zero_optimizer_state_dict(optimizer: ZeroOptimizer, *, only_rank_0: bool) ->
     ranks = ranks_of(optimizer.model)
     layout = _layout(optimizer, ranks)
     sink = _Collected(keep=not only_rank_0 or ranks.rank == 0)
-    _whole_states(optimizer, layout, sink)
+    with optimizer.optim_sides_in_memory():
+        _whole_states(optimizer, layout, sink)
     if not sink.keep:
         return {}
     return {
@@ -207,6 +208,17 @@ def save_zero_optimizer(
 ) -> None:
     """Write the whole optimizer state (see `zero_optimizer_state_dict`) as one file that rank
     0 writes, or with `shard` as a directory every rank writes part of. A collective."""
+    with optimizer.optim_sides_in_memory():
+        _save_zero_optimizer(optimizer, checkpoint, shard, prefix, size_per_shard)
+
+
+def _save_zero_optimizer(
+    optimizer: ZeroOptimizer,
+    checkpoint: str | Path,
+    shard: bool,
+    prefix: str | None,
+    size_per_shard: float,
+) -> None:
     ranks = ranks_of(optimizer.model)
     layout = _layout(optimizer, ranks)
     manager = optimizer.model.chunk_manager

@@ -31,8 +31,8 @@ def resident_bytes(chunk: Chunk) -> dict[str, int]:
 
 
 def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
-    """Bytes `chunk` holds now in each pool (optimizer state excluded: the optimizer owns it;
-    it lives in the chunk's `optim_pool`)."""
+    """Bytes `chunk` holds now in each memory pool (optimizer state excluded: see
+    `chunk.optimizer_state`; the disk tier's files excluded: see `disk_bytes`)."""
     nbytes = storage_bytes
     held = {
         Pool.DEVICE: nbytes(chunk.payload.full)
@@ -43,11 +43,19 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
     }
     if not chunk.keep_gathered:
         held[chunk.placement.payload] += nbytes(chunk.payload.shard)
+    # A side on the disk tier holds its gradient shard (and, within its step, its master) in
+    # host memory; what its files hold is `disk_bytes`.
     if chunk.master is not chunk.payload.shard:
-        held[chunk.placement.optim] += nbytes(chunk.master)
+        held[chunk.placement.optim_memory] += nbytes(chunk.master)
     if not chunk.grads.shard_in_full:
-        held[chunk.placement.optim] += nbytes(chunk.grads.shard)
+        held[chunk.placement.optim_memory] += nbytes(chunk.grads.shard)
     return held
+
+
+def disk_bytes(chunk: Chunk) -> int:
+    """Bytes of `chunk`'s master and optimizer state on the disk tier (0 off it)."""
+    disk = chunk.placement.disk
+    return disk.stored_bytes(chunk.chunk_id) if disk is not None else 0
 
 
 def device_resident_bytes(chunk: Chunk) -> int:

@@ -56,11 +56,17 @@ sharded chunk: it is copied to the device for each gather), and the optimizer si
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
+from shardwise.chunk.disk_pool import DiskPool, DiskTierError
+from shardwise.chunk.grad_buffer import owns_storage
 from shardwise.chunk.grads import (
     AveragedFullGrads,
     GradSide,
@@ -161,6 +167,10 @@ class Chunk:
         # The views the optimizer steps and its state for them, which move with the master
         # (see [Note: the chunk owns its optimizer state] in optimizer_state.py).
         self.optimizer_state = OptimizerState(self)
+        # On the disk tier: the tensors whose bytes its current copy holds, and those of the
+        # copy written since (until committed or discarded).
+        self._written_to_disk: list[torch.Tensor] = []
+        self._writing_to_disk: list[torch.Tensor] = []
         self.predivide_factor = predivide_factor
         self.reduce_method = reduce_method
         self.replicate_group = replicate_group
@@ -266,13 +276,17 @@ class Chunk:
         self.payload.shard = self.placement.move_to(self.payload.shard, pool)
         self.placement.payload = pool
 
-    def move_optim(self, pool: Pool) -> None:
+    def move_optim(self, pool: Pool, *, disk: DiskPool | None = None) -> None:
         """Move the fp32 master, the gradient shard and the optimizer's state to `pool`, the
         optimizer's views following in place (see [Note: the chunk owns its optimizer state]
         in optimizer_state.py). An fp32 master that lands beside its shard becomes the shard
-        itself."""
+        itself. The disk tier (`disk`, for `Pool.DISK`) takes a side from host memory and gives
+        it back there (see [Note: the disk tier] in disk_pool.py)."""
         if pool is self.placement.optim or not self.requires_grad:
             self.placement.optim = pool
+            return
+        if Pool.DISK in (pool, self.placement.optim):
+            self._move_optim_to_or_from_disk(pool, disk)
             return
         if self.dtypes.payload == torch.float32 and pool is self.placement.payload:
             # An fp32 shard in the same pool is the master again, as place() makes it: no
@@ -284,6 +298,133 @@ class Chunk:
         self.grads.shard = self.placement.move_to(self.grads.shard, pool)
         self.placement.count_bytes(self.optimizer_state.follow(self.master), into=pool)
         self.placement.optim = pool
+
+    # ---- the disk tier (see [Note: the disk tier] in disk_pool.py) ----------------------------
+
+    def _move_optim_to_or_from_disk(self, pool: Pool, disk: DiskPool | None) -> None:
+        source = self.placement.optim
+        if pool is Pool.DISK:
+            if source is not Pool.HOST:
+                raise ValueError(
+                    f"chunk {self.chunk_id}: the disk tier takes optimizer sides from host "
+                    f"memory, this one is in {source.value} memory"
+                )
+            if disk is None:
+                raise ValueError("a move to the disk tier needs its DiskPool")
+            if self.master is self.payload.shard:
+                # The payload stays in memory; the master on disk is a copy of its own.
+                self.master = self.master.clone()
+                self.optimizer_state.follow(self.master)
+            self.placement.disk = disk
+            self.placement.optim = Pool.DISK
+            try:
+                self.start_evict().result()
+            except OSError as error:
+                # Nothing was freed: the side stays in host memory.
+                self.placement.optim, self.placement.disk = Pool.HOST, None
+                self._writing_to_disk = []
+                raise DiskTierError(
+                    f"chunk {self.chunk_id} could not be written to the disk tier "
+                    f"({disk.path}): {error}"
+                ) from error
+            self.commit_disk()
+            return
+        if pool is not Pool.HOST:
+            raise ValueError(
+                f"chunk {self.chunk_id}: an optimizer side leaves the disk tier for host "
+                f"memory, not {pool.value} memory"
+            )
+        held = self.placement.disk
+        assert held is not None
+        if not self.optim_side_resident:
+            self.start_fetch().result()
+        held.forget(self.chunk_id)
+        self.placement.disk = None
+        self.placement.optim = Pool.HOST
+        self._written_to_disk = []
+        if self.dtypes.payload == torch.float32 and self.placement.payload is Pool.HOST:
+            self.payload.shard.copy_(self.master)
+            self.master = self.payload.shard
+            self.optimizer_state.follow(self.master)
+
+    def disk_tensors(self) -> list[torch.Tensor]:
+        """What the disk tier is to hold of this chunk: its fp32 master and optimizer state."""
+        return [self.master, *self.optimizer_state.tensors]
+
+    @property
+    def optim_side_resident(self) -> bool:
+        """Whether the master (and with it the state) is in memory: always, but on the disk
+        tier only between a fetch and the next eviction."""
+        return self.master.untyped_storage().size() > 0
+
+    def start_fetch(self) -> Future[None]:
+        """Start reading the master and state back into host memory (the disk tier), into
+        the tensors that were written (the state the optimizer had then)."""
+        disk = self._disk()
+        tensors = self._written_to_disk
+        self.placement.bytes_from_disk += sum(t.numel() * t.element_size() for t in tensors)
+        return disk.read(self.chunk_id, tensors)
+
+    def ensure_resident(self) -> None:
+        """Read the master and state in now if they are on the disk tier; they stay in memory
+        (changes made to them included) until the next step writes them back."""
+        if self.placement.optim is Pool.DISK and not self.optim_side_resident:
+            self.start_fetch().result()
+
+    def start_evict(self) -> Future[None]:
+        """Start writing the master and state to the disk tier's next copy, their memory freed
+        once written; `DiskPool.commit` makes that copy the current one."""
+        disk = self._disk()
+        tensors = self.disk_tensors()
+        for tensor in tensors:
+            if not owns_storage(tensor):
+                raise RuntimeError(
+                    f"chunk {self.chunk_id}: a tensor of its optimizer side shares its storage "
+                    f"({tuple(tensor.shape)}), so the disk tier cannot free it"
+                )
+        self.placement.bytes_to_disk += sum(t.numel() * t.element_size() for t in tensors)
+        self._writing_to_disk = tensors
+        return disk.write(self.chunk_id, tensors)
+
+    def commit_disk(self) -> None:
+        """The copy written last becomes the disk tier's current one."""
+        self._disk().commit([self.chunk_id])
+        self._written_to_disk, self._writing_to_disk = self._writing_to_disk, []
+
+    def discard_disk(self) -> None:
+        """Forget the copy written since the last commit (a step rolled back)."""
+        self._disk().discard([self.chunk_id])
+        self._writing_to_disk = []
+
+    def drop_fetched(self) -> None:
+        """Free the master and state read in, leaving the disk tier's copy as it is (what was
+        read was only looked at, or is to be forgotten)."""
+        for tensor in self._written_to_disk:
+            tensor.untyped_storage().resize_(0)
+
+    @contextmanager
+    def optim_side_in_memory(self, *, write_back: bool) -> Iterator[None]:
+        """The master and state readable in host memory inside the block; on the disk tier
+        they are read in and, on leaving, written back as the current copy (`write_back`:
+        they were changed, e.g. loaded from a checkpoint) or dropped. Elsewhere nothing
+        happens."""
+        if self.placement.optim is not Pool.DISK or self.optim_side_resident:
+            yield
+            return
+        self.start_fetch().result()
+        try:
+            yield
+        finally:
+            if write_back:
+                self.start_evict().result()
+                self.commit_disk()
+            else:
+                self.drop_fetched()
+
+    def _disk(self) -> DiskPool:
+        if self.placement.optim is not Pool.DISK or self.placement.disk is None:
+            raise RuntimeError(f"chunk {self.chunk_id} is not on the disk tier")
+        return self.placement.disk
 
     # ---- gradient layouts (see [Note: gradient layouts] in grads.py) -------------------------
 
@@ -352,6 +493,7 @@ class Chunk:
         """Overwrite elements [begin, begin + numel) of flattened tensor `index` with `values`,
         which must lie inside the part this rank owns (a checkpoint restores just that)."""
         self.payload.before_overwrite()
+        self.ensure_resident()
         info = self.tensors[index]
         owned = self.tensor_shard_range(index)
         start = info.offset + begin - self.shard_begin

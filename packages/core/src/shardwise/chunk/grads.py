@@ -487,7 +487,7 @@ class InPayloadGrads(GradSide):
             self.shard = chunk.payload.shard.to(torch.float32)
         else:
             self.shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.device)
-        if chunk.placement.optim is Pool.HOST:
+        if chunk.placement.optim is not Pool.DEVICE:
             self.shard = chunk.placement.move_to(self.shard, Pool.HOST)
         return self.shard
 

@@ -70,6 +70,11 @@ class OptimizerState:
             resident_changed(self._owner, transient=False)
         return moved
 
+    def restore(self, tensors: list[torch.Tensor]) -> None:
+        """Adopt `tensors` again as they were (a step that made others was rolled back)."""
+        self.tensors = list(tensors)
+        resident_changed(self._owner, transient=False)
+
     def follow(self, master: torch.Tensor) -> int:
         """Re-point the views at `master` (which replaced the old one: a move between pools)
         and move the state tensors to its device, in place. Returns the bytes of state

@@ -290,11 +290,18 @@ class Payload:
             self.release()  # a gathered copy left from a forward without backward is stale now
         if master is not self.shard:
             placement = chunk.placement
-            if placement.optim is not placement.payload:
+            if placement.optim_memory is not placement.payload:
                 placement.count_copy(self.shard, into=placement.payload)
             self.shard.copy_(master)
         if chunk.keep_gathered:
             self._gather_kept_copy(wait=wait)
+
+    def publish_unchanged(self) -> None:
+        """A step that left this chunk as it was on this rank (its disk tier failed): issue
+        the collective a publish would, so every rank's stay matched."""
+        if self._chunk.keep_gathered:
+            self.wait_publish()
+            self._gather_kept_copy(wait=True)
 
     def _gather_kept_copy(self, *, wait: bool) -> None:
         """All-gather the shards into the full copy a stage-1/2 chunk keeps."""

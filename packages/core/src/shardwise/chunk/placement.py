@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.chunk.disk_pool import DiskPool
 from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import Pool
 
@@ -21,7 +22,8 @@ class ChunkPlacement:
     """Where the payload shard lives (host memory only for a sharded chunk)."""
     optim = Resident[Pool]()
     """Where the optimizer side lives: the fp32 master, the gradient shard and, through the
-    views the optimizer steps, its state."""
+    views the optimizer steps, its state (DISK: master and state in files, the gradient shard
+    in host memory)."""
 
     def __init__(self, owner: object, device: torch.device) -> None:
         self.__dict__["_resident_owner"] = owner
@@ -33,6 +35,17 @@ class ChunkPlacement:
         self.pin_memory = False
         self.bytes_to_device = 0
         self.bytes_to_host = 0
+        # The disk tier holding the master and state while `optim` is DISK.
+        self.disk: DiskPool | None = None
+        self.bytes_to_disk = 0
+        self.bytes_from_disk = 0
+
+    @property
+    def optim_memory(self) -> Pool:
+        """The memory pool of the optimizer side's resident part: its own pool, or host
+        memory for a side on the disk tier (its gradient shard, and its master and state
+        while the step holds them)."""
+        return Pool.HOST if self.optim is Pool.DISK else self.optim
 
     def move_to(
         self, tensor: torch.Tensor, pool: Pool, dtype: torch.dtype | None = None

@@ -81,13 +81,17 @@ class GradState(Enum):
 
 
 class Pool(Enum):
-    """The two memory pools a chunk's resident buffers are placed in."""
+    """The pools a chunk's buffers are placed in: two of memory, and the disk tier."""
 
     DEVICE = "device"
     """The compute device: cuda:<i>, or the CPU itself on a host without GPUs (where the pools
     are the same memory but are still accounted apart, so placement logic runs everywhere)."""
     HOST = "host"
     """Host memory (pinned when the compute device is CUDA and pinning is asked for)."""
+    DISK = "disk"
+    """Files under a directory the user names, for an optimizer side only: the fp32 master and
+    the optimizer state, read into host memory for the chunk's step and written back after
+    (its gradient shard stays in host memory). See [Note: the disk tier] in disk_pool.py."""
 
 
 @dataclass(slots=True)

@@ -205,6 +205,18 @@ class Placement:
     on CUDA, unlimited elsewhere ("auto" needs one there)."""
     pin_memory: bool = False
     """Pin host copies of chunks when the compute device is CUDA."""
+    disk_fraction: float = 0.0
+    """The disk tier (see [Note: the disk tier] in chunk/disk_pool.py): the share, in [0, 1],
+    of the chunks whose optimizer side the placement keeps in host memory that keep their
+    fp32 master and optimizer state in files under `disk_dir` instead, the first in chunk
+    order (HybridAdam's `nvme_offload_fraction`)."""
+    disk_dir: str | None = None
+    """Where the disk tier's files go (a folder per rank is made there and removed when the
+    optimizer is closed or the process exits); None: the system's temporary directory."""
+    host_budget_bytes: int | None = None
+    """The most bytes of model state host memory may hold per rank: optimizer sides that the
+    placement keeps in host memory beyond it go to the disk tier, the last in chunk order
+    first (optimizer state counted as 8 bytes an element, Adam's, before it exists)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, PlacementPolicy):
@@ -218,6 +230,30 @@ class Placement:
                 f"device_budget_bytes must be a positive int, got {self.device_budget_bytes!r}"
             )
         _check_bool("pin_memory", self.pin_memory)
+        fraction = self.disk_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not (0 <= fraction <= 1)
+        ):
+            raise ValueError(
+                f"nvme_offload_fraction (disk_fraction) must be a number in [0, 1], got "
+                f"{fraction!r}"
+            )
+        if self.disk_dir is not None and not isinstance(self.disk_dir, str):
+            raise TypeError(
+                f"nvme_offload_dir (disk_dir) must be a str path, got {self.disk_dir!r}"
+            )
+        budget = self.host_budget_bytes
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
+        ):
+            raise ValueError(f"host_budget_bytes must be a positive int, got {budget!r}")
+
+    @property
+    def uses_disk(self) -> bool:
+        """Whether any optimizer side may go to the disk tier."""
+        return self.disk_fraction > 0 or self.host_budget_bytes is not None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -41,13 +41,24 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 
+from shardwise import comm
 from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler, LossScaleConfig
-from shardwise.chunk import Chunk
+from shardwise.chunk import Chunk, Pool
+from shardwise.chunk.disk_pool import DiskPool, DiskTierError
+from shardwise.engine.disk_step import step_on_disk
+from shardwise.engine.disk_tier import (
+    StepSnapshot,
+    chunks_for_disk,
+    disk_settings,
+    place_on_disk,
+    release_disk,
+)
 from shardwise.engine.grad_norm import global_grad_norm
 from shardwise.engine.model import ZeroModel
 from shardwise.optim import HybridAdam
@@ -150,13 +161,31 @@ class ZeroOptimizer:
         # [Note: the step, chunk by chunk]).
         self._groups_of_chunk: dict[int, list[list[torch.Tensor]]] = {}
         self._swap_params_for_shards()
+        # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py), when asked for.
+        self.disk: DiskPool | None = None
+        self._disk_chunks: list[Chunk] = []
+        settings = disk_settings(model.config.placement, optimizer)
+        if settings.wanted:
+            chosen = chunks_for_disk(self._chunks, settings)
+            if chosen:
+                group = model.config.topology.process_group
+                self.disk = place_on_disk(chosen, settings.directory, comm.rank(group))
+                self._disk_chunks = chosen
+                # Released with the optimizer (its masters back into host memory, its files
+                # removed); at exit the pool removes its files on its own.
+                finalizer = weakref.finalize(self, release_disk, chosen, self.disk)
+                finalizer.atexit = False
+                self._release_disk = finalizer
         _OPTIMIZER_OF[model] = weakref.ref(self)
 
     def close(self) -> None:
         """Detach from the model so that another optimizer can be wrapped over it (a second
-        `fit` with a new optimizer); this one can no longer step."""
+        `fit` with a new optimizer); this one can no longer step. Masters and state on the
+        disk tier come back into host memory and its files are removed."""
         if optimizer_of(self.model) is self:
             del _OPTIMIZER_OF[self.model]
+        if self.disk is not None:
+            self._release_disk()
         self._closed = True
 
     def _swap_params_for_shards(self) -> None:
@@ -278,27 +307,55 @@ class ZeroOptimizer:
         return True
 
     def _step_chunk_by_chunk(self, coef: float, grads: list[torch.Tensor]) -> None:
-        """See [Note: the step, chunk by chunk]; `grads` are the chunks' gradient shards."""
+        """See [Note: the step, chunk by chunk]; `grads` are the chunks' gradient shards. The
+        disk tier's chunks go first (see [Note: the disk tier in the step] in
+        engine/disk_step.py): when their step fails, nothing else has stepped."""
         groups = self.optim.param_groups
         whole = [group["params"] for group in groups]
         wait = not self.model.config.defers_param_gather
+        work = list(zip(self._chunks, grads, strict=True))
+        on_disk = [(chunk, grad) for chunk, grad in work if chunk.placement.optim is Pool.DISK]
         try:
-            for chunk, grad in zip(self._chunks, grads, strict=True):
-                views = self._groups_of_chunk.get(chunk.chunk_id)
-                if views is not None:
-                    for group, chunk_views in zip(groups, views, strict=True):
-                        group["params"] = chunk_views
-                    self._step_one_chunk(chunk, coef, grad)
+            if on_disk:
+                self._step_on_disk(on_disk, coef, wait)
+            for chunk, grad in work:
+                if chunk.placement.optim is Pool.DISK:
+                    continue
+                self._step_one_chunk(chunk, coef, grad)
                 chunk.publish_master(wait=wait)
                 chunk.grads.end_step()
         finally:
             for group, params in zip(groups, whole, strict=True):
                 group["params"] = params
 
+    def _step_on_disk(
+        self, work: list[tuple[Chunk, torch.Tensor]], coef: float, wait: bool
+    ) -> None:
+        snapshot = StepSnapshot.take(
+            [chunk for chunk, _ in work], self.optim.state, self.grad_scaler.state_dict()
+        )
+        try:
+            step_on_disk(
+                work,
+                lambda chunk, grad: self._step_one_chunk(chunk, coef, grad),
+                wait_publish=wait,
+                stats=self.model.comm_stats,
+                group=self.model.chunk_manager.topology.data_parallel,
+            )
+        except DiskTierError:
+            snapshot.restore(self.optim.state)
+            self.grad_scaler.load_state_dict(snapshot.scaler)
+            raise
+
     def _step_one_chunk(self, chunk: Chunk, coef: float, grad: torch.Tensor) -> None:
         """The inner optimizer over `chunk`'s views alone (its param groups hold only them),
         then the state it made or replaced adopted by the chunk (see [Note: the chunk owns its
         optimizer state] in chunk/optimizer_state.py)."""
+        views = self._groups_of_chunk.get(chunk.chunk_id)
+        if views is None:  # no element of this chunk is this rank's to step
+            return
+        for group, chunk_views in zip(self.optim.param_groups, views, strict=True):
+            group["params"] = chunk_views
         states = chunk.optimizer_state
         states.adopt(self.optim.state.get(view, {}) for view, _, _ in states.views)
         if isinstance(self.optim, HybridAdam):
@@ -363,9 +420,24 @@ class ZeroOptimizer:
         for chunk in self._chunks:
             chunk.grads.zero_grad()
 
+    @contextmanager
+    def optim_sides_in_memory(self) -> Iterator[None]:
+        """Every master and optimizer state readable in memory inside the block: those on the
+        disk tier are read in, and dropped again on leaving (their disk copies unchanged).
+        Elsewhere nothing happens. Checkpoints of the optimizer read its state inside it."""
+        with ExitStack() as stack:
+            for chunk in self._disk_chunks:
+                stack.enter_context(chunk.optim_side_in_memory(write_back=False))
+            yield
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (its shards) and the loss scaler's state."""
-        return {"optimizer": self.optim.state_dict(), "grad_scaler": self.grad_scaler.state_dict()}
+        """This rank's optimizer state (its shards) and the loss scaler's state (copies of
+        the state on the disk tier)."""
+        with self.optim_sides_in_memory():
+            inner = self.optim.state_dict()
+            if self.disk is not None:
+                inner = {**inner, "state": _cloned(inner["state"])}
+        return {"optimizer": inner, "grad_scaler": self.grad_scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optim.load_state_dict(state["optimizer"])
@@ -378,7 +450,21 @@ class ZeroOptimizer:
         [Note: the chunk owns its optimizer state] in chunk/optimizer_state.py)."""
         for chunk in self._chunks:
             states = chunk.optimizer_state
+            on_disk = chunk.placement.optim is Pool.DISK
+            if on_disk:
+                chunk.ensure_resident()
             states.adopt(self.optim.state.get(view, {}) for view, _, _ in states.views)
+            if on_disk:
+                # Written through at once: the disk copy holds the loaded state from now on.
+                try:
+                    chunk.start_evict().result()
+                except OSError as error:
+                    raise DiskTierError(
+                        f"the loaded optimizer state of chunk {chunk.chunk_id} could not be "
+                        f"written to the disk tier ({error}); it stays in memory until the "
+                        f"next step writes it"
+                    ) from error
+                chunk.commit_disk()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (e.g. Adam moments) this rank holds in memory."""
@@ -399,6 +485,15 @@ class ZeroOptimizer:
 _OPTIMIZER_OF: weakref.WeakKeyDictionary[ZeroModel, weakref.ref[ZeroOptimizer]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+def _cloned(state: dict[Any, Any]) -> dict[Any, Any]:
+    """A state dict's per-parameter state with its tensors copied (the originals of the disk
+    tier's chunks lose their memory when written out again)."""
+    return {
+        key: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for key, entry in state.items()
+    }
 
 
 def optimizer_of(model: ZeroModel) -> ZeroOptimizer | None:

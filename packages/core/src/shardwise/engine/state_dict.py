@@ -21,9 +21,11 @@ def gathered_chunks(
     masters; the payload for frozen chunks), one chunk at a time, each dropped when the next
     is gathered. A collective over the chunks' group: every rank must walk it to the end."""
     for chunk in chunk_manager.chunks if chunks is None else chunks:
-        source = chunk.master if chunk.requires_grad else chunk.payload.shard
-        full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
-        comm.all_gather(full, source, chunk_manager.stats, chunk_manager.group)
+        # A master on the disk tier is read in for its gather alone.
+        with chunk.optim_side_in_memory(write_back=False):
+            source = chunk.master if chunk.requires_grad else chunk.payload.shard
+            full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
+            comm.all_gather(full, source, chunk_manager.stats, chunk_manager.group)
         yield chunk, full
 
 

@@ -382,8 +382,9 @@ class AutoPlacer:
         margin = int(ratio * max(0, room))
         for chunk in used:
             # A side beside a shard in host memory would only turn the updated parameters'
-            # trip to the device into one to the host: no saving.
-            if not chunk.requires_grad or chunk.placement.optim is Pool.DEVICE:
+            # trip to the device into one to the host: no saving. (One on the disk tier stays
+            # there: it was put there for want of host memory, not of device memory.)
+            if not chunk.requires_grad or chunk.placement.optim is not Pool.HOST:
                 continue
             if chunk.placement.payload is Pool.HOST:
                 continue
@@ -396,7 +397,7 @@ class AutoPlacer:
         for chunk in chunks:
             if chunk.chunk_id in self._uses or chunk.keep_gathered or not chunk.requires_grad:
                 continue
-            if chunk.placement.optim is Pool.DEVICE:
+            if chunk.placement.optim is not Pool.HOST:
                 continue
             shard_bytes = chunk.payload.shard.numel() * chunk.payload.shard.element_size()
             side = _side_bytes(chunk)

@@ -24,7 +24,7 @@ import torch
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
-from shardwise.chunk.accounting import resident_bytes_by_pool
+from shardwise.chunk.accounting import disk_bytes, resident_bytes_by_pool
 from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.collaborators import ReductionsInFlight
 from shardwise.gemini.device_tally import DeviceTally
@@ -224,12 +224,14 @@ class GeminiManager:
         chunk.move_optim(Pool.HOST)
 
     def memory_by_pool(self) -> dict[str, int]:
-        """Bytes of model state (payloads, masters, gradients, optimizer state) per pool now."""
-        held = {Pool.DEVICE: 0, Pool.HOST: 0}
+        """Bytes of model state (payloads, masters, gradients, optimizer state) per pool now:
+        "device", "host", and "disk" (the disk tier's current copies)."""
+        held = {Pool.DEVICE: 0, Pool.HOST: 0, Pool.DISK: 0}
         for chunk in self.chunk_manager.chunks:
             for pool, nbytes in resident_bytes_by_pool(chunk).items():
                 held[pool] += nbytes
-            held[chunk.placement.optim] += chunk.optimizer_state.nbytes()
+            held[chunk.placement.optim_memory] += chunk.optimizer_state.nbytes()
+            held[Pool.DISK] += disk_bytes(chunk)
         return {pool.value: nbytes for pool, nbytes in held.items()}
 
     def check_budget(self, where: str) -> Room:
@@ -274,11 +276,14 @@ class GeminiManager:
         return Room.MADE
 
     def bytes_moved(self) -> dict[str, int]:
-        """Bytes copied host->device and device->host since the chunks were placed."""
+        """Bytes copied host->device and device->host, and written to and read from the disk
+        tier, since the chunks were placed."""
         chunks = self.chunk_manager.chunks
         return {
             "to_device": sum(c.placement.bytes_to_device for c in chunks),
             "to_host": sum(c.placement.bytes_to_host for c in chunks),
+            "to_disk": sum(c.placement.bytes_to_disk for c in chunks),
+            "from_disk": sum(c.placement.bytes_from_disk for c in chunks),
         }
 
     def placement_report(self) -> list[dict[str, Any]]:

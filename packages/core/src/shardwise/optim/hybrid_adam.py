@@ -45,6 +45,14 @@ class HybridAdam(torch.optim.Optimizer):
         adamw_mode: AdamW when True, Adam when False.
         bias_correction: ColossalAI's flag; only True (Adam's bias correction, what the fused
             kernels compute) can be honoured, False is refused.
+        nvme_offload_fraction: the share, in [0, 1], of the optimizer sides kept in host
+            memory that the engine keeps on the disk tier instead (their fp32 masters and
+            this optimizer's state, in files: see [Note: the disk tier] in
+            chunk/disk_pool.py). Honoured when the engine steps this optimizer
+            (`zero_optim_wrapper`, the Booster's ZeRO plugins) with optimizer state in host
+            memory ("cpu" placement, `cpu_offload=True`, "static" `offload_optim_frac`);
+            refused at the first step otherwise.
+        nvme_offload_dir: where those files go (None: the system's temporary directory).
     """
 
     def __init__(
@@ -58,6 +66,8 @@ class HybridAdam(torch.optim.Optimizer):
         adamw_mode: bool = True,
         *,
         bias_correction: bool = True,
+        nvme_offload_fraction: float = 0.0,
+        nvme_offload_dir: str | None = None,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -72,6 +82,20 @@ class HybridAdam(torch.optim.Optimizer):
                 f"bias_correction={bias_correction!r} cannot be honoured: the fused Adam kernels "
                 f"always correct the moments' bias; leave bias_correction=True"
             )
+        if (
+            isinstance(nvme_offload_fraction, bool)
+            or not isinstance(nvme_offload_fraction, (int, float))
+            or not 0 <= nvme_offload_fraction <= 1
+        ):
+            raise ValueError(
+                f"nvme_offload_fraction must be a number in [0, 1], got {nvme_offload_fraction!r}"
+            )
+        if nvme_offload_dir is not None and not isinstance(nvme_offload_dir, str):
+            raise TypeError(f"nvme_offload_dir must be a str path, got {nvme_offload_dir!r}")
+        self.nvme_offload_fraction = float(nvme_offload_fraction)
+        self.nvme_offload_dir = nvme_offload_dir
+        # Set when the engine takes the NVMe settings over (`claim_nvme_offload`).
+        self._nvme_claimed = False
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -93,6 +117,13 @@ class HybridAdam(torch.optim.Optimizer):
             grad_scale: gradients are divided by this inside the fused pass (the loss scale
                 over the clipping coefficient); None leaves them as they are.
         """
+        if self.nvme_offload_fraction > 0 and not self._nvme_claimed:
+            raise ValueError(
+                f"nvme_offload_fraction={self.nvme_offload_fraction} is honoured only when the "
+                f"engine steps this optimizer (zero_optim_wrapper, the Booster's ZeRO plugins) "
+                f"with optimizer state in host memory; without it there is no disk tier: leave "
+                f"nvme_offload_fraction at 0.0"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -115,6 +146,12 @@ class HybridAdam(torch.optim.Optimizer):
                 else:
                     self._widened_update(group, params, device, grad_scale)
         return loss
+
+    def claim_nvme_offload(self) -> tuple[float, str | None]:
+        """The engine stepping this optimizer takes over its NVMe settings (fraction,
+        directory), which it then honours."""
+        self._nvme_claimed = True
+        return self.nvme_offload_fraction, self.nvme_offload_dir
 
     def _widened_update(
         self,

@@ -11,19 +11,11 @@ import torch
 from shardwise.optim import hybrid_adam
 
 
-def _check_colossalai_only(
-    name: str, nvme_offload_fraction: float, nvme_offload_dir: str | None, defaults: dict[str, Any]
-) -> None:
-    if nvme_offload_fraction != 0.0 or nvme_offload_dir is not None:
-        raise ValueError(
-            f"{name}: NVMe offload (nvme_offload_fraction={nvme_offload_fraction}, "
-            f"nvme_offload_dir={nvme_offload_dir!r}) is not offered; optimizer state lives on the "
-            f"device or in host memory (GeminiPlugin's offload_optim_frac places it)"
-        )
+def _check_colossalai_only(name: str, defaults: dict[str, Any]) -> None:
     if defaults:
         raise TypeError(
             f"{name} got unexpected arguments {sorted(defaults)}; it takes lr, bias_correction, "
-            f"betas, eps, weight_decay and adamw_mode"
+            f"betas, eps, weight_decay, adamw_mode, nvme_offload_fraction and nvme_offload_dir"
         )
 
 
@@ -35,8 +27,8 @@ class HybridAdam(hybrid_adam.HybridAdam):
         model_params: parameters or parameter groups.
         lr, bias_correction, betas, eps, weight_decay: as for Adam.
         adamw_mode: decoupled weight decay (AdamW) when True, L2 (Adam) when False.
-        nvme_offload_fraction, nvme_offload_dir: NVMe offload, not offered: only the defaults
-            (0.0, None) are accepted.
+        nvme_offload_fraction, nvme_offload_dir: the disk tier for the share of optimizer
+            state kept in host memory (see `shardwise.optim.HybridAdam`).
         **defaults: refused (ColossalAI ignores them).
     """
 
@@ -53,9 +45,7 @@ class HybridAdam(hybrid_adam.HybridAdam):
         nvme_offload_dir: str | None = None,
         **defaults: Any,
     ) -> None:
-        _check_colossalai_only(
-            type(self).__name__, nvme_offload_fraction, nvme_offload_dir, defaults
-        )
+        _check_colossalai_only(type(self).__name__, defaults)
         super().__init__(
             model_params,
             lr=lr,
@@ -64,6 +54,8 @@ class HybridAdam(hybrid_adam.HybridAdam):
             weight_decay=weight_decay,
             adamw_mode=adamw_mode,
             bias_correction=bias_correction,
+            nvme_offload_fraction=nvme_offload_fraction,
+            nvme_offload_dir=nvme_offload_dir,
         )
 
 

@@ -1,0 +1,195 @@
+"""Which chunks' optimizer sides go to the disk tier, and what a failed step restores.
+
+The settings come from the placement (`Placement.disk_fraction`, `disk_dir`,
+`host_budget_bytes`) and from a `HybridAdam`'s `nvme_offload_fraction` / `nvme_offload_dir`
+(ColossalAI's spelling, given to the optimizer); both may be given only where they agree. The
+fraction applies, as ColossalAI's NVMe offload does, to the optimizer state kept in host
+memory: of the chunks whose optimizer side the placement put there, the first
+floor(fraction x n) in chunk order go to the disk tier; a host budget then sends more, the last
+in chunk order first, until the host memory the model state takes fits it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwise.chunk import Chunk, Pool
+from shardwise.chunk.accounting import resident_bytes_by_pool
+from shardwise.chunk.disk_pool import DiskPool
+from shardwise.engine.config import Placement
+from shardwise.optim import HybridAdam
+
+_log = logging.getLogger(__name__)
+# Optimizer state per element assumed before the optimizer has made any (Adam's two moments).
+ASSUMED_STATE_BYTES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class DiskSettings:
+    """The disk tier's settings, merged from the placement and the optimizer."""
+
+    fraction: float
+    directory: str
+    host_budget_bytes: int | None
+
+    @property
+    def wanted(self) -> bool:
+        return self.fraction > 0 or self.host_budget_bytes is not None
+
+
+def disk_settings(placement: Placement, optimizer: torch.optim.Optimizer) -> DiskSettings:
+    """The placement's disk-tier settings and a `HybridAdam`'s NVMe ones, merged; refused
+    where both are given and differ."""
+    fraction, directory = placement.disk_fraction, placement.disk_dir
+    if isinstance(optimizer, HybridAdam):
+        nvme_fraction, nvme_dir = optimizer.claim_nvme_offload()
+        if nvme_fraction and fraction and nvme_fraction != fraction:
+            raise ValueError(
+                f"HybridAdam(nvme_offload_fraction={nvme_fraction}) and the placement's disk "
+                f"fraction {fraction} disagree; give it in one place"
+            )
+        if nvme_dir is not None and directory is not None and nvme_dir != directory:
+            raise ValueError(
+                f"HybridAdam(nvme_offload_dir={nvme_dir!r}) and the placement's disk directory "
+                f"{directory!r} disagree; give it in one place"
+            )
+        fraction = fraction or nvme_fraction
+        directory = directory or nvme_dir
+    return DiskSettings(
+        fraction=fraction,
+        directory=directory or tempfile.gettempdir(),
+        host_budget_bytes=placement.host_budget_bytes,
+    )
+
+
+def chunks_for_disk(chunks: list[Chunk], settings: DiskSettings) -> list[Chunk]:
+    """The chunks whose optimizer side goes to the disk tier (see the module's docstring);
+    refused where no optimizer side is in host memory to take from."""
+    held = [chunk for chunk in chunks if chunk.placement.optim is Pool.HOST]
+    if not held:
+        raise ValueError(
+            f"the disk tier (nvme_offload_fraction={settings.fraction}, host_budget_bytes="
+            f"{settings.host_budget_bytes}) takes optimizer state kept in host memory, and this "
+            f"placement keeps none there: use placement_policy='cpu' (stage 3, or stages 1-2 "
+            f"with cpu_offload=True), 'auto', or 'static' with offload_optim_frac > 0"
+        )
+    chosen = held[: math.floor(settings.fraction * len(held))]
+    if settings.fraction > 0 and not chosen:
+        _log.warning(
+            "nvme_offload_fraction=%s of %d optimizer sides in host memory is none of them; "
+            "raise it to at least %.3g to use the disk tier",
+            settings.fraction,
+            len(held),
+            1 / len(held),
+        )
+    budget = settings.host_budget_bytes
+    if budget is not None:
+        host = sum(_host_bytes(chunk, on_disk=chunk in chosen) for chunk in chunks)
+        for chunk in reversed(held):
+            if host <= budget:
+                break
+            if chunk not in chosen:
+                host -= _host_bytes(chunk, on_disk=False) - _host_bytes(chunk, on_disk=True)
+                chosen.append(chunk)
+        if host > budget:
+            _log.warning(
+                "host_budget_bytes=%d: %d bytes of model state stay in host memory with every "
+                "optimizer side on the disk tier (payload shards and gradient shards cannot "
+                "go there)",
+                budget,
+                host,
+            )
+    return sorted(chosen, key=lambda chunk: chunk.chunk_id)
+
+
+def _host_bytes(chunk: Chunk, *, on_disk: bool) -> int:
+    """Host memory `chunk`'s model state takes, with its optimizer side in host memory or on
+    the disk tier (its state assumed Adam's before the optimizer made it)."""
+    held = resident_bytes_by_pool(chunk)[Pool.HOST]
+    if chunk.placement.optim is not Pool.HOST:
+        return held
+    if on_disk:
+        return held - (0 if chunk.master is chunk.payload.shard else _nbytes(chunk.master))
+    state = chunk.optimizer_state.nbytes() or ASSUMED_STATE_BYTES * chunk.shard_numel
+    return held + state
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def place_on_disk(chunks: list[Chunk], directory: str, rank: int) -> DiskPool:
+    """A disk tier under `directory` holding `chunks`' masters and state."""
+    disk = DiskPool(directory, rank=rank)
+    try:
+        for chunk in chunks:
+            chunk.move_optim(Pool.DISK, disk=disk)
+    except BaseException:
+        release_disk(chunks, disk)
+        raise
+    return disk
+
+
+def release_disk(chunks: list[Chunk], disk: DiskPool) -> None:
+    """Bring `chunks`' masters and state back into host memory and remove the files (the
+    optimizer is closed: the model keeps its fp32 masters)."""
+    try:
+        for chunk in chunks:
+            if chunk.placement.optim is Pool.DISK and chunk.placement.disk is disk:
+                chunk.move_optim(Pool.HOST)
+    finally:
+        disk.close()
+
+
+@dataclass(slots=True)
+class StepSnapshot:
+    """What a step of the disk tier's chunks changes besides their master and state (which
+    their disk copies keep): the optimizer's per-view state entries (scalar step counts, and
+    which views have state at all), each chunk's adopted state tensors, and the loss scaler.
+    Restored when the step rolls back (see [Note: the disk tier in the step] in
+    disk_step.py)."""
+
+    views: list[tuple[torch.Tensor, dict[str, Any] | None]]
+    adopted: list[tuple[Chunk, list[torch.Tensor]]]
+    scaler: dict[str, Any]
+
+    @classmethod
+    def take(
+        cls, chunks: list[Chunk], state: dict[Any, Any], scaler: dict[str, Any]
+    ) -> StepSnapshot:
+        views = []
+        adopted = []
+        for chunk in chunks:
+            kept = {id(t) for t in chunk.optimizer_state.tensors}
+            adopted.append((chunk, list(chunk.optimizer_state.tensors)))
+            for view, _, _ in chunk.optimizer_state.views:
+                entry = state.get(view)
+                views.append(
+                    (
+                        view,
+                        None
+                        if entry is None
+                        else {
+                            key: value.clone()
+                            if isinstance(value, torch.Tensor) and id(value) not in kept
+                            else value
+                            for key, value in entry.items()
+                        },
+                    )
+                )
+        return cls(views=views, adopted=adopted, scaler=scaler)
+
+    def restore(self, state: dict[Any, Any]) -> None:
+        for view, entry in self.views:
+            if entry is None:
+                state.pop(view, None)
+            else:
+                state[view] = entry
+        for chunk, tensors in self.adopted:
+            chunk.optimizer_state.restore(tensors)
