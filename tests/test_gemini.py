@@ -85,7 +85,7 @@ def test_pools_hold_what_the_policy_says() -> None:
     assert cpu["pools"]["device"] == 0 and cpu["pools"]["host"] > 0
     assert cpu["pools"]["host"] == cuda["pools"]["device"]
     # "cpu" moves each shard to the device for its gathers and gradients back; "cuda" nothing.
-    assert all(m == {"to_device": 0, "to_host": 0} for m in cuda["moved"])
+    assert all(set(m.values()) == {0} for m in cuda["moved"])
     assert all(m["to_device"] > 0 and m["to_host"] > 0 for m in cpu["moved"])
     # static: the first half of the chunks sharded, the first half of all optimizer sides on
     # the host, in chunk order.
@@ -188,7 +188,7 @@ def test_auto_policy_matches_cuda_and_keeps_to_its_budget() -> None:
     # reduced every step all the same).
     assert all(c["payload"] == "device" for c in roomy["report"]), roomy["report"]
     assert all(c["optim"] == "device" for c in roomy["report"] if c["optim"] is not None)
-    assert all(m == {"to_device": 0, "to_host": 0} for m in roomy["moved"][1:])
+    assert all(set(m.values()) == {0} for m in roomy["moved"][1:])
     # Room for the working set, the traced activations, a prefetch and a third of the model
     # state: shards must move.
     planned = run_ranks(_auto_stats, 2, 10 * cuda["peak"])[0]["planned"]

@@ -66,7 +66,6 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.chunk.disk_pool import DiskPool, DiskTierError
-from shardwise.chunk.grad_buffer import owns_storage
 from shardwise.chunk.grads import (
     AveragedFullGrads,
     GradSide,
@@ -377,10 +376,14 @@ class Chunk:
         disk = self._disk()
         tensors = self.disk_tensors()
         for tensor in tensors:
-            if not owns_storage(tensor):
+            # Freeing a storage must free this tensor's elements and nobody else's (the
+            # optimizer's views of the master share them, and follow when they come back).
+            if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != (
+                tensor.numel() * tensor.element_size()
+            ):
                 raise RuntimeError(
-                    f"chunk {self.chunk_id}: a tensor of its optimizer side shares its storage "
-                    f"({tuple(tensor.shape)}), so the disk tier cannot free it"
+                    f"chunk {self.chunk_id}: a tensor of its optimizer side is part of a larger "
+                    f"storage ({tuple(tensor.shape)}), so the disk tier cannot free it"
                 )
         self.placement.bytes_to_disk += sum(t.numel() * t.element_size() for t in tensors)
         self._writing_to_disk = tensors

@@ -30,6 +30,7 @@ that made it is closed or collected) or the process exits.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import tempfile
@@ -189,11 +190,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The tensor's memory as bytes (no copy): it must be contiguous, in host memory, and
-    own its storage from offset zero."""
+    """The tensor's memory as bytes (no copy); the tensor must be contiguous, in host memory,
+    and kept alive while the bytes are used. Through ctypes, not `Tensor.numpy()`, which marks
+    the storage as not resizable for good (the disk tier frees and refills it by resizing)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise RuntimeError(f"the disk tier moves contiguous host tensors, got {tensor.device}")
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
+    nbytes = _nbytes(tensor)
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _transfer(path: Path, buffers: list[memoryview], *, write: bool) -> None:

@@ -140,6 +140,8 @@ class ZeroOptimizer:
         self.skipped_in_a_row = 0
         self.skip_warning: str | None = None
         self._stuck_in_a_row = 0
+        self._scaler_before: dict[str, Any] = {}
+        self._skips_before: tuple[int, int, str | None] = (0, 0, None)
         self._closed = False
         self._step_hooks: list[Callable[[ZeroOptimizer], None]] = []
         self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
@@ -285,6 +287,9 @@ class ZeroOptimizer:
         self.last_grad_norm = norm
         self.last_loss_scale = scale
         overflow = not math.isfinite(norm)
+        # What a rolled-back step of the disk tier restores (see engine/disk_step.py).
+        self._scaler_before = self.grad_scaler.state_dict() if self.disk is not None else {}
+        self._skips_before = (self.skipped_in_a_row, self._stuck_in_a_row, self.skip_warning)
         self._count_skips(overflow)
         self.grad_scaler.update(overflow)
         self.last_step_skipped = overflow
@@ -332,7 +337,7 @@ class ZeroOptimizer:
         self, work: list[tuple[Chunk, torch.Tensor]], coef: float, wait: bool
     ) -> None:
         snapshot = StepSnapshot.take(
-            [chunk for chunk, _ in work], self.optim.state, self.grad_scaler.state_dict()
+            [chunk for chunk, _ in work], self.optim.state, self._scaler_before
         )
         try:
             step_on_disk(
@@ -345,6 +350,7 @@ class ZeroOptimizer:
         except DiskTierError:
             snapshot.restore(self.optim.state)
             self.grad_scaler.load_state_dict(snapshot.scaler)
+            self.skipped_in_a_row, self._stuck_in_a_row, self.skip_warning = self._skips_before
             raise
 
     def _step_one_chunk(self, chunk: Chunk, coef: float, grad: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ imports this package (tests/unit/test_layers.py).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -57,6 +58,9 @@ GEMINI_CONFIG_KEYS = (
     "gather_units",
     "shard_size",
     "secondary_shard_size",
+    "nvme_offload_fraction",
+    "nvme_offload_dir",
+    "host_budget_bytes",
 )
 # What stages 1 and 2 take from `gemini_config`; their bucket size is `optim_config`'s.
 LOW_LEVEL_KEYS = (
@@ -69,6 +73,9 @@ LOW_LEVEL_KEYS = (
     "gradient_reduction",
     "param_init_fn",
     "shard_size",
+    "nvme_offload_fraction",
+    "nvme_offload_dir",
+    "host_budget_bytes",
 )
 OPTIM_CONFIG_KEYS = (
     "reduce_bucket_size",
@@ -171,13 +178,11 @@ def _offloaded(placement: Placement, cpu_offload: object) -> Placement:
             f"optim_config['cpu_offload']={cpu_offload} contradicts "
             f"gemini_config['placement_policy']={placement.policy.name!r}; set one of them"
         )
-    return Placement(policy=placement_policy(wanted), pin_memory=placement.pin_memory)
+    return replace(placement, policy=placement_policy(wanted))
 
 
 def replace_parts(config: EngineConfig, **parts: Any) -> EngineConfig:
     """`config` with some parts replaced (validated again as a whole)."""
-    from dataclasses import replace
-
     return replace(config, **parts)
 
 
@@ -212,6 +217,10 @@ def _placement(options: Mapping[str, Any]) -> Placement:
         policy=policy,
         device_budget_bytes=options.get("device_budget_bytes"),
         pin_memory=options.get("pin_memory", False),
+        # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py).
+        disk_fraction=options.get("nvme_offload_fraction", 0.0),
+        disk_dir=options.get("nvme_offload_dir"),
+        host_budget_bytes=options.get("host_budget_bytes"),
     )
 
 
