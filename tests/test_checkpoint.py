@@ -141,6 +141,27 @@ def test_resume_from_auto_placement_is_exact(
     assert resumed["losses_after"] == saved["losses_after"]
 
 
+def test_resume_from_state_on_the_disk_tier_at_the_same_and_another_world_size(
+    tmp_path: Path,
+) -> None:
+    # Saved while every master and optimizer state was in the disk tier's files (see [Note:
+    # the disk tier] in chunk/disk_pool.py), resumed exactly on the disk tier again, and at 4
+    # ranks in memory (another world size sums in another order: the last bits).
+    path = str(tmp_path / "ckpt")
+    disk = {
+        "placement_policy": "cpu",
+        "nvme_offload_fraction": 1.0,
+        "nvme_offload_dir": str(tmp_path / "disk"),
+    }
+    saved = run_ranks(_train_and_save, 2, 3, path, FP16, disk)[0]
+    assert {optim for _, optim in saved["pools"]} == {Pool.DISK}
+    again = run_ranks(_load_and_train, 2, 3, path, FP16, disk)[0]
+    assert again["losses_after"] == saved["losses_after"]
+    assert again["scale"] == saved["scale"]
+    wider = run_ranks(_load_and_train, 4, 2, path, FP16, None)[0]
+    assert wider["losses_after"] == pytest.approx(saved["losses_after"], abs=1e-5)
+
+
 def _save_model_only(path: str) -> dict[str, torch.Tensor]:
     wrapped, optimizer = _build(3)
     _train(wrapped, optimizer, range(2))

@@ -328,3 +328,37 @@ def test_low_level_zero_cpu_offload_with_nvme_trains(tmp_path: Path) -> None:
         return losses
 
     assert run_ranks(run, 2, 1.0) == run_ranks(run, 2, 0.0)
+
+
+def _booster_resume(directory: str, save: str, steps_before: int) -> list[float]:
+    """Train with the Booster, state on the disk tier; save model and optimizer after
+    `steps_before` steps, then train on; or, when `steps_before` is 0, load them first."""
+    rank = dist.get_rank()
+    booster = Booster(plugin=GeminiPlugin(precision="fp32", placement_policy="cpu"))
+    model = make_model()
+    optimizer = HybridAdam(
+        model.parameters(), lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=directory
+    )
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    if steps_before == 0:
+        booster.load_model(model, save + "/model")
+        booster.load_optimizer(optimizer, save + "/optim")
+    losses = []
+    for step in range(STEPS + 1):
+        if step == steps_before and steps_before:
+            booster.save_model(model, save + "/model", shard=True)
+            booster.save_optimizer(optimizer, save + "/optim", shard=True)
+            losses = []
+        optimizer.zero_grad()
+        loss = model(*batch_slice(step if steps_before else step + 2, 0, rank, 2))
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        losses.append(float(loss))
+    return losses[: STEPS + 1 - 2]
+
+
+def test_booster_checkpoints_of_state_on_the_disk_tier_resume_exactly(tmp_path: Path) -> None:
+    save = str(tmp_path / "save")
+    uninterrupted = run_ranks(_booster_resume, 2, str(tmp_path / "a"), save, 2)
+    resumed = run_ranks(_booster_resume, 2, str(tmp_path / "b"), save, 0)
+    assert resumed == uninterrupted
