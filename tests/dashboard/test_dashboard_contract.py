@@ -43,6 +43,15 @@ def test_every_event_core_builds_is_accepted() -> None:
             "optim": None,
             "tensors": {"frozen.weight": "free"},
         },
+        {
+            "chunk_id": 2,
+            "numel": 64,
+            "state": "sharded",
+            "sharded": True,
+            "payload": "host",
+            "optim": "disk",  # the disk tier
+            "tensors": {"b.weight": "free"},
+        },
     ]
     built = [
         core_events.run_started("r", 0, world_size=2, config={"stage": 3}, num_params=9, host="h"),
@@ -56,8 +65,8 @@ def test_every_event_core_builds_is_accepted() -> None:
             grad_norm=float("inf"),
             step_time_s=0.01,
             comm_bytes={"all_gather": 10, "reduce_scatter": 5},
-            moved_bytes={"to_device": 1, "to_host": 2},
-            memory={"device": 100, "host": 50},
+            moved_bytes={"to_device": 1, "to_host": 2, "to_disk": 3, "from_disk": 4},
+            memory={"device": 100, "host": 50, "disk": 60},
         ),
         core_events.chunks("r", 0, step_index=0, report=report),
         core_events.evaluation("r", 0, step_index=49, loss=2.25),
@@ -93,14 +102,35 @@ def test_core_s_skipped_steps_and_warning_are_accepted() -> None:
         grad_norm=None,
         step_time_s=0.01,
         comm_bytes={},
-        moved_bytes={"to_device": 0, "to_host": 0},
-        memory={"device": 0, "host": 0},
+        moved_bytes={"to_device": 0, "to_host": 0, "to_disk": 0, "from_disk": 0},
+        memory={"device": 0, "host": 0, "disk": 0},
         skipped_in_a_row=7,
         warning="w" * 500,
     )
     (event,) = EventBatch.model_validate({"events": [built]}).events
     assert event.model_dump(mode="json", by_alias=True) == built
     assert built["skipped_in_a_row"] == 7 and len(built["warning"]) == 200
+
+
+def test_a_step_without_the_disk_tier_s_fields_reads_them_as_zero() -> None:
+    # Events from before the disk tier carry neither its bytes moved nor its memory.
+    built = core_events.step(
+        "r",
+        0,
+        step_index=1,
+        loss=1.0,
+        loss_scale=1.0,
+        overflow=False,
+        grad_norm=1.0,
+        step_time_s=0.01,
+        comm_bytes={},
+        moved_bytes={"to_device": 5, "to_host": 6},
+        memory={"device": 7, "host": 8},
+    )
+    (event,) = EventBatch.model_validate({"events": [built]}).events
+    dumped = event.model_dump(mode="json", by_alias=True)
+    assert dumped["moved_bytes"] == {"to_device": 5, "to_host": 6, "to_disk": 0, "from_disk": 0}
+    assert dumped["memory"] == {"device": 7, "host": 8, "disk": 0}
 
 
 def test_the_dashboard_never_imports_torch_or_shardwise() -> None:

@@ -42,6 +42,8 @@ Text = Annotated[str, AfterValidator(_utf8)]
 Name = Annotated[Text, Field(min_length=1, max_length=128)]
 Rank = Annotated[int, Field(ge=0, lt=MAX_RANK)]
 Pool = Literal["device", "host"]
+# An optimizer side may also be on the disk tier (files under a directory the user names).
+OptimPool = Literal["device", "host", "disk"]
 
 
 class _Strict(BaseModel):
@@ -88,11 +90,15 @@ class RunStarted(_Base):
 class MovedBytes(_Strict):
     to_device: NonNegativeInt
     to_host: NonNegativeInt
+    # The disk tier's, written and read this step; absent (zero) from runs without one.
+    to_disk: NonNegativeInt = 0
+    from_disk: NonNegativeInt = 0
 
 
 class MemoryByPool(_Strict):
     device: NonNegativeInt
     host: NonNegativeInt
+    disk: NonNegativeInt = 0
 
 
 class Step(_Base):
@@ -141,7 +147,8 @@ class ChunkRow(TypedDict):
     sharded: bool
     payload: Annotated[Pool, Field(description="pool of the 16-bit payload")]
     optim: Annotated[
-        Pool | None, Field(description="pool of fp32 master and optimizer state (null: frozen)")
+        OptimPool | None,
+        Field(description="pool of fp32 master and optimizer state (null: frozen)"),
     ]
     tensor_states: Annotated[dict[_RowName, NonNegativeInt], Field(max_length=16)]
 

@@ -64,7 +64,8 @@ def _placement(chunks: list[dict[str, Any]]) -> str:
     return "".join(_PLACEMENT[chunk["payload"], chunk["state"]] for chunk in chunks)
 
 
-_OPTIM = {"device": "D", "host": "H", None: "-"}
+# S: the disk tier (storage files).
+_OPTIM = {"device": "D", "host": "H", "disk": "S", None: "-"}
 
 
 def _optim_letters(chunks: list[dict[str, Any]]) -> str:

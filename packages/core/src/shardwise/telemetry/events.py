@@ -5,11 +5,14 @@ by type:
 - "run_started": world_size, config (any JSON), num_params, host
 - "step": step, loss (null if not finite or unknown), loss_scale, overflow, grad_norm (null if
   not finite), step_time_s, comm_bytes {collective kind: bytes sent this step}, moved_bytes
-  {"to_device", "to_host"}, memory {"device", "host"} (model-state bytes per pool),
+  {"to_device", "to_host", "to_disk", "from_disk"} (the last two: written to and read from the
+  disk tier this step), memory {"device", "host", "disk"} (model-state bytes per pool; "disk":
+  the disk tier's files),
   skipped_in_a_row (steps skipped in a row up to this one, 0 when it was taken), warning (null,
   or the engine's warning that steps keep being skipped with no loss scale left to lower)
 - "chunks": step, chunks [{"id", "numel", "state" ("sharded"|"gathered"), "sharded",
-  "payload" ("device"|"host"), "optim" ("device"|"host"|null), "tensor_states" {state: count}}]
+  "payload" ("device"|"host"), "optim" ("device"|"host"|"disk"|null), "tensor_states"
+  {state: count}}]
 - "eval": step (the index of the optimizer step the evaluation followed, as a "step" event's),
   loss (the evaluation loss; null if not finite)
 - "run_finished": status ("finished"|"failed"), error (null or a message)
@@ -17,6 +20,8 @@ by type:
 The dashboard validates every field; it never imports torch. "eval" came later than the others
 within version 1, a type added beside them rather than a change to one: a dashboard from before
 it refuses a batch holding one (it names the type), and `HttpSink` then stops sending it there.
+The disk tier's fields ("to_disk", "from_disk", memory "disk", optim "disk") came later too; the
+dashboard reads events without them as zero.
 """
 
 from __future__ import annotations

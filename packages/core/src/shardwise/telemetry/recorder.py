@@ -92,14 +92,16 @@ class TelemetryRecorder:
 
     def _moved(self) -> dict[str, int]:
         gemini = self.model.gemini_manager
-        return gemini.bytes_moved() if gemini is not None else {"to_device": 0, "to_host": 0}
+        if gemini is not None:
+            return gemini.bytes_moved()
+        return {"to_device": 0, "to_host": 0, "to_disk": 0, "from_disk": 0}
 
     def _memory(self) -> dict[str, int]:
         gemini = self.model.gemini_manager
         if gemini is not None:
             return gemini.memory_by_pool()
         device = sum(self.model.memory_report().values()) + self.optimizer.state_bytes()
-        return {"device": device, "host": 0}
+        return {"device": device, "host": 0, "disk": 0}
 
     def cpu_seconds(self) -> float:
         """CPU time telemetry has cost this rank so far: the step hook on the training thread
