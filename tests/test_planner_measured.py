@@ -104,3 +104,55 @@ def test_recommended_configuration_fits_its_budget_and_trains() -> None:
     config = {**advice.gemini_config, "device_budget_bytes": budget}
     losses = run_ranks(_train_as_planned, 2, 3, config, advice.optim_config)[0]
     assert losses[-1] < losses[0]
+
+
+def _measure_pools(directory: str, stage: int) -> dict[str, int]:
+    """Bytes per pool after a step with every master and optimizer state on the disk tier."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    options: dict[str, Any] = {
+        "device": torch.device("cpu"),
+        "nvme_offload_fraction": 1.0,
+        "nvme_offload_dir": directory,
+    }
+    if stage == 3:
+        options.update(placement_policy="cpu", chunk_size_numel=CHUNK_NUMEL)
+    wrapped = zero_model_wrapper(model, stage, options)
+    optimizer = zero_optim_wrapper(
+        wrapped,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        optim_config={"reduce_bucket_size": CHUNK_NUMEL, "cpu_offload": True}
+        if stage < 3
+        else None,
+    )
+    optimizer.zero_grad()
+    _, loss = wrapped(*batch_slice(0, 0, rank, 2))
+    optimizer.backward(loss)
+    optimizer.step()
+    assert wrapped.gemini_manager is not None
+    pools = wrapped.gemini_manager.memory_by_pool()
+    optimizer.close()
+    return pools
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_predicted_pools_of_the_disk_tier_within_3_percent_of_measured(
+    stage: int, tmp_path: Any
+) -> None:
+    prediction = plan(
+        GPT(CONFIG),
+        world_size=2,
+        device_memory_bytes=10**12,
+        host_memory_bytes=10**12,
+        disk_memory_bytes=10**12,
+        chunk_size_numel=CHUNK_NUMEL,
+    )
+    (option,) = [o for o in prediction.options if (o.stage, o.placement) == (stage, "disk")]
+    measured = run_ranks(_measure_pools, 2, str(tmp_path), stage)[0]
+    for pool, predicted in (
+        ("device", option.device.total),
+        ("host", option.host.total),
+        ("disk", option.disk.total),
+    ):
+        assert abs(predicted - measured[pool]) <= 0.03 * measured[pool], (pool, option, measured)

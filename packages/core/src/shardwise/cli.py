@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="stage 3, ZeRO++ hpZ: ranks per group backward gathers in (e.g. per node)",
     )
+    planner.add_argument(
+        "--disk-memory",
+        type=size_in_bytes,
+        default=0,
+        help="per rank: what the disk tier's files may take (default 0: no disk tier)",
+    )
     planner.add_argument("--json", action="store_true", help="machine-readable output")
     merger = commands.add_parser(
         "consolidate",
@@ -124,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_bytes=args.activation_memory,
             shard_size=args.shard_size,
             secondary_shard_size=args.secondary_shard_size,
+            disk_memory_bytes=args.disk_memory,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -5,10 +5,15 @@ fits, and the configuration to use.
 The first that fits, in this order: stage 0 (plain data parallelism: one all-reduce, no
 re-gathering), stage 2 (the same bytes on the wire as stage 1, less memory, and measured
 faster in this engine, see benchmarks/RESULTS.md), stage 1, then stage 3 with placement "cuda"
-(3 psi on the wire, nothing through host memory), "auto" (host traffic only for what does not
-fit) and "cpu" (every shard through host memory each step). Fitting means the device holds the
+(3 psi on the wire, nothing through host memory), stage 2 with its optimizer side in host
+memory ("cpu", `cpu_offload`), stage 3 "auto" (host traffic only for what does not fit) and
+"cpu" (every shard through host memory each step), and last, where a disk tier is given
+(`disk_memory_bytes`), stages 2 and 3 "disk": "cpu" with every fp32 master and optimizer state
+in the disk tier's files, read and written once a step. Fitting means the device holds the
 model state, the gathered working set (two chunks with their gradient buffer) and the given
-activation bytes within its memory, and the host holds what is offloaded within its memory.
+activation bytes within its memory, the host holds what is offloaded (and, on the disk tier,
+the three chunks' optimizer sides its step holds at once) within its memory, and the disk
+tier's files fit its bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +30,17 @@ from shardwise.chunk.search import DEFAULT_MIN_CHUNK_BYTES, default_chunk_search
 from shardwise.planner.formulas import StateBytes, engine_bytes, zero_paper_bytes
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "sgd": 0, "sgd_momentum": 4}
-_ORDER = [(0, "ddp"), (2, "cuda"), (1, "cuda"), (3, "cuda"), (3, "auto"), (3, "cpu")]
+_ORDER = [
+    (0, "ddp"),
+    (2, "cuda"),
+    (1, "cuda"),
+    (3, "cuda"),
+    (2, "cpu"),
+    (3, "auto"),
+    (3, "cpu"),
+    (2, "disk"),
+    (3, "disk"),
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +90,12 @@ class PlanOption:
     """Hybrid sharding: of `comm_bytes_per_step`, what crosses shard groups."""
     in_node_bytes_per_step: float = 0.0
     """hpZ (stage 3): of `comm_bytes_per_step`, backward's gathers inside the secondary groups."""
+    disk: StateBytes = field(
+        default_factory=lambda: StateBytes(params=0, grads=0, optimizer=0, master=0)
+    )
+    """What the disk tier's files hold (fp32 masters and optimizer state)."""
+    disk_bytes_per_step: float = 0.0
+    """Bytes read from and written to the disk tier per step."""
 
     @property
     def name(self) -> str:
@@ -113,10 +134,12 @@ class Plan:
         hybrid = {"shard_size": self.shard_size} if self.shard_size is not None else {}
         if self.recommended is None or self.recommended.stage == 0:
             return {}
+        disk = {"nvme_offload_fraction": 1.0} if self.recommended.placement == "disk" else {}
         if self.recommended.stage != 3:
-            return hybrid
+            return {**hybrid, **disk}
         config: dict[str, Any] = {
-            "placement_policy": self.recommended.placement,
+            "placement_policy": "cpu" if disk else self.recommended.placement,
+            **disk,
             "chunk_size_numel": self.chunk_size_numel,
             **hybrid,
         }
@@ -131,7 +154,8 @@ class Plan:
         """Options for `zero_optim_wrapper(..., optim_config=plan.optim_config)`."""
         if self.recommended is None or self.recommended.stage not in (1, 2):
             return {}
-        return {"reduce_bucket_size": self.chunk_size_numel}
+        offload = {"cpu_offload": True} if self.recommended.placement in ("cpu", "disk") else {}
+        return {"reduce_bucket_size": self.chunk_size_numel, **offload}
 
     def wrapper_call(self) -> str:
         if self.recommended is None:
@@ -156,7 +180,7 @@ class Plan:
                 "chunk_size_reason": self.chunk_size_reason,
                 "options": [
                     {**asdict(option), "name": option.name, "device_total": option.device.total,
-                     "host_total": option.host.total}
+                     "host_total": option.host.total, "disk_total": option.disk.total}
                     for option in self.options
                 ],
                 "recommended": None if self.recommended is None else self.recommended.name,
@@ -172,24 +196,35 @@ class Plan:
     def table(self) -> str:
         hybrid = self.shard_size is not None
         hpz = self.secondary_shard_size is not None
+        disk = any(option.placement == "disk" for option in self.options)
         rows = [
-            "| configuration | device GB | host GB | ZeRO paper GB | sent GB/step "
+            "| configuration | device GB | host GB "
+            + ("| disk GB " if disk else "")
+            + "| ZeRO paper GB | sent GB/step "
             + ("| across groups GB/step " if hybrid else "")
             + ("| of which in node (hpZ) GB/step " if hpz else "")
-            + "| host<->device GB/step | fits |",
-            "| --- | ---: | ---: | ---: | ---: | "
+            + "| host<->device GB/step "
+            + ("| disk GB/step " if disk else "")
+            + "| fits |",
+            "| --- | ---: | ---: | "
+            + ("---: | " if disk else "")
+            + "---: | ---: | "
             + ("---: | " if hybrid else "")
             + ("---: | " if hpz else "")
+            + ("---: | " if disk else "")
             + "---: | :---: |",
         ]
         for option in self.options:
             across = f"{_gb(option.cross_group_bytes_per_step)} | " if hybrid else ""
             across += f"{_gb(option.in_node_bytes_per_step)} | " if hpz else ""
+            on_disk = f"{_gb(option.disk.total)} | " if disk else ""
+            disk_traffic = f"{_gb(option.disk_bytes_per_step)} | " if disk else ""
             rows.append(
                 f"| {option.name} | {_gb(option.device.total + option.working_bytes)} | "
-                f"{_gb(option.host.total)} | {_gb(option.zero_paper_bytes)} | "
+                f"{_gb(option.host.total)} | {on_disk}{_gb(option.zero_paper_bytes)} | "
                 f"{_gb(option.comm_bytes_per_step)} | {across}"
-                f"{_gb(option.host_device_bytes_per_step)} | {'yes' if option.fits else 'no'} |"
+                f"{_gb(option.host_device_bytes_per_step)} | {disk_traffic}"
+                f"{'yes' if option.fits else 'no'} |"
             )
         chosen = "none fits" if self.recommended is None else self.recommended.name
         smallest = (
@@ -220,6 +255,7 @@ def plan(
     activation_bytes: int = 0,
     shard_size: int | None = None,
     secondary_shard_size: int | None = None,
+    disk_memory_bytes: int = 0,
 ) -> Plan:
     """Memory per rank and traffic per step for stages 0-3 and the stage-3 placements, and the
     recommended configuration (see [Note: which configuration is recommended]).
@@ -238,6 +274,8 @@ def plan(
         secondary_shard_size: hpZ at stage 3: backward gathers inside groups of this many
             ranks, from secondary shards every rank holds from forward to backward (see
             [Note: secondary shards] in chunk/chunk.py); counted in the working memory.
+        disk_memory_bytes: bytes the disk tier's files may take per rank (see [Note: the disk
+            tier] in chunk/disk_pool.py); 0 plans without a disk tier.
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.from_module(model)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -257,6 +295,14 @@ def plan(
             f"got {shard_size!r}"
         )
     _check_secondary_shard_size(secondary_shard_size, world_size, shard_size)
+    if (
+        isinstance(disk_memory_bytes, bool)
+        or not isinstance(disk_memory_bytes, int)
+        or disk_memory_bytes < 0
+    ):
+        raise ValueError(
+            f"disk_memory_bytes must be an int >= 0 (0: no disk tier), got {disk_memory_bytes!r}"
+        )
     # The ranks one shard is spread over, and the replicas of each shard.
     shards = shard_size or world_size
     replicas = world_size // shards
@@ -270,6 +316,8 @@ def plan(
     k_paper = opt_bytes + (0 if sizes["param"] == 4 else 4)
     options = []
     for stage, placement in _ORDER:
+        if placement == "disk" and not disk_memory_bytes:
+            continue
         n = world_size if stage == 0 else shards
         state = engine_bytes(
             stage, psi_padded, n, param_bytes=sizes["param"],
@@ -282,9 +330,26 @@ def plan(
             if secondary_shard_size is not None:  # every chunk's slice, forward to backward
                 working += psi_padded * sizes["param"] / secondary_shard_size
         zero = StateBytes(params=0, grads=0, optimizer=0, master=0)
-        device, host = (zero, state) if placement == "cpu" else (state, zero)
+        disk = zero
+        if stage == 3:
+            device, host = (zero, state) if placement in ("cpu", "disk") else (state, zero)
+        elif placement in ("cpu", "disk"):
+            device, host = _offloaded_low_level(state, stage, psi_padded, n, sizes)
+        else:
+            device, host = state, zero
         if placement == "auto":
             device, host = _auto_split(state, device_memory_bytes, working + activation_bytes)
+        host_working = 0.0
+        if placement == "disk":
+            # fp32 masters (held apart from the parameters on disk) and optimizer state go to
+            # the files; the step holds three chunks' of them at once (see [Note: the disk
+            # tier in the step] in engine/disk_step.py).
+            shard_of_chunk = chunk / n
+            disk = StateBytes(
+                params=0, grads=0, optimizer=host.optimizer, master=4 * psi_padded / n
+            )
+            host = StateBytes(params=host.params, grads=host.grads, optimizer=0, master=0)
+            host_working = 3 * shard_of_chunk * (4 + opt_bytes)
         wire = (n - 1) / n * spec.num_params
         # Stage 0 all-reduces gradients; 1 and 2 reduce-scatter them and all-gather parameters;
         # 3 gathers parameters twice (forward, backward).
@@ -306,11 +371,15 @@ def plan(
         if stage > 0 and replicas > 1:
             across = 2 * (replicas - 1) / replicas * sizes["reduce"] * psi_padded / n
         comm += across
-        offloaded = host.total / max(state.total, 1)
+        offloaded = (host.total + disk.total) / max(state.total, 1)
         moved = offloaded * (2 * sizes["param"] + 4) * psi_padded / n if stage == 3 else 0.0
+        if stage in (1, 2) and placement in ("cpu", "disk"):
+            # Each reduced gradient shard to the host, the updated parameters back.
+            moved = (sizes["reduce"] + sizes["param"]) * psi_padded / n
         fits = (
             device.total + working + activation_bytes <= device_memory_bytes
-            and host.total <= host_memory_bytes
+            and host.total + host_working <= host_memory_bytes
+            and disk.total <= disk_memory_bytes
         )
         options.append(
             PlanOption(
@@ -321,6 +390,7 @@ def plan(
                 ),
                 comm_bytes_per_step=comm, host_device_bytes_per_step=moved, fits=fits,
                 cross_group_bytes_per_step=across, in_node_bytes_per_step=in_node,
+                disk=disk, disk_bytes_per_step=2 * disk.total,
             )
         )  # fmt: skip
     recommended = next((option for option in options if option.fits), None)
@@ -398,6 +468,20 @@ def _chunking(
         used += numel
     padded += -(-used // world_size) * world_size
     return chunk_size_numel, padded, reason
+
+
+def _offloaded_low_level(
+    state: StateBytes, stage: int, psi_padded: int, n: int, sizes: dict[str, int]
+) -> tuple[StateBytes, StateBytes]:
+    """Stages 1-2 with `cpu_offload` (see [Note: offload at stages 1 and 2] in
+    engine/model.py): parameters (and stage 1's whole gradient) stay on the device; the fp32
+    master (always apart from the parameters then), the fp32 gradient shard and the optimizer
+    state move to the host."""
+    shard = psi_padded / n
+    device_grads = sizes["reduce"] * psi_padded if stage == 1 else 0.0
+    device = StateBytes(params=state.params, grads=device_grads, optimizer=0, master=0)
+    host = StateBytes(params=0, grads=4 * shard, optimizer=state.optimizer, master=4 * shard)
+    return device, host
 
 
 def _auto_split(
