@@ -90,6 +90,15 @@ def main() -> None:
         if rank == 0:
             medians = ", ".join(f"{n} {statistics.median(times[n]):.1f}" for n in names)
             print(f"round {round_index + 1}/{args.rounds}: {medians}", flush=True)
+    # The engines' counters: bytes sent and moved between pools (to and from the disk tier
+    # too) per step over every step they ran; the others as they stand.
+    per_step = {
+        name: {
+            k: v / steps_done[name] if k.startswith(("moved_", "sent_")) else v
+            for k, v in engines[name][1]().items()
+        }
+        for name in names
+    }
     if rank == 0:
         summary = {
             "world": world,
@@ -104,6 +113,7 @@ def main() -> None:
                     # The warm-up steps, first to last: a compiled engine's first step
                     # compiles (alone in its process, as bench_compile_time.py runs it).
                     "warmup_ms": warmup[name],
+                    "counters_per_step": per_step[name],
                 }
                 for name in names
             },

@@ -28,7 +28,19 @@ reads `torch.cuda.max_memory_allocated`.
 largest: grows the GPT's depth at width `--n-embd` (doubling, then bisecting) until 3 steps
 fail or the two ranks' resident sets together pass `--limit-gib`; each attempt runs in its own
 processes, bounded by `--attempt-timeout`, and a watchdog polling the process tree's resident
-set stops it before the host runs short.
+set stops it before the host runs short. `--layers 160,192` tries those depths instead of
+searching; `--largest-steps` sets the steps of an attempt.
+
+Engines beyond the defaults: `zero2-offload` (stage 2 with `cpu_offload`), `zero3-disk`
+(stage 3, "cpu" placement, every fp32 master and optimizer state on the disk tier under
+`--disk-dir`), `zero3-disk-bf16` (the same with bf16 parameter storage, fp32 compute and
+masters), `fsdp2-bf16` (FSDP2 over a bf16 model, gathered and computing in fp32: its
+16-bit storage, with torch's AdamW keeping bf16 state), `zero3-cuda-wholestep` (the optimizer
+stepping every shard in one call, as before the chunk-by-chunk step). `--meta` builds the
+model on the meta device and lets the engine initialise it shard by shard (never whole);
+`--foreach` gives every engine torch's foreach AdamW (CUDA's default) instead of the fused
+one. Each phase also records the bytes the rank's process wrote and read (`/proc/self/io`'s
+wchar and rchar: the disk tier's files, measured from outside the engine).
 """
 
 from __future__ import annotations
@@ -42,16 +54,25 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from engines import whole_step
 
-from shardwise import zero_model_wrapper, zero_optim_wrapper
+from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import GPT, GPTConfig, gpt_batch
 
 ENGINES = ("ddp", "fsdp2", "zero1", "zero2", "zero3-cuda", "zero3-cpu", "zero3-auto")
+MORE_ENGINES = (
+    "zero2-offload",
+    "zero3-disk",
+    "zero3-disk-bf16",
+    "fsdp2-bf16",
+    "zero3-cuda-wholestep",
+)
 MIB = 2**20
 # GPT shapes by name: (layers, width, vocabulary); untied head, 8 heads of 128.
 SIZES = {"117m": (4, 1024, 32768), "168m": (8, 1024, 32768), "smoke": (2, 64, 512)}
@@ -97,6 +118,17 @@ class Meter:
             self.phases[name + " cuda"] = torch.cuda.memory_allocated() / MIB
 
 
+def io_bytes() -> dict[str, int]:
+    """Bytes this process has written and read through system calls (files, the disk tier's
+    among them; sockets too, which gloo uses: compare engines, not absolute figures)."""
+    counters = {}
+    with open("/proc/self/io") as io:
+        for line in io:
+            key, value = line.split(":")
+            counters[key] = int(value)
+    return {"written": counters["wchar"], "read": counters["rchar"]}
+
+
 def _model_config(size: str) -> GPTConfig:
     layers, width, vocab = SIZES[size] if size in SIZES else _layers_size(size)
     return GPTConfig(
@@ -115,9 +147,56 @@ def _layers_size(size: str) -> tuple[int, int, int]:
     return int(layers), int(width), 32768
 
 
-def _build(engine: str, model: GPT, device: torch.device, budget: int) -> Any:
+def _adamw(params: Any, foreach: bool) -> torch.optim.Optimizer:
+    if foreach:
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+
+def _init_sharded(model: torch.nn.Module, device: torch.device) -> None:
+    """FSDP2 over a meta-device model: storage for the shards, then each module's own
+    initialisation, shard by shard."""
+    model.to_empty(device=device)
+    for module in model.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def _build(
+    engine: str,
+    model: GPT,
+    device: torch.device,
+    budget: int,
+    *,
+    foreach: bool = False,
+    disk_dir: str | None = None,
+) -> Any:
     """The training step of `engine` over `model`, as a user sets it up (its defaults), and the
     largest unit it gathers at once in bytes (payload and gradient)."""
+    if engine == "fsdp2-bf16":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        # Stored and stepped in bf16 (AdamW's state too), gathered and computing in fp32.
+        policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        meta = next(model.parameters()).is_meta
+        model.to(torch.bfloat16)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if meta:
+            _init_sharded(model, device)
+        block_numel = sum(p.numel() for p in model.blocks[0].parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+        def bf16_forward(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss: torch.Tensor = model(idx, targets)[1]
+            return loss
+
+        return bf16_forward, lambda loss: loss.backward(), optimizer.step, 2 * 4 * block_numel
     if engine in ("ddp", "fsdp2"):
         if engine == "ddp":
             wrapped: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
@@ -127,6 +206,7 @@ def _build(engine: str, model: GPT, device: torch.device, budget: int) -> Any:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+            meta = next(model.parameters()).is_meta
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             root_numel = sum(
@@ -134,10 +214,10 @@ def _build(engine: str, model: GPT, device: torch.device, budget: int) -> Any:
             )
             block_numel = sum(p.numel() for p in model.blocks[0].parameters())
             fully_shard(model, mesh=mesh)
+            if meta:
+                _init_sharded(model, device)
             unit = 2 * 4 * max(root_numel, block_numel)
-        optimizer = torch.optim.AdamW(
-            wrapped.parameters() if engine == "ddp" else model.parameters(), lr=1e-4, fused=True
-        )
+        optimizer = _adamw(wrapped.parameters() if engine == "ddp" else model.parameters(), foreach)
         module = wrapped if engine == "ddp" else model
 
         def torch_forward(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -148,15 +228,28 @@ def _build(engine: str, model: GPT, device: torch.device, budget: int) -> Any:
         return torch_forward, lambda loss: loss.backward(), optimizer.step, unit
     stage = int(engine[4])
     config: dict[str, Any] = {"device": device}
+    parts = engine.split("-")
     if stage == 3:
-        placement = engine.split("-")[1]
-        config["placement_policy"] = placement
+        placement = parts[1]
+        config["placement_policy"] = "cpu" if placement == "disk" else placement
         if placement == "auto":
             config["device_budget_bytes"] = budget
+        if placement == "disk":
+            config.update(nvme_offload_fraction=1.0, nvme_offload_dir=disk_dir)
+    if "bf16" in parts:
+        config["mixed_precision"] = MixedPrecision(
+            param_dtype=torch.bfloat16, compute_dtype=torch.float32
+        )
     zero_model = zero_model_wrapper(model, stage, config)
     zero_optimizer = zero_optim_wrapper(
-        zero_model, torch.optim.AdamW(zero_model.parameters(), lr=1e-4, fused=True)
+        zero_model,
+        _adamw(zero_model.parameters(), foreach),
+        optim_config={"cpu_offload": True} if "offload" in parts else None,
     )
+    if "wholestep" in parts:
+        zero_optimizer._step_chunk_by_chunk = types.MethodType(  # type: ignore[method-assign]
+            whole_step, zero_optimizer
+        )
     chunks = zero_model.chunk_manager.chunks
     largest = max(c.padded_numel for c in chunks) * 4
     unit = 2 * largest
@@ -196,19 +289,30 @@ def run_one(args: argparse.Namespace) -> None:
     meter = Meter(device)
     meter.reset_peak()
     torch.manual_seed(0)
-    with torch.device(device):
+    with torch.device("meta" if args.meta else device):
         model = GPT(config)
     params = model.num_parameters()
     state = model_state_bytes(args.engine, params, world)
-    forward, backward, step, unit = _build(args.engine, model, device, int(state * 0.5))
+    forward, backward, step, unit = _build(
+        args.engine,
+        model,
+        device,
+        int(state * 0.5),
+        foreach=args.foreach,
+        disk_dir=args.disk_dir,
+    )
     del model  # the engine holds what it needs
     meter.peak("build+wrap")
     meter.now("after wrap")
     meter.reset_peak()
     peaks: dict[str, list[float]] = {"": [], " cuda": []}
+    step_seconds = []
+    io_per_step = []
     for index in range(args.steps):
         idx, targets = gpt_batch(config, args.sequences * world, args.seq, index)
         idx, targets = idx.chunk(world)[rank].to(device), targets.chunk(world)[rank].to(device)
+        io_before = io_bytes()
+        started = time.perf_counter()
         meter.reset_peak()
         loss = forward(idx, targets)
         meter.peak("forward")
@@ -219,6 +323,10 @@ def run_one(args: argparse.Namespace) -> None:
         step()
         meter.peak("step")
         meter.now("after step")
+        step_seconds.append(time.perf_counter() - started)
+        io_after = io_bytes()
+        io_per_step.append({k: io_after[k] - io_before[k] for k in io_after})
+        print(f"rank {rank} step {index}: {step_seconds[-1]:.1f} s", flush=True)
         for suffix, seen in peaks.items():
             if "forward" + suffix in meter.phases:
                 seen.append(max(meter.phases[p + suffix] for p in ("forward", "backward", "step")))
@@ -230,6 +338,8 @@ def run_one(args: argparse.Namespace) -> None:
         "phases": meter.phases,
         "loss": float(loss.detach()),
         "unit_bytes": unit,
+        "step_seconds": step_seconds,
+        "io_per_step": io_per_step,
     }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, record)
@@ -330,6 +440,15 @@ def _watch(process: subprocess.Popen[bytes], timeout: float, limit_gib: float) -
     return "", highest
 
 
+def _passed_on(args: argparse.Namespace) -> list[str]:
+    """The options a launched run takes from the driver's."""
+    return [
+        *(["--meta"] if args.meta else []),
+        *(["--foreach"] if args.foreach else []),
+        *(["--disk-dir", args.disk_dir] if args.disk_dir else []),
+    ]
+
+
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     sizes = ["smoke"] if args.smoke else args.sizes.split(",")
     engines = args.engines.split(",")
@@ -347,6 +466,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                     args.attempt_timeout,
                     args.limit_gib,
                     args.cpu,
+                    extra=_passed_on(args),
                     ranks=args.ranks,
                 )
                 outcome, _ = launch()
@@ -391,49 +511,64 @@ def largest(args: argparse.Namespace) -> dict[str, Any]:
                 outcome, highest = _launch(
                     engine,
                     f"L{layers}x{width}",
-                    3,
+                    args.largest_steps,
                     out,
                     args.attempt_timeout,
                     args.limit_gib,
                     args.cpu,
                     # Few tokens: the model state decides what fits, and steps stay short.
-                    extra=["--seq", "16", "--sequences", "1"],
+                    extra=["--seq", "16", "--sequences", "1", *_passed_on(args)],
                     ranks=args.ranks,
                 )
-                params = json.loads(out.read_text())["params"] if outcome == "ok" else None
+                run = json.loads(out.read_text()) if outcome == "ok" else None
                 attempts.append(
                     {
                         "layers": layers,
                         "outcome": outcome,
-                        "params": params,
+                        "params": run["params"] if run else None,
                         "highest_gib": round(highest, 2),
+                        "step_seconds": run["ranks"][0]["step_seconds"] if run else None,
+                        "io_per_step": run["ranks"][0]["io_per_step"] if run else None,
                     }
                 )
                 print(f"{engine} {layers} layers: {outcome} ({highest:.1f} GiB)", flush=True)
                 return outcome == "ok"
 
-            low, high = 0, args.start_layers
-            while fits(high):
-                low, high = high, high * 2
-            while high - low > max(1, low // 8):
-                middle = (low + high) // 2
-                if fits(middle):
-                    low = middle
-                else:
-                    high = middle
+            if args.layers:
+                for layers in (int(n) for n in args.layers.split(",")):
+                    fits(layers)
+            else:
+                low, high = 0, args.start_layers
+                while fits(high):
+                    low, high = high, high * 2
+                while high - low > max(1, low // 8):
+                    middle = (low + high) // 2
+                    if fits(middle):
+                        low = middle
+                    else:
+                        high = middle
             best = max(
                 (a for a in attempts if a["outcome"] == "ok"),
                 key=lambda a: a["layers"],
                 default=None,
             )
             found[engine] = {"largest": best, "attempts": attempts}
-    return {"kind": "largest", "width": width, "limit_gib": args.limit_gib, "engines": found}
+    return {
+        "kind": "largest",
+        "width": width,
+        "steps": args.largest_steps,
+        "limit_gib": args.limit_gib,
+        "engines": found,
+    }
 
 
-def write_results(result: dict[str, Any], path: Path, command: str) -> None:
-    """Replace (or add) this benchmark's block in the results file."""
+def write_results(
+    result: dict[str, Any], path: Path, command: str, block: str | None = None
+) -> None:
+    """Replace (or add) this benchmark's block (or the one named `block`) in the results
+    file."""
     if result["kind"] == "largest":
-        _write_block(path, "bench_memory_largest", _largest_lines(result, command))
+        _write_block(path, block or "bench_memory_largest", _largest_lines(result, command))
         return
     lines = [
         "## Memory at scale (each engine in a run of its own, measured from outside)",
@@ -452,7 +587,7 @@ def write_results(result: dict[str, Any], path: Path, command: str) -> None:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *(_row(run) for run in result["runs"]),
     ]
-    _write_block(path, "bench_memory", lines)
+    _write_block(path, block or "bench_memory", lines)
 
 
 def _largest_lines(result: dict[str, Any], command: str) -> list[str]:
@@ -460,8 +595,9 @@ def _largest_lines(result: dict[str, Any], command: str) -> list[str]:
         "## Largest model each engine trains on this host",
         "",
         f"Written by `{command}`: GPTs of width {result['width']} (vocabulary 32768, untied "
-        f"head), 3 steps of one 16-token sequence per rank, 2 ranks, fp32 AdamW, the two ranks' "
-        f"resident sets kept under {result['limit_gib']:g} GiB by a watchdog.",
+        f"head), {result.get('steps', 3)} steps of one 16-token sequence per rank, 2 ranks, "
+        f"AdamW, the two ranks' resident sets kept under {result['limit_gib']:g} GiB by a "
+        f"watchdog.",
         "",
         "| engine | largest (layers) | parameters | peak GiB (2 ranks) | attempts |",
         "| --- | ---: | ---: | ---: | --- |",
@@ -515,6 +651,16 @@ def main() -> None:
         "--ranks", type=int, default=2, help="ranks per run (1 on a machine with one GPU)"
     )
     parser.add_argument("--sequences", type=int, default=2, help="sequences per rank (`one`)")
+    parser.add_argument(
+        "--meta", action="store_true", help="build the model on the meta device (never whole)"
+    )
+    parser.add_argument("--foreach", action="store_true", help="foreach AdamW instead of fused")
+    parser.add_argument("--disk-dir", help="the disk tier's directory (zero3-disk engines)")
+    parser.add_argument("--layers", help="for `largest`: depths to try, e.g. 160,192")
+    parser.add_argument("--largest-steps", type=int, default=3, help="for `largest`")
+    parser.add_argument(
+        "--results-block", help="the block of --results to write (default: this part's own)"
+    )
     args = parser.parse_args()
     if args.part == "one":
         run_one(args)
@@ -526,6 +672,7 @@ def main() -> None:
             result,
             args.results,
             "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            args.results_block,
         )
 
 

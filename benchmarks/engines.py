@@ -6,16 +6,23 @@ ColoDDP, stage 0, its defaults), `zero1`, `zero2`, `zero3-cuda`, `zero3-cpu`, wi
 in the step instead of overlapping the next forward, the default), `+defaults` (the sizes a
 user gets: stage 3 searches its chunk size, stages 1-2 take the default reduce_bucket_size),
 `+compile` (each block `torch.compile`d before wrapping), `+telemetry` (stream telemetry to
-a file) and `-rs`, `-a2a`, `-ar` (shardwise's
-gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce).
+a file), `+offload` (stages 1-2: `cpu_offload`, the optimizer side in host memory),
+`+wholestep` (the optimizer steps every shard in one call, as before the step went chunk by
+chunk: the reference of that change) and `-rs`, `-a2a`, `-ar` (shardwise's
+gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce). `zero3-disk` is stage 3
+with "cpu" placement and every master and optimizer state on the disk tier (under
+`$SHARDWISE_BENCH_DISK_DIR`, else the system's temporary directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,12 +72,16 @@ class EngineSpec:
     telemetry: bool = False
     defaults: bool = False
     compiled: bool = False
+    offload: bool = False
+    whole_step: bool = False
 
     @property
     def name(self) -> str:
         return (
             self.engine
             + ("-" + self.placement if self.engine == "zero3" else "")
+            + ("+offload" if self.offload else "")
+            + ("+wholestep" if self.whole_step else "")
             + ("+compile" if self.compiled else "")
             + ("+defaults" if self.defaults else "")
             + ("+telemetry" if self.telemetry else "")
@@ -93,12 +104,24 @@ class EngineSpec:
         name = name.removesuffix("+defaults")
         compiled = name.endswith("+compile")
         name = name.removesuffix("+compile")
+        whole_step = name.endswith("+wholestep")
+        name = name.removesuffix("+wholestep")
+        offload = name.endswith("+offload")
+        name = name.removesuffix("+offload")
         engine, _, placement = name.partition("-")
         known = (*TORCH_ENGINES, COLO_ENGINE, *ZERO_ENGINES)
         if engine not in known:
             raise ValueError(f"unknown engine {engine!r}; one of {known}")
         spec = cls(
-            engine, placement or "cuda", param_gather, reduction, telemetry, defaults, compiled
+            engine,
+            placement or "cuda",
+            param_gather,
+            reduction,
+            telemetry,
+            defaults,
+            compiled,
+            offload,
+            whole_step,
         )
         if spec.name != original:
             raise ValueError(f"cannot parse engine name {original!r} (read as {spec.name!r})")
@@ -156,6 +179,22 @@ def build(spec: EngineSpec, model: GPT, chunk_mib: float = 8.0) -> tuple[Step, C
     return _zero_step(spec, model, chunk_mib)
 
 
+def whole_step(self: Any, coef: float, grads: list[torch.Tensor]) -> None:
+    """The optimizer step as it was before it went chunk by chunk (see [Note: the step, chunk
+    by chunk] in engine/optimizer.py): one inner step over every shard, then every publish."""
+    from shardwise.optim import HybridAdam
+
+    if isinstance(self.optim, HybridAdam):
+        self.optim.step(grad_scale=1.0 / coef)
+    else:
+        if coef != 1.0:
+            torch._foreach_mul_(grads, coef)
+        self.optim.step()
+    for chunk in self._chunks:
+        chunk.publish_master(wait=not self.model.config.defers_param_gather)
+        chunk.grads.end_step()
+
+
 def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Counters]:
     stage = int(spec.engine[-1])
     chunk_numel = int(chunk_mib * 2**20 / 4)
@@ -164,7 +203,12 @@ def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Co
         "gradient_reduction": spec.reduction,
     }
     if stage == 3:
-        config.update(placement_policy=spec.placement)
+        config.update(placement_policy="cpu" if spec.placement == "disk" else spec.placement)
+        if spec.placement == "disk":
+            config.update(
+                nvme_offload_fraction=1.0,
+                nvme_offload_dir=os.environ.get("SHARDWISE_BENCH_DISK_DIR"),
+            )
         if not spec.defaults:
             config.update(chunk_size_numel=chunk_numel)
     wrapped = zero_model_wrapper(model, stage, config)
@@ -172,12 +216,16 @@ def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Co
         wrapped,
         torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
         optim_config=(
-            {"overlap_param_gather": spec.param_gather}
+            {"overlap_param_gather": spec.param_gather, "cpu_offload": spec.offload}
             | ({} if spec.defaults else {"reduce_bucket_size": chunk_numel})
             if stage < 3
             else None
         ),
     )
+    if spec.whole_step:
+        zero_optimizer._step_chunk_by_chunk = types.MethodType(  # type: ignore[method-assign]
+            whole_step, zero_optimizer
+        )
     recorder = None
     if spec.telemetry:
         from shardwise import telemetry
@@ -195,7 +243,10 @@ def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Co
         return loss
 
     def counters() -> dict[str, float]:
+        moved = wrapped.gemini_manager.bytes_moved() if wrapped.gemini_manager else {}
         return {
+            # Copies between the pools (host<->device, from the disk tier and to it).
+            **{f"moved_{key}": float(value) for key, value in moved.items()},
             "sent_bytes": wrapped.comm_stats.sent_bytes(),
             "model_state_bytes": sum(wrapped.memory_report().values())
             + zero_optimizer.state_bytes(),
