@@ -170,3 +170,89 @@ def _pixels(page: Any, selector: str) -> dict[str, int]:
         }}"""
     )
     return result
+
+
+def _disk_snapshot(run_id: str, step: int) -> dict[str, Any]:
+    """Chunks 0 and 1 keep their optimizer side on the disk tier, 2 and 3 on the host."""
+    event = chunks_event(run_id, 0, step)
+    template = event["chunks"][0]
+    event["chunks"] = [
+        dict(template, id=i, payload="host", state="sharded", optim="disk" if i < 2 else "host")
+        for i in range(NUM_CHUNKS)
+    ]
+    return event
+
+
+def _disk_step(run_id: str, step: int) -> dict[str, Any]:
+    # Two chunks' masters and moments read in and written out each step.
+    moved = {"to_device": 0, "to_host": 0, "to_disk": 3 * CHUNK_BYTES, "from_disk": 2 * CHUNK_BYTES}
+    memory = {"device": 0, "host": 1 << 20, "disk": 2 << 20}
+    return step_event(run_id, 0, step, moved_bytes=moved, memory=memory)
+
+
+def test_the_disk_tier_shows_in_the_chunk_map_timeline_and_charts(tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    server = Server(tmp_path / "runs.sqlite")
+    try:
+        events: list[dict[str, Any]] = [started_event("disk", 0, world_size=1)]
+        for step in range(6):
+            events += [_disk_step("disk", step), _disk_snapshot("disk", step)]
+        post_events(server.url, events)
+        timeline = _get(server.url + "/api/v1/placement/disk?rank=0")
+        assert timeline["optim"] == ["SSHH"] * 6
+        with sync_playwright() as playwright:
+            browser = launch_chromium(playwright)
+            page = browser.new_page(viewport={"width": 1300, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto(server.url + "/#run=disk")
+            canvas = 'canvas[data-timeline="placement"][data-rank="0"]'
+            page.wait_for_function(
+                f"""() => {{
+                    const c = document.querySelector('{canvas}');
+                    const moved = document.querySelector('canvas[data-chart="moved"]');
+                    return c && c.dataset.snapshots === '6' && moved
+                        && moved.dataset.points === '6'
+                        && document.querySelectorAll('.chunk-map [data-optim="disk"]').length;
+                }}""",
+                timeout=15_000,
+            )
+            state = page.evaluate(
+                f"""() => {{
+                    const c = document.querySelector('{canvas}');
+                    const cells = [...document.querySelectorAll('.chunk-map [data-chunk-id]')];
+                    const data = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                    let purple = 0;
+                    for (let i = 0; i < data.length; i += 4) {{
+                        const [r, g, b] = [data[i], data[i + 1], data[i + 2]];
+                        if (r > 80 && r < 130 && g < 90 && b > 130) purple += 1;
+                    }}
+                    return {{
+                        optim: cells.map(cell => cell.dataset.optim),
+                        title: cells[0].title,
+                        diskCells: c.dataset.diskCells,
+                        caption: c.parentElement.querySelector('.latest').textContent,
+                        purple,
+                        movedValues: document.querySelector('canvas[data-chart="moved"]')
+                            .dataset.values,
+                        memoryValues: document.querySelector('canvas[data-chart="memory"]')
+                            .dataset.values,
+                        legend: document.getElementById('legend').textContent,
+                    }};
+                }}"""
+            )
+            browser.close()
+    finally:
+        server.stop()
+    assert not errors, errors
+    assert state["optim"] == ["disk", "disk", "host", "host"]
+    assert "master and optimizer state on the disk tier" in state["title"]
+    assert state["diskCells"] == "12"  # two chunks on disk in each of six snapshots
+    assert (
+        state["caption"] == "4 chunks, 4 on host, 2 on the disk tier now; 0 moves over 6 snapshots"
+    )
+    assert state["purple"] > 0
+    # Four series of bytes moved (to and from the disk tier among them), three of memory.
+    assert state["movedValues"] == str(4 * 6) and state["memoryValues"] == str(3 * 6)
+    assert "the disk tier" in state["legend"]

@@ -37,7 +37,8 @@ async def get_placement(
 ) -> JSONResponse:
     """One rank's placement timeline: per chunk snapshot (`steps`), one letter per chunk for
     its 16-bit payload (`placement`: D/d on the device gathered/sharded, H/h on the host) and
-    for its fp32 master and optimizer state (`optim`: D device, H host, - none)."""
+    for its fp32 master and optimizer state (`optim`: D device, H host, S the disk tier, -
+    none)."""
     timeline = await run_in_threadpool(store.placement_timeline, run_id, rank, max_snapshots)
     if timeline is None:
         raise HTTPException(404, f"no run with id {run_id!r}")

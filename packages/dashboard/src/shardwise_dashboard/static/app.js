@@ -78,9 +78,9 @@ const CHARTS = [
   // The evaluation loss is a sparse series beside the training loss (see RankView.evals).
   { key: "loss", title: "loss: train / eval", series: [["loss", "#2f6fd6"], ["eval", "#e08a1e"]], format: formatNumber, marks: true },
   { key: "loss-scale", title: "loss scale (log2)", series: [["scale", "#7a3fd6"]], format: formatNumber, log2: true, marks: true },
-  { key: "memory", title: "memory: device / host", series: [["device", "#2f6fd6"], ["host", "#e08a1e"]], format: formatBytes },
+  { key: "memory", title: "memory: device / host / disk tier", series: [["device", "#2f6fd6"], ["host", "#e08a1e"], ["disk", "#6a3d9a"]], format: formatBytes },
   { key: "comm", title: "bytes sent per step", series: [["sent", "#2e9d4f"]], format: formatBytes },
-  { key: "moved", title: "bytes moved per step: to device / to host", series: [["to_device", "#2f6fd6"], ["to_host", "#e08a1e"]], format: formatBytes },
+  { key: "moved", title: "bytes moved per step: to device / to host / to disk / from disk", series: [["to_device", "#2f6fd6"], ["to_host", "#e08a1e"], ["to_disk", "#6a3d9a"], ["from_disk", "#b69ad6"]], format: formatBytes },
   { key: "step-time", title: "step time", series: [["ms", "#444448"]], format: (v) => `${formatNumber(v)} ms` },
   { key: "grad-norm", title: "grad norm", series: [["norm", "#8a520d"]], format: formatNumber },
 ];
@@ -90,7 +90,7 @@ class RankView {
     this.rank = rank;
     this.steps = []; // sorted step numbers; every series below is aligned with it
     this.seen = new Set();
-    this.series = { loss: [], scale: [], device: [], host: [], sent: [], to_device: [], to_host: [], ms: [], norm: [] };
+    this.series = { loss: [], scale: [], device: [], host: [], disk: [], sent: [], to_device: [], to_host: [], to_disk: [], from_disk: [], ms: [], norm: [] };
     this.overflows = [];
     // Evaluations, sorted by step: every rank reports the same (all-reduced) loss.
     this.evals = { steps: [], loss: [] };
@@ -172,7 +172,10 @@ class RankView {
     const sent = Object.values(e.comm_bytes).reduce((a, b) => a + b, 0);
     const values = {
       loss: e.loss, scale: e.loss_scale, device: e.memory.device, host: e.memory.host,
+      // The disk tier's (absent from events of runs from before it: zero).
+      disk: e.memory.disk ?? 0,
       sent, to_device: e.moved_bytes.to_device, to_host: e.moved_bytes.to_host,
+      to_disk: e.moved_bytes.to_disk ?? 0, from_disk: e.moved_bytes.from_disk ?? 0,
       ms: e.step_time_s * 1000, norm: e.grad_norm,
     };
     // Steps nearly always arrive in order; an old one is inserted where it belongs.
@@ -287,8 +290,8 @@ class RankView {
     this.chartsDirty = false;
     const s = this.series;
     const data = {
-      loss: [s.loss, { xs: this.evals.steps, ys: this.evals.loss }], "loss-scale": [s.scale], memory: [s.device, s.host],
-      comm: [s.sent], moved: [s.to_device, s.to_host], "step-time": [s.ms], "grad-norm": [s.norm],
+      loss: [s.loss, { xs: this.evals.steps, ys: this.evals.loss }], "loss-scale": [s.scale], memory: [s.device, s.host, s.disk],
+      comm: [s.sent], moved: [s.to_device, s.to_host, s.to_disk, s.from_disk], "step-time": [s.ms], "grad-norm": [s.norm],
     };
     for (const { spec, chart, latest, latestEval } of this.charts) {
       const ys = data[spec.key];

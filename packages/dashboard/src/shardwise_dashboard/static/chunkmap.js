@@ -1,13 +1,19 @@
 // The chunk map of one rank: one cell per chunk. The upper part of a cell is the 16-bit
 // payload (blue on the device, orange on the host; solid when gathered, striped when only
 // this rank's shard is held); the lower band is the fp32 master weights and optimizer state
-// (dark blue device, dark orange host, grey when the chunk has nothing to train).
+// (dark blue device, dark orange host, purple the disk tier, grey when the chunk has nothing
+// to train).
 
 function describe(chunk) {
   const tensors = Object.entries(chunk.tensor_states)
     .map(([state, count]) => `${state} ${count}`)
     .join(", ");
-  const optim = chunk.optim === null ? "no optimizer state (frozen)" : `optimizer state on ${chunk.optim}`;
+  const optim =
+    chunk.optim === null
+      ? "no optimizer state (frozen)"
+      : chunk.optim === "disk"
+        ? "master and optimizer state on the disk tier"
+        : `optimizer state on ${chunk.optim}`;
   return (
     `chunk ${chunk.id}: ${chunk.numel.toLocaleString()} elements, ${chunk.state}` +
     `${chunk.sharded ? "" : " (kept whole)"}, payload on ${chunk.payload}, ${optim}; tensors: ${tensors}`

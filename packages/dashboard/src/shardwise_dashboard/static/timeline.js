@@ -2,18 +2,26 @@
 // column per chunk snapshot (left: first step, right: latest), one row per chunk (top: chunk
 // 0). A cell's upper part is the 16-bit payload (blue on the device, orange on the host;
 // dark when gathered, light when only this rank's shard is held); its lower third is the fp32
-// master and optimizer state (dark blue device, dark orange host, grey none). History comes
+// master and optimizer state (dark blue device, dark orange host, purple the disk tier, grey
+// none). History comes
 // from /api/v1/placement/{run}?rank=R; live "chunks" events are appended as they come.
 
 const PAYLOAD_COLOURS = { D: "#1f58b8", d: "#8db3ee", H: "#c86f0a", h: "#f3c58a" };
-const OPTIM_COLOURS = { D: "#1b3f7a", H: "#8a520d", "-": "#b9b9b9" };
+const OPTIM_COLOURS = { D: "#1b3f7a", H: "#8a520d", S: "#6a3d9a", "-": "#b9b9b9" };
 const WORDS = {
   D: "payload on device, gathered",
   d: "payload on device, sharded",
   H: "payload on host, gathered",
   h: "payload on host, sharded",
 };
-const OPTIM_WORDS = { D: "optimizer state on device", H: "optimizer state on host", "-": "no optimizer state" };
+const OPTIM_WORDS = {
+  D: "optimizer state on device",
+  H: "optimizer state on host",
+  S: "master and optimizer state on the disk tier",
+  "-": "no optimizer state",
+};
+// The server's optimizer letters (storage.py): S is the disk tier (storage files).
+const OPTIM_LETTER = { device: "D", host: "H", disk: "S" };
 const MAX_COLUMNS = 2000; // beyond this, every other column is dropped
 const ROW_MAX_PX = 10;
 const HEIGHT_MAX_PX = 200;
@@ -24,7 +32,7 @@ const LETTER = { "device,gathered": "D", "device,sharded": "d", "host,gathered":
 export function placementLetters(chunks) {
   return {
     placement: chunks.map((c) => LETTER[`${c.payload},${c.state}`] ?? "?").join(""),
-    optim: chunks.map((c) => (c.optim === "device" ? "D" : c.optim === "host" ? "H" : "-")).join(""),
+    optim: chunks.map((c) => OPTIM_LETTER[c.optim] ?? "-").join(""),
   };
 }
 
@@ -113,6 +121,7 @@ export class PlacementTimeline {
     ctx.clearRect(0, 0, width, height);
     const colPx = columns ? width / columns : width;
     let hostCells = 0;
+    let diskCells = 0;
     for (let i = 0; i < columns; i++) {
       const x = Math.floor(i * colPx);
       const w = Math.max(1, Math.floor((i + 1) * colPx) - x);
@@ -126,6 +135,7 @@ export class PlacementTimeline {
         ctx.fillStyle = OPTIM_COLOURS[optim[c]] ?? "#000";
         ctx.fillRect(x, y + upper, w, rowPx - upper);
         if (placement[c] === "H" || placement[c] === "h") hostCells += 1;
+        if (optim[c] === "S") diskCells += 1;
       }
     }
     const changes = this.changes();
@@ -133,12 +143,15 @@ export class PlacementTimeline {
     canvas.dataset.chunks = String(rows);
     canvas.dataset.changes = String(changes);
     canvas.dataset.hostCells = String(hostCells);
+    canvas.dataset.diskCells = String(diskCells);
     canvas.dataset.firstStep = columns ? String(this.steps[0]) : "";
     canvas.dataset.lastStep = columns ? String(this.steps[columns - 1]) : "";
     const latest = columns ? this.placement[columns - 1] : "";
     const onHost = [...latest].filter((l) => l === "H" || l === "h").length;
+    const onDisk = columns ? [...this.optim[columns - 1]].filter((l) => l === "S").length : 0;
+    const disk = onDisk ? `, ${onDisk} on the disk tier` : "";
     this.summary.textContent = columns
-      ? `${rows} chunks, ${onHost} on host now; ${changes} moves over ${columns} snapshots`
+      ? `${rows} chunks, ${onHost} on host${disk} now; ${changes} moves over ${columns} snapshots`
       : "no snapshot yet";
   }
 
