@@ -135,7 +135,7 @@ def _errors() -> list[str]:
     expect(
         ValueError,
         "have no meaning at stage 2",
-        lambda: zero_model_wrapper(model, 2, {"device": CPU, "placement_policy": "cuda"}),
+        lambda: zero_model_wrapper(model, 2, {"device": CPU, "device_budget_bytes": 10**9}),
     )
     wrapped = zero_model_wrapper(make_model(), 3, {"device": CPU})
     expect(
