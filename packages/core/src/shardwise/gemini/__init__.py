@@ -10,6 +10,7 @@ from shardwise.gemini.policies import (
     PlacementPolicy,
     StaticPlacement,
     placement_policy,
+    replicated,
 )
 from shardwise.gemini.tracer import MemoryTracer
 
@@ -24,4 +25,5 @@ __all__ = [
     "PlacementPolicy",
     "StaticPlacement",
     "placement_policy",
+    "replicated",
 ]
