@@ -259,16 +259,13 @@ def _placement(
             )
         margin = None
     asked = placement_policy(name, gpu_margin_mem_ratio=margin, **fractions)
-    if replicate:
-        asked = replicated(asked)
     budget = None
     if name == "auto" and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         budget = int(total * steady_cuda_cap_ratio)
     # "auto" without CUDA keeps every chunk on the compute device: see [Note: "auto" without a
     # budget] in gemini/manager.py.
-    return Placement(
-        policy=placement_on(asked, device, budget),
-        device_budget_bytes=budget,
-        pin_memory=pin_memory,
-    )
+    policy = placement_on(asked, device, budget)
+    if replicate:
+        policy = replicated(policy)
+    return Placement(policy=policy, device_budget_bytes=budget, pin_memory=pin_memory)

@@ -53,6 +53,7 @@ class GeminiOptimizer(ZeroOptimizerWrapper):
         tp_group: refused unless None (no tensor parallelism).
         params_info: accepted; ColossalAI reads it only for tensor-parallel checkpoints.
         verbose: accepted (skipped steps are reported by a warning when they keep coming).
+        **defaults: ignored with a warning, as ColossalAI ignores them.
     """
 
     def __init__(
@@ -76,9 +77,13 @@ class GeminiOptimizer(ZeroOptimizerWrapper):
     ) -> None:
         name = type(self).__name__
         if defaults:
-            raise TypeError(
-                f"{name} got unexpected arguments {sorted(defaults)}: set the optimizer's own "
-                f"hyper-parameters on it (or use GeminiAdamOptimizer(model, lr=...))"
+            # ColossalAI's takes and ignores them (its tests pass enable_async_reduce here,
+            # GeminiAdamOptimizer the optimizer's lr): accepted, and named.
+            warnings.warn(
+                f"{name} ignores {sorted(defaults)}, as ColossalAI's does: set the optimizer's "
+                f"hyper-parameters on the optimizer and the model's settings on GeminiDDP",
+                UserWarning,
+                stacklevel=2,
             )
         if not isinstance(module, ZeroModel) or module.stage != 3:
             raise TypeError(f"{name} needs the GeminiDDP its optimizer's parameters belong to")
