@@ -150,7 +150,7 @@ def test_what_cannot_be_honoured_is_refused_with_its_fix() -> None:
         "offload_optim_frac=1.0",
         "fp8_communication=True",
         "Booster needs a plugin",
-        "mixed_precision='fp16_apex' is not offered: use 'fp16'""",
+        "mixed_precision='fp16_apex' is not offered: use 'fp16'",
     ]
     assert len(seen) == len(expected)
     for message, part in zip(seen, expected, strict=True):
