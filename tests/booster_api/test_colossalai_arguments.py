@@ -11,7 +11,8 @@
 - what ColossalAI ignores with a warning (`offload_param_frac` while chunks stay gathered, the
   "static" fractions under another policy, `Booster(device=...)`, `mixed_precision` beside a
   plugin that sets the precision) warns and is ignored here too;
-- what is still refused names what to use instead.
+- what is still refused names what to use instead;
+- GeminiPlugin's boosted optimizer is a `GeminiOptimizer`, as ColossalAI's is.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from shardwise.booster.plugin import GeminiPlugin, TorchDDPPlugin
 from shardwise.engine.model import ZeroModel
 from shardwise.gemini import StaticPlacement
 from shardwise.testing import run_ranks
-from shardwise.zero import GeminiDDP, LowLevelZeroOptimizer
+from shardwise.zero import GeminiDDP, GeminiOptimizer, LowLevelZeroOptimizer
 
 SHARDFORMER_FLAGS = (
     "enable_all_optimization",
@@ -83,6 +84,10 @@ def _accepted_and_refused() -> dict[str, Any]:
         lambda: Booster(mixed_precision="fp16", plugin=GeminiPlugin()),
     )
     seen["precision_left_to_plugin"] = booster.mixed_precision is None
+    # ColossalAI's Gemini checkpoint IO asserts the boosted optimizer is a GeminiOptimizer.
+    model = make_model()
+    _, boosted, *_ = Booster(plugin=GeminiPlugin()).boost(model, adamw(model.parameters()))
+    seen["gemini_optimizer"] = isinstance(boosted, GeminiOptimizer)
 
     refusals = {
         "tp_size": (lambda: GeminiPlugin(tp_size=2), "leave tp_size=1"),
@@ -135,6 +140,7 @@ def test_what_colossalai_ignores_is_accepted_and_the_rest_names_its_fix() -> Non
     assert seen.pop("logged_once_each") == sorted(SHARDFORMER_FLAGS)
     assert seen.pop("offload_ignored") is True
     assert seen.pop("precision_left_to_plugin") is True
+    assert seen.pop("gemini_optimizer") is True
     fixes = {
         "tp_size": "leave tp_size=1",
         "fp8": "use precision 'bf16' or 'fp16'",

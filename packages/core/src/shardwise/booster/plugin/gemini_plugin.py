@@ -12,6 +12,9 @@ from shardwise.booster.plugin.refusals import PRECISIONS, shard_size_for
 from shardwise.booster.plugin.shardformer_flags import accept_shardformer_flags
 from shardwise.booster.plugin.zero_plugin_base import ZeroPluginBase
 from shardwise.engine.config import EngineConfig
+from shardwise.engine.model import ZeroModel
+from shardwise.gemini import AutoPlacement
+from shardwise.zero import GeminiOptimizer
 from shardwise.zero.gemini_config import gemini_engine_config
 
 
@@ -127,6 +130,7 @@ class GeminiPlugin(ZeroPluginBase):
                 f"{name}: precision must be one of {sorted(PRECISIONS)}, got {precision!r}"
             )
         self.enable_gradient_accumulation = enable_gradient_accumulation
+        self.gpu_margin_mem_ratio = gpu_margin_mem_ratio
         self.config = gemini_engine_config(
             name,
             chunk_config_dict=chunk_config_dict,
@@ -171,3 +175,25 @@ class GeminiPlugin(ZeroPluginBase):
     def engine_config(self) -> EngineConfig:
         """The plugin's arguments as the engine's configuration."""
         return self.config
+
+    def boost_optimizer(
+        self, model: ZeroModel, optimizer: torch.optim.Optimizer
+    ) -> GeminiOptimizer:
+        """ColossalAI's boosted optimizer here: a `GeminiOptimizer`."""
+        scale = self.loss_scale
+        # The ratio placed the model already (a warning named it where it does not apply).
+        auto = isinstance(self.config.placement.policy, AutoPlacement)
+        return GeminiOptimizer(
+            optimizer,
+            model,
+            gpu_margin_mem_ratio=self.gpu_margin_mem_ratio if auto else 0.0,
+            initial_scale=scale.initial_scale,
+            min_scale=scale.min_scale,
+            growth_factor=scale.growth_factor,
+            backoff_factor=scale.backoff_factor,
+            growth_interval=scale.growth_interval,
+            hysteresis=scale.hysteresis,
+            max_scale=scale.max_scale,
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
+        )

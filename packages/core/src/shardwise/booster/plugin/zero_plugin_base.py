@@ -58,18 +58,25 @@ class ZeroPluginBase(DPPluginBase):
             model = wrap_model(model, config)
         boosted: OptimizerWrapper | None = None
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-            boosted = ZeroOptimizerWrapper(
-                wrap_optimizer(
-                    model,
-                    optimizer,
-                    loss_scale=self.loss_scale,
-                    max_norm=self.max_norm,
-                    norm_type=self.norm_type,
-                )
-            )
+            boosted = self.boost_optimizer(model, optimizer)
         elif optimizer is not None:
             boosted = optimizer
         return model, boosted, criterion, dataloader, lr_scheduler
+
+    def boost_optimizer(
+        self, model: ZeroModel, optimizer: torch.optim.Optimizer
+    ) -> ZeroOptimizerWrapper:
+        """`optimizer` stepping `model`'s sharded masters with the plugin's loss scale and
+        clipping."""
+        return ZeroOptimizerWrapper(
+            wrap_optimizer(
+                model,
+                optimizer,
+                loss_scale=self.loss_scale,
+                max_norm=self.max_norm,
+                norm_type=self.norm_type,
+            )
+        )
 
     def support_no_sync(self) -> bool:
         return True
