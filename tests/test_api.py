@@ -10,11 +10,8 @@ import torch.distributed as dist
 from helpers import CHUNK_NUMEL, Run, batch_slice, make_model, reference
 
 from shardwise import (
-    ChunkManager,
     ColoDDP,
     CommOp,
-    GeminiDDP,
-    GeminiManager,
     zero_model_wrapper,
     zero_optim_wrapper,
 )
@@ -170,11 +167,9 @@ def _errors() -> list[str]:
     )
     expect(
         ValueError,
-        "strict_ddp_mode",
-        lambda: GeminiDDP(
-            make_model(),
-            GeminiManager("cuda", ChunkManager(chunk_size_numel=1024, device=CPU)),
-            strict_ddp_mode=True,
+        r"strict_ddp_mode=True keeps every parameter replicated, so the 'auto' placement",
+        lambda: zero_model_wrapper(
+            make_model(), 3, {"device": CPU, "placement_policy": "auto", "strict_ddp_mode": True}
         ),
     )
     expect(

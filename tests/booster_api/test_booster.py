@@ -125,14 +125,14 @@ def _refusals() -> list[str]:
     seen = []
     attempts: list[Callable[[], object]] = [
         lambda: GeminiPlugin(tp_size=2),
-        lambda: GeminiPlugin(enable_flash_attention=True),
+        lambda: GeminiPlugin(use_fp8=True),
         lambda: GeminiPlugin(precision="fp8"),
         lambda: GeminiPlugin(placement_policy="nvme"),
         lambda: GeminiPlugin(master_weights=False),
         lambda: LowLevelZeroPlugin(stage=3),
         lambda: TorchDDPPlugin(fp8_communication=True),
         lambda: Booster(),
-        lambda: Booster(mixed_precision="fp16", plugin=TorchDDPPlugin()),
+        lambda: Booster(mixed_precision="fp16_apex", plugin=TorchDDPPlugin()),
     ]
     for attempt in attempts:
         try:
@@ -148,14 +148,14 @@ def test_what_cannot_be_honoured_is_refused_with_its_fix() -> None:
     seen = run_ranks(_refusals, 2)[0]
     expected = [
         "tp_size=2",
-        "enable_flash_attention=True",
+        "use_fp8=True",
         "precision must be one of",
         "placement_policy must be one of",
         "master_weights=False cannot be honoured",
         "stage must be 1 or 2",
         "fp8_communication=True",
         "Booster needs a plugin",
-        "mixed_precision='fp16' cannot be honoured",
+        "mixed_precision='fp16_apex' is not offered: use 'fp16'",
     ]
     assert len(seen) == len(expected)
     for message, part in zip(seen, expected, strict=True):

@@ -12,9 +12,8 @@ per world size.
 
 Deliberate differences:
 - The original's ZeroDDP without "distributed storage" (`enable_distributed_storage=False`,
-  every rank keeping whole chunks) is GeminiDDP's `strict_ddp_mode`, which we refuse in favour
-  of ColoDDP / stage 1; its cases run here as zero_model_wrapper stages 1 and 2 (chunks kept
-  whole on every rank), and the distributed ones as GeminiDDP (ZeroDDP).
+  every rank keeping whole chunks) is GeminiDDP's `strict_ddp_mode=True` here (every chunk
+  kept gathered on every rank), and the distributed ones GeminiDDP (ZeroDDP) as it is.
 - ZeroDDP.state_dict() keeps the original's default `only_rank_0=True` (ColossalAI's too), under
   which ranks other than 0 get an empty dict: the original's zip() then compared nothing there.
   The port checks that rank 0's dict matches and that the others' is empty, and compares the
@@ -40,7 +39,6 @@ from shardwise import (
     TensorShardStrategy,
     ZeroDDP,
     ZeroInitContext,
-    zero_model_wrapper,
 )
 from shardwise.chunk.search import search_chunk_size
 from shardwise.testing import run_ranks
@@ -96,9 +94,6 @@ def check_state_dict_equal(state_dict: dict[str, Any], other_state_dict: dict[st
 
 
 def _init_ddpv2(module: nn.Module, use_chunk: bool, use_zero: bool) -> nn.Module:
-    if not use_zero:
-        # Chunks kept whole on every rank: stage 2 (see the module docstring).
-        return zero_model_wrapper(module, 2, {"device": CPU})
     numels = [[p.numel() for p in module.parameters()], []]
     chunk_size = (
         search_chunk_size(numels, world_size=dist.get_world_size(), search_range_numel=64,
@@ -107,7 +102,10 @@ def _init_ddpv2(module: nn.Module, use_chunk: bool, use_zero: bool) -> nn.Module
         else sum(numels[0])
     )  # fmt: skip
     chunk_manager = ChunkManager(chunk_size_numel=chunk_size, device=CPU)
-    return ZeroDDP(module, GeminiManager("cuda", chunk_manager))
+    # Without distributed storage: every chunk kept whole on every rank (strict_ddp_mode).
+    model = ZeroDDP(module, GeminiManager("cuda", chunk_manager), strict_ddp_mode=not use_zero)
+    assert all(c.keep_gathered != use_zero for c in model.chunk_manager.chunks)
+    return model
 
 
 def _ddp_state_dict() -> dict[str, bool]:

@@ -13,12 +13,15 @@ import shardwise
 ROOT = Path(shardwise.__file__).parent
 # Lowest first: a package may import those before it, never one after it.
 LAYERS = [
-    ("comm", "amp", "optim", "testing", "torch_files"),
+    ("comm", "amp", "optim", "testing", "torch_files", "accelerator", "logging"),
     ("chunk",),
     ("gemini", "planner", "prepare"),
     ("runtime",),
     ("engine",),
-    ("zero", "checkpoint", "telemetry", "initialize", "cluster", "nn", "interface", "lazy"),
+    ("checkpoint", "telemetry", "initialize", "cluster", "nn", "interface", "lazy", "utils"),
+    # ColossalAI's zero names return its optimizer interface and state dicts in checkpoint
+    # shape, so they sit above both.
+    ("zero",),
     ("checkpoint_io",),
     ("booster",),
     ("cli",),

@@ -3,6 +3,7 @@ plugin decides how the model and optimizer are wrapped."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -11,6 +12,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from shardwise.booster.mixed_precision import (
+    MixedPrecision,
+    TorchAMPModule,
+    mixed_precision_factory,
+)
 from shardwise.booster.plugin.plugin_base import Boosted, Plugin
 from shardwise.interface import OptimizerWrapper
 
@@ -20,17 +26,20 @@ class Booster:
     training as its `plugin` says (`GeminiPlugin`, `LowLevelZeroPlugin`, `TorchDDPPlugin`).
 
     Args:
-        device: refused unless None: the plugin places the model (ColossalAI ignores it with
-            a plugin too).
-        mixed_precision: refused unless None: the ZeRO plugins take `precision=`; for
-            TorchDDPPlugin, mixed precision is not offered yet.
+        device: ignored, with a warning, as ColossalAI ignores it with a plugin: the plugin
+            places the model (on cuda:<current> when there is one, else the CPU).
+        mixed_precision: "fp16" (torch autocast and a gradient scaler), "bf16" (torch
+            autocast) or a `MixedPrecision` object, applied after a plugin that leaves the
+            precision to the Booster (TorchDDPPlugin); GeminiPlugin and LowLevelZeroPlugin
+            take `precision=` themselves, and there it is ignored with a warning, as in
+            ColossalAI.
         plugin: the plugin; required (a plain single-process run needs no Booster).
     """
 
     def __init__(
         self,
         device: str | None = None,
-        mixed_precision: Any = None,
+        mixed_precision: str | MixedPrecision | None = None,
         plugin: Plugin | None = None,
     ) -> None:
         if plugin is None:
@@ -40,16 +49,30 @@ class Booster:
             )
         if not isinstance(plugin, Plugin):
             raise TypeError(f"plugin must be a shardwise Plugin, got {type(plugin).__name__}")
+        name = type(plugin).__name__
         if device is not None:
-            raise ValueError(
-                f"device={device!r} cannot be honoured: the plugin places the model (on "
-                f"cuda:<current> when there is one, else the CPU); leave device None"
+            warnings.warn(
+                f"Booster(device={device!r}) is ignored: {name} places the model (on "
+                f"cuda:<current> when there is one, else the CPU), as in ColossalAI",
+                UserWarning,
+                stacklevel=2,
             )
-        if mixed_precision is not None:
-            raise ValueError(
-                f"mixed_precision={mixed_precision!r} cannot be honoured: GeminiPlugin and "
-                f"LowLevelZeroPlugin take precision='fp16' / 'bf16' / 'fp32'; TorchDDPPlugin "
-                f"trains in the model's own dtype"
+        self.mixed_precision: MixedPrecision | None = None
+        if mixed_precision is not None and plugin.control_precision():
+            warnings.warn(
+                f"Booster(mixed_precision={mixed_precision!r}) is ignored: {name} controls the "
+                f"precision (its precision= argument), as in ColossalAI",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif isinstance(mixed_precision, str):
+            self.mixed_precision = mixed_precision_factory(mixed_precision)
+        elif isinstance(mixed_precision, MixedPrecision):
+            self.mixed_precision = mixed_precision
+        elif mixed_precision is not None:
+            raise TypeError(
+                f"mixed_precision must be 'fp16', 'bf16' or a MixedPrecision, got "
+                f"{type(mixed_precision).__name__}"
             )
         self.plugin = plugin
         self.checkpoint_io = plugin.get_checkpoint_io()
@@ -67,7 +90,12 @@ class Booster:
         (a scheduler over the optimizer keeps driving its learning rate)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        return self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        model, boosted, criterion, dataloader, lr_scheduler = self.plugin.configure(
+            model, optimizer, criterion, dataloader, lr_scheduler
+        )
+        if self.mixed_precision is not None and not isinstance(model, TorchAMPModule):
+            model, boosted, criterion = self.mixed_precision.configure(model, boosted, criterion)
+        return model, boosted, criterion, dataloader, lr_scheduler
 
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
         """Backward of `loss` through the boosted optimizer (which scales it under fp16)."""
@@ -83,6 +111,8 @@ class Booster:
     ) -> Iterator[None]:
         """Accumulate gradients without reducing them during the backward passes inside; the
         next backward outside reduces the sum (every plugin, every stage)."""
+        if isinstance(model, TorchAMPModule):
+            model = model.module  # the plugin's model, inside the precision's wrapper
         with self.plugin.no_sync(model, optimizer):
             yield
 

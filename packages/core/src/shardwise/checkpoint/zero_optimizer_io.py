@@ -181,8 +181,10 @@ class _Collected:
 
 
 def zero_optimizer_state_dict(optimizer: ZeroOptimizer, *, only_rank_0: bool) -> dict[str, Any]:
-    """torch's optimizer state dict of the whole model (whole-shape state, parameter numbers
-    in the order the user's optimizer had them) and the loss scaler's state; with
+    """torch's optimizer state dict of the whole model, exactly `state` (whole-shape state,
+    parameter numbers in the order the user's optimizer had them) and `param_groups`, as
+    ColossalAI's and torch's optimizers return it (the loss scaler's state travels in the
+    checkpoint's metadata, or through the boosted optimizer's `loss_scaler_state_dict`); with
     `only_rank_0` the other ranks get an empty dict. A collective."""
     ranks = ranks_of(optimizer.model)
     layout = _layout(optimizer, ranks)
@@ -191,11 +193,7 @@ def zero_optimizer_state_dict(optimizer: ZeroOptimizer, *, only_rank_0: bool) ->
         _whole_states(optimizer, layout, sink)
     if not sink.keep:
         return {}
-    return {
-        "state": dict(sorted(sink.states.items())),
-        "param_groups": _param_groups(optimizer),
-        "loss_scaler": optimizer.grad_scaler.state_dict(),
-    }
+    return {"state": dict(sorted(sink.states.items())), "param_groups": _param_groups(optimizer)}
 
 
 def save_zero_optimizer(

@@ -140,6 +140,20 @@ def _check_low_level_placement(stage: int, placement: Placement) -> None:
         )
 
 
+def storage_precision(dtype: torch.dtype, device: torch.device) -> MixedPrecision:
+    """The engine's dtypes for ColossalAI's `precision` / `mixed_precision` of `dtype`:
+    storage and communication in it; compute in it on an accelerator and in fp32 on a CPU,
+    where 16-bit matrix math is tens of times slower.
+
+    Args:
+        dtype: torch.float16, torch.bfloat16 or torch.float32.
+        device: the compute device.
+    """
+    _check_dtype("precision", dtype)
+    compute = torch.float32 if device.type == "cpu" else dtype
+    return MixedPrecision(param_dtype=dtype, compute_dtype=compute)
+
+
 def _int_at_least(name: str, value: object, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")

@@ -10,6 +10,7 @@ from shardwise.gemini.policies import (
     PlacementPolicy,
     StaticPlacement,
     placement_policy,
+    replicated,
 )
 from shardwise.gemini.room import Room
 from shardwise.gemini.tracer import MemoryTracer
@@ -26,4 +27,5 @@ __all__ = [
     "Room",
     "StaticPlacement",
     "placement_policy",
+    "replicated",
 ]

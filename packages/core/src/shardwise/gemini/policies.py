@@ -7,7 +7,8 @@ See [Note: placement policies] in gemini/manager.py for what each policy places 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from shardwise.chunk import Chunk
@@ -147,6 +148,20 @@ def placement_policy(
         "offload_param_frac": offload_param_frac,
     }
     if name == "static":
+        _check_fraction("shard_param_frac", shard_param_frac)
+        _check_fraction("offload_param_frac", offload_param_frac)
+        if offload_param_frac > 0 and shard_param_frac < 1:
+            # ColossalAI's static policy warns and offloads nothing here: a script written for
+            # it runs as it did there.
+            warnings.warn(
+                f"offload_param_frac={offload_param_frac} is ignored: with "
+                f"shard_param_frac={shard_param_frac} < 1.0 some chunks keep their payload "
+                f"gathered on the device, and parameters are offloaded only when every chunk is "
+                f"sharded (shard_param_frac=1.0), as in ColossalAI",
+                UserWarning,
+                stacklevel=2,
+            )
+            fractions["offload_param_frac"] = 0.0
         return StaticPlacement(**fractions)
     StaticPlacement(**fractions)  # validates the values before saying they do not apply
     defaults = {"shard_param_frac": 1.0, "offload_optim_frac": 0.0, "offload_param_frac": 0.0}
@@ -163,6 +178,38 @@ def placement_policy(
             f"gpu_margin_mem_ratio applies only to placement_policy='auto', got {name!r}"
         )
     return HostPlacement() if name == "cpu" else DevicePlacement()
+
+
+def replicated(policy: PlacementPolicy) -> StaticPlacement:
+    """`policy` with every chunk's payload kept gathered on every rank, as ColossalAI's
+    `strict_ddp_mode` documents ("no tensor sharding, each tensor is replicated"): parameters
+    are never gathered or released, gradients are reduced each backward and the optimizer
+    state stays sharded (the "static" policy at `shard_param_frac=0`, ColossalAI's ZeRO-2).
+    The optimizer sides stay where `policy` put them ("cpu": in host memory); a payload
+    offload does not apply to gathered payloads and is dropped. "auto", which plans where each
+    shard lives, has nothing left to plan and is refused.
+
+    Args:
+        policy: the placement asked for beside the replication.
+    """
+    if isinstance(policy, AutoPlacement):
+        raise ValueError(
+            "strict_ddp_mode=True keeps every parameter replicated, so the 'auto' placement has "
+            "no shard to place: use placement_policy='static' (optionally with "
+            "offload_optim_frac) or 'cuda' with it"
+        )
+    if isinstance(policy, StaticPlacement):
+        if policy.offload_param_frac > 0:
+            warnings.warn(
+                f"offload_param_frac={policy.offload_param_frac} is ignored: with "
+                f"strict_ddp_mode=True every chunk keeps its payload gathered on the device",
+                UserWarning,
+                stacklevel=2,
+            )
+        return replace(policy, shard_param_frac=0.0, offload_param_frac=0.0)
+    if isinstance(policy, HostPlacement):
+        return StaticPlacement(shard_param_frac=0.0, offload_optim_frac=1.0)
+    return StaticPlacement(shard_param_frac=0.0)
 
 
 def _check_fraction(name: str, value: object) -> None:

@@ -17,10 +17,9 @@ class ModelWrapper(nn.Module):
         self.module = module
 
     def unwrap(self) -> nn.Module:
+        # Each wrapper knows what it holds (a DDP inside TorchDDPPlugin's, say): ask it.
         inner = self.module
-        while isinstance(inner, ModelWrapper):
-            inner = inner.module
-        return inner
+        return inner.unwrap() if isinstance(inner, ModelWrapper) else inner
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

@@ -103,6 +103,8 @@ class HybridAdam(torch.optim.Optimizer):
             "weight_decay": weight_decay,
             "amsgrad": amsgrad,
             "adamw_mode": adamw_mode,
+            # ColossalAI's HybridAdam and CPUAdam keep it in every group (and read it there).
+            "bias_correction": bias_correction,
         }
         super().__init__(params, defaults)
 
@@ -129,6 +131,12 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            if group.get("bias_correction", True) is not True:
+                raise ValueError(
+                    f"a parameter group has bias_correction={group['bias_correction']!r}, which "
+                    f"cannot be honoured: the fused Adam kernels always correct the moments' "
+                    f"bias; set it True"
+                )
             buckets: dict[tuple[torch.device, torch.dtype, torch.dtype], list[torch.Tensor]]
             buckets = defaultdict(list)
             for param in group["params"]:

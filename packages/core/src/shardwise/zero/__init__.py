@@ -12,8 +12,10 @@ from shardwise.engine import (
     ZeroModel,
     ZeroOptimizer,
 )
+from shardwise.zero.gemini import GeminiAdamOptimizer, GeminiOptimizer
 from shardwise.zero.gemini_ddp import GeminiDDP, ZeroDDP
 from shardwise.zero.init_context import ZeroInitContext
+from shardwise.zero.low_level import LowLevelZeroOptimizer
 from shardwise.zero.shard_strategy import (
     BaseShardStrategy,
     BucketTensorShardStrategy,
@@ -31,7 +33,10 @@ __all__ = [
     "Topology",
     "BaseShardStrategy",
     "BucketTensorShardStrategy",
+    "GeminiAdamOptimizer",
     "GeminiDDP",
+    "GeminiOptimizer",
+    "LowLevelZeroOptimizer",
     "MixedPrecision",
     "ShardedModelV2",
     "ShardedOptimizerV2",

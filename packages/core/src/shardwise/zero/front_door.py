@@ -31,7 +31,7 @@ from shardwise.engine.config import (
     Topology,
     compute_device,
 )
-from shardwise.gemini import DevicePlacement, placement_policy
+from shardwise.gemini import DevicePlacement, placement_policy, replicated
 
 GEMINI_CONFIG_KEYS = (
     "device",
@@ -108,11 +108,6 @@ def engine_config(stage: int, gemini_config: Mapping[str, Any] | None) -> Engine
     for name in ("pin_memory", "force_outputs_fp32", "strict_ddp_mode", "prefetch"):
         if not isinstance(options.get(name, name == "prefetch"), bool):
             raise TypeError(f"{name} must be a bool, got {options[name]!r}")
-    if options.get("strict_ddp_mode", False):
-        raise ValueError(
-            "strict_ddp_mode=True replicates every tensor, which is plain data parallelism: "
-            "use ColoDDP(module) or zero_model_wrapper(model, zero_stage=1) instead"
-        )
     return EngineConfig(
         stage=stage,
         device=compute_device(options.get("device")),
@@ -213,6 +208,8 @@ def _placement(options: Mapping[str, Any]) -> Placement:
         offload_param_frac=options.get("offload_param_frac", 0.0),
         gpu_margin_mem_ratio=options.get("gpu_margin_mem_ratio"),
     )
+    if options.get("strict_ddp_mode", False):
+        policy = replicated(policy)  # parameters replicated on every rank, as ColossalAI's
     return Placement(
         policy=policy,
         device_budget_bytes=options.get("device_budget_bytes"),

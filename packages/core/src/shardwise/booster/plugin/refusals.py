@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.engine.config import MixedPrecision
+from shardwise.engine.config import MixedPrecision, storage_precision
 
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -35,9 +35,7 @@ def precision_of(plugin: str, precision: str, device: torch.device) -> MixedPrec
         raise ValueError(
             f"{plugin}: precision must be one of {sorted(PRECISIONS)}, got {precision!r}"
         )
-    dtype = PRECISIONS[precision]
-    compute = torch.float32 if device.type == "cpu" else dtype
-    return MixedPrecision(param_dtype=dtype, compute_dtype=compute)
+    return storage_precision(PRECISIONS[precision], device)
 
 
 def shard_size_for(plugin: str, extra_dp_size: int, world_size: int) -> int | None:

@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from shardwise.booster import lora
-from shardwise.booster.plugin.plugin_base import Boosted, DPPluginBase
+from shardwise.booster.plugin.dp_plugin_base import DPPluginBase
+from shardwise.booster.plugin.plugin_base import Boosted
 from shardwise.booster.plugin.refusals import refuse_model_parallel
 from shardwise.checkpoint_io import GeneralCheckpointIO
 from shardwise.comm import CommStats

@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import nn
 
-from shardwise.booster.zero_optimizer import ZeroOptimizerWrapper
 from shardwise.checkpoint.optimizer_checkpoint import OptimizerCheckpoint
 from shardwise.checkpoint.zero_model_io import load_zero_model, save_zero_model
 from shardwise.checkpoint.zero_optimizer_io import load_zero_optimizer, save_zero_optimizer
 from shardwise.checkpoint_io import CheckpointIO
 from shardwise.engine.model import ZeroModel
+from shardwise.zero.optimizer_wrapper import ZeroOptimizerWrapper
 
 
 class ZeroCheckpointIO(CheckpointIO):

@@ -15,14 +15,15 @@ from torch.utils.data import DataLoader
 
 from shardwise.amp import LossScaleConfig
 from shardwise.booster import lora
-from shardwise.booster.plugin.plugin_base import Boosted, DPPluginBase
+from shardwise.booster.plugin.dp_plugin_base import DPPluginBase
+from shardwise.booster.plugin.plugin_base import Boosted
 from shardwise.booster.plugin.zero_checkpoint_io import ZeroCheckpointIO
-from shardwise.booster.zero_optimizer import ZeroOptimizerWrapper
 from shardwise.engine.config import EngineConfig
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.interface import OptimizerWrapper
 from shardwise.lazy import initialiser_for
+from shardwise.zero.optimizer_wrapper import ZeroOptimizerWrapper
 
 
 class ZeroPluginBase(DPPluginBase):
@@ -50,25 +51,32 @@ class ZeroPluginBase(DPPluginBase):
         if not isinstance(model, ZeroModel):
             config = self.engine_config()
             # A model built in LazyInitContext gets its values module by module as the engine
-            # packs it: see [Note: lazily built models] in lazy/context.py.
+            # packs it: see [Note: lazily built models] in lazy/lazy_init.py.
             initialise = initialiser_for(model)
             if initialise is not None:
                 config = replace(config, param_init_fn=initialise)
             model = wrap_model(model, config)
         boosted: OptimizerWrapper | None = None
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-            boosted = ZeroOptimizerWrapper(
-                wrap_optimizer(
-                    model,
-                    optimizer,
-                    loss_scale=self.loss_scale,
-                    max_norm=self.max_norm,
-                    norm_type=self.norm_type,
-                )
-            )
+            boosted = self.boost_optimizer(model, optimizer)
         elif optimizer is not None:
             boosted = optimizer
         return model, boosted, criterion, dataloader, lr_scheduler
+
+    def boost_optimizer(
+        self, model: ZeroModel, optimizer: torch.optim.Optimizer
+    ) -> ZeroOptimizerWrapper:
+        """`optimizer` stepping `model`'s sharded masters with the plugin's loss scale and
+        clipping."""
+        return ZeroOptimizerWrapper(
+            wrap_optimizer(
+                model,
+                optimizer,
+                loss_scale=self.loss_scale,
+                max_norm=self.max_norm,
+                norm_type=self.norm_type,
+            )
+        )
 
     def support_no_sync(self) -> bool:
         return True

@@ -1,5 +1,6 @@
-"""The boosted optimizer of GeminiPlugin and LowLevelZeroPlugin: the engine's `ZeroOptimizer`
-seen through ColossalAI's `OptimizerWrapper`."""
+"""The engine's `ZeroOptimizer` seen through ColossalAI's `OptimizerWrapper`: the boosted
+optimizer of GeminiPlugin and LowLevelZeroPlugin, and the base of ColossalAI's
+`GeminiOptimizer` and `LowLevelZeroOptimizer`."""
 
 from __future__ import annotations
 
@@ -110,15 +111,25 @@ class ZeroOptimizerWrapper(OptimizerWrapper):
 
     def state_dict(self, only_rank_0: bool = True) -> dict[str, Any]:  # type: ignore[override]
         """torch's optimizer state dict of the whole model, as a plain optimizer over the
-        unsharded model would give it (state of whole shapes, parameters numbered in the
-        order they were given), plus the loss scaler's state under `loss_scaler`; with
+        unsharded model would give it: exactly `state` (whole shapes, parameters numbered in
+        the order they were given) and `param_groups`, as ColossalAI's (the loss scaler's
+        state is `loss_scaler_state_dict()`'s, and rides in the Booster's checkpoints); with
         `only_rank_0` the other ranks get an empty dict. A collective: every rank calls it."""
         return zero_optimizer_state_dict(self.engine, only_rank_0=only_rank_0)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a whole-shape optimizer state dict (`state_dict()`'s, or a torch optimizer's
-        over the same parameters); every rank takes the elements it owns."""
+        over the same parameters); every rank takes the elements it owns. A `loss_scaler`
+        entry, as older state dicts carried, is loaded too."""
         load_zero_optimizer(self.engine, OptimizerCheckpoint.of_state_dict(state_dict))
+
+    def loss_scaler_state_dict(self) -> dict[str, Any]:
+        """The loss scaler's state (its scale and counters), the same on every rank."""
+        return self.engine.grad_scaler.state_dict()
+
+    def load_loss_scaler_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the loss scaler from `loss_scaler_state_dict()`'s result."""
+        self.engine.grad_scaler.load_state_dict(state)
 
     @property
     def loss_scale(self) -> float:
