@@ -33,6 +33,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from shardwise import comm
 from shardwise.chunk import Chunk
 from shardwise.chunk.disk_pool import DiskTierError
+from shardwise.chunk.host_memory import give_back_freed_memory
 from shardwise.comm import CommStats
 
 
@@ -91,6 +92,9 @@ def step_on_disk(
         future.exception()  # wait; what it found no longer matters
     for chunk, future in zip(stepped, writes, strict=True):
         failure = failure or _outcome(future, f"writing chunk {chunk.chunk_id}")
+    # What the chunks written out held is free now: back to the system (see [Note: freed
+    # memory goes back] in chunk/host_memory.py).
+    give_back_freed_memory()
     failures = _agree(failure, stats, group)
     if not failures:
         for chunk, _ in work:

@@ -22,6 +22,7 @@ import torch
 from shardwise.chunk import Chunk, Pool
 from shardwise.chunk.accounting import resident_bytes_by_pool
 from shardwise.chunk.disk_pool import DiskPool
+from shardwise.chunk.host_memory import give_back_freed_memory
 from shardwise.engine.config import Placement
 from shardwise.optim import HybridAdam
 
@@ -133,6 +134,7 @@ def place_on_disk(chunks: list[Chunk], directory: str, rank: int) -> DiskPool:
     except BaseException:
         release_disk(chunks, disk)
         raise
+    give_back_freed_memory()  # the masters written out
     return disk
 
 

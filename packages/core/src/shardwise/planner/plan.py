@@ -2,15 +2,16 @@
 fits, and the configuration to use.
 
 [Note: which configuration is recommended]
-The first that fits, in this order: stage 0 (plain data parallelism: one all-reduce, no
-re-gathering), stage 2 (the same bytes on the wire as stage 1, less memory, and measured
-faster in this engine, see benchmarks/RESULTS.md), stage 1, then stage 3 with placement "cuda"
-(3 psi on the wire, nothing through host memory), stage 2 with its optimizer side in host
-memory ("cpu", `cpu_offload`), stage 3 "auto" (host traffic only for what does not fit) and
-"cpu" (every shard through host memory each step), and last, where a disk tier is given
-(`disk_memory_bytes`), stages 2 and 3 "disk": "cpu" with every fp32 master and optimizer state
-in the disk tier's files, read and written once a step. Fitting means the device holds the
-model state, the gathered working set (two chunks with their gradient buffer) and the given
+The first that fits, in this order: stage 0 (plain data parallelism: one all-reduce, no re-
+gathering), stage 2 (the same bytes on the wire as stage 1, less memory, and measured faster in
+this engine, see benchmarks/RESULTS.md), stage 1, then stage 3 with placement "cuda" (3 psi on
+the wire, nothing through host memory), "auto" (host traffic only for what does not fit), stage
+2 with its optimizer side in host memory ("cpu", `cpu_offload`: every gradient and parameter
+shard through host memory each step, the parameters whole on the device), stage 3 "cpu" (every
+shard through host memory each step, the least device memory), and last, where a disk tier is
+given (`disk_memory_bytes`), stages 2 and 3 "disk": "cpu" with every fp32 master and optimizer
+state in the disk tier's files, read and written once a step. Fitting means the device holds
+the model state, the gathered working set (two chunks with their gradient buffer) and the given
 activation bytes within its memory, the host holds what is offloaded (and, on the disk tier,
 the three chunks' optimizer sides its step holds at once) within its memory, and the disk
 tier's files fit its bytes.
@@ -35,8 +36,8 @@ _ORDER = [
     (2, "cuda"),
     (1, "cuda"),
     (3, "cuda"),
-    (2, "cpu"),
     (3, "auto"),
+    (2, "cpu"),
     (3, "cpu"),
     (2, "disk"),
     (3, "disk"),
