@@ -9,6 +9,7 @@ with one all-reduce. Loading takes back from each whole tensor the elements the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -261,6 +262,21 @@ def load_zero_optimizer(optimizer: ZeroOptimizer, source: OptimizerCheckpoint) -
         scaler.state_dict().get("kind")
     ):
         scaler.load_state_dict(source.loss_scaler)
+
+
+def load_optimizer_state(optimizer: ZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
+    """Load an optimizer state held in memory in torch's whole-shape layout (as
+    `torch.optim.Optimizer.state_dict()` of the unsharded model gives it, or a Lightning
+    checkpoint's `optimizer_states[0]`): parameters numbered in the order the wrapped
+    optimizer's groups had them, every tensor of its parameter's whole shape. Each rank takes
+    the elements of its own shards; hyper-parameters are restored, and the loss scaler's state
+    from a "loss_scaler" entry when there is one of the same kind. Local to each rank: every
+    rank passes the same state.
+
+    Raises `CheckpointError` (a ValueError) when `state_dict` is not an optimizer state dict,
+    or its groups or tensors do not fit this model's parameters.
+    """
+    load_zero_optimizer(optimizer, OptimizerCheckpoint.of_state_dict(state_dict, "state_dict"))
 
 
 def _owned_part(located: tuple[Chunk, int], saved: dict[str, Any], name: str) -> dict[str, Any]:
