@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from shardwise import ZeroModel
 from shardwise.cli import main as shardwise_cli
 from shardwise.testing import run_ranks
-from shardwise_lightning import FullyShardedStrategy, ShardwisePrecision
+from shardwise_lightning import FullyShardedStrategy, GeminiStrategy, ShardwisePrecision
 
 # ---- construction, on one process ---------------------------------------------------------------
 
@@ -105,6 +105,17 @@ def test_fsdp_custom_mixed_precision() -> None:
         torch.bfloat16,
         torch.float32,
     )
+
+
+def test_chunk_size_is_searched_as_for_gemini_unless_set() -> None:
+    # Deliberate difference: the original wrapped units of min_num_params=100M parameters by
+    # default, which here made one chunk of most of a GPT-2 124M. Unset, the engine searches
+    # the size, as it does for GeminiStrategy; set, it is the chunk size.
+    cpu = torch.device("cpu")
+    searched = FullyShardedStrategy().engine_config(cpu).chunking
+    assert searched.size_numel is None
+    assert searched == GeminiStrategy(placement_policy="cuda").engine_config(cpu).chunking
+    assert FullyShardedStrategy(min_num_params=700).engine_config(cpu).chunking.size_numel == 700
 
 
 def test_fully_sharded_strategy_cpu_offload() -> None:

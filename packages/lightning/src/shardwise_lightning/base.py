@@ -8,7 +8,6 @@ from `configure_optimizers` to `wrap_optimizer`, and Lightning's checkpoints to
 
 from __future__ import annotations
 
-import secrets
 import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -44,8 +43,8 @@ from shardwise.checkpoint import CheckpointError
 from shardwise.checkpoint.consolidate import (
     PARAM_GROUP_NAMES,
     SHARDWISE_KEY,
+    WholeCheckpoint,
     lightning_checkpoint,
-    read_whole,
 )
 from shardwise.engine.module_at_rest import (
     ModuleState,
@@ -287,8 +286,13 @@ class ShardwiseStrategyBase(DDPStrategy):
         return state
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        # This rank's shards only; save_checkpoint writes the engine's sharded checkpoint.
+        """With `state_dict_type="full"` the whole optimizer state in torch's format, on rank 0
+        (other ranks get an empty dict; a collective), which `save_checkpoint` writes as it is
+        (see [Note: full checkpoints]); with "sharded" this rank's shards, which it does not
+        read (the engine writes its own)."""
         engine = getattr(optimizer, "_optimizer", optimizer)
+        if self.state_dict_type == "full" and isinstance(engine, ZeroOptimizer):
+            return sharded_checkpoint.gather_optimizer_state(engine, only_rank_0=True)
         return cast(dict[str, Any], engine.state_dict())
 
     def save_checkpoint(
@@ -308,48 +312,61 @@ class ShardwiseStrategyBase(DDPStrategy):
         if self._zero_model is None:
             raise ValueError("nothing to save: the model is not set up by the strategy yet")
         self._check_all_managed("when saving a checkpoint")
+        path = Path(self.broadcast(str(filepath)))
+        if self.state_dict_type == "full":
+            self._save_full_checkpoint(checkpoint, path, storage_options)
+            return
         engine = self._zero_model
         if engine.module_state is ModuleState.WHOLE:
             # Saved after a run (see [Note: the module after a run]): the checkpoint reads the
             # shards, so they take the module's values first, and it gets them back after.
             engine.shard_module()
-            self._save_checkpoint(checkpoint, filepath, storage_options)
+            self._save_sharded_checkpoint(checkpoint, path)
             engine.gather_module()
         else:
-            self._save_checkpoint(checkpoint, filepath, storage_options)
+            self._save_sharded_checkpoint(checkpoint, path)
 
-    def _save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None
-    ) -> None:
+    def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         assert self._zero_model is not None
-        path = Path(self.broadcast(str(filepath)))
         optimizer = self.zero_optimizer() if "optimizer_states" in checkpoint else None
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if optimizer is not None:
             rest[PARAM_GROUP_NAMES] = self._param_group_names
-        if self.state_dict_type == "sharded":
-            sharded_checkpoint.save(path, self._zero_model, optimizer, extra=rest)
-            return
-        # [Note: full checkpoints]
-        # The shards go to disk as for a sharded save, in a directory of their own beside the
-        # target, and rank 0 reads them back whole (shardwise/checkpoint/consolidate.py) and
-        # writes one ordinary Lightning checkpoint through the CheckpointIO: `state_dict` with
-        # the module's keys, `optimizer_states` in torch's format (numbered by the parameter
-        # groups of configure_optimizers), the loss scaler under "shardwise". One code path
-        # with `shardwise consolidate`; rank 0 holds the whole state for the write, as any
-        # full-state save does.
-        staging = path.parent / self.broadcast(f".{path.name}.shards-{secrets.token_hex(4)}")
-        try:
-            sharded_checkpoint.save(staging, self._zero_model, optimizer, extra=rest)
-            if self.is_global_zero:
-                whole = read_whole(staging, optimizer=optimizer is not None, verify_checksums=False)
-                self.checkpoint_io.save_checkpoint(
-                    lightning_checkpoint(whole), path, storage_options=storage_options
-                )
-        finally:
-            self.barrier("shardwise_full_checkpoint")
-            if self.is_global_zero:
-                _remove_link_and_target(staging)
+        sharded_checkpoint.save(path, self._zero_model, optimizer, extra=rest)
+
+    # [Note: full checkpoints]
+    # Lightning builds the checkpoint dict before it asks the strategy to save it: the module's
+    # state through `lightning_module_state_dict` (the whole fp32 masters with the module's
+    # keys, gathered one chunk at a time) and each optimizer's through `optimizer_state`,
+    # which under "full" gathers the whole optimizer state in torch's format onto rank 0
+    # (numbered by the parameter groups of configure_optimizers, the loss scaler's state
+    # beside it). Rank 0 writes that dict as `shardwise consolidate` lays out a sharded
+    # checkpoint (`lightning_checkpoint`: the scaler under "shardwise") through the
+    # CheckpointIO: one gather and one write, as Lightning's own full-state strategies do, where
+    # staging the shards on disk and reading them back cost a write and a read of the whole
+    # state more. Rank 0 holds the whole state for the write, as any full-state save does.
+
+    def _save_full_checkpoint(
+        self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None
+    ) -> None:
+        if self.is_global_zero:
+            rest = {
+                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+            }
+            optimizer, scaler = None, None
+            if checkpoint.get("optimizer_states"):
+                optimizer = dict(checkpoint["optimizer_states"][0])
+                scaler = optimizer.pop("loss_scaler", None)
+            whole = WholeCheckpoint(
+                state_dict=checkpoint["state_dict"],
+                optimizer=optimizer,
+                grad_scaler=scaler,
+                extra=rest,
+            )
+            self.checkpoint_io.save_checkpoint(
+                lightning_checkpoint(whole), path, storage_options=storage_options
+            )
+        self.barrier("shardwise_full_checkpoint")
 
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None

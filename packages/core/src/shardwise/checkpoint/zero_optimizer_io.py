@@ -198,6 +198,15 @@ def zero_optimizer_state_dict(optimizer: ZeroOptimizer, *, only_rank_0: bool) ->
     }
 
 
+def gather_optimizer_state(optimizer: ZeroOptimizer, *, only_rank_0: bool = True) -> dict[str, Any]:
+    """The whole optimizer state in torch's format, as a plain optimizer over the unsharded
+    model gives it (`state` of whole shapes keyed by parameter number, in the order the wrapped
+    optimizer's groups had the parameters; `param_groups`), and the loss scaler's state under
+    "loss_scaler": what `load_optimizer_state` takes back. Each chunk's state is gathered in
+    turn. A collective; with `only_rank_0` the other ranks get an empty dict."""
+    return zero_optimizer_state_dict(optimizer, only_rank_0=only_rank_0)
+
+
 def save_zero_optimizer(
     optimizer: ZeroOptimizer,
     checkpoint: str | Path,
