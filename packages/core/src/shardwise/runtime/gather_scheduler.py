@@ -431,9 +431,7 @@ class GatherScheduler:
     # backward ends, as before. A later unit needing a released chunk gathers it again. Every
     # rank runs the same graph, so every rank releases, and gathers again, alike.
 
-    def _release_frozen_after_backward(
-        self, args: Any, output: Any, frozen: list[Chunk]
-    ) -> None:
+    def _release_frozen_after_backward(self, args: Any, output: Any, frozen: list[Chunk]) -> None:
         inputs = [
             value
             for value in tree_flatten(args)[0]
