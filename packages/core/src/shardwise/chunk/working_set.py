@@ -9,10 +9,10 @@ the smaller chunks of those tensors, typically one or two where one large one wa
 running, whose tensors are packed together, and a neighbour's), and no more than the large
 one held: so each chunk held at a recorded point counts, at a smaller size, as the chunk of
 its largest tensor (which no size splits) and two chunks of that size, at most its own
-footprint (gathered payload, its compute copy, the gradient buffer of a trainable chunk). The largest
-such sum over the recorded points is the estimate. It is checked by rerunning (tests/
-test_working_set_budget.py), not proved: which tensors of a held chunk a point needs is not
-recorded.
+footprint (gathered payload, its compute copy, the gradient buffer of a trainable chunk).
+The largest such sum over the recorded points is the estimate. It is checked by rerunning
+(tests/test_working_set_budget.py), not proved: which tensors of a held chunk a point needs is
+not recorded.
 """
 
 from __future__ import annotations
