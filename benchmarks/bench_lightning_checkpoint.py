@@ -2,14 +2,16 @@
 against Lightning's DDP and FSDP2 (`ModelParallelStrategy`, `fully_shard` per block), each
 writing one whole checkpoint file (model and AdamW state) from rank 0.
 
-    python benchmarks/bench_lightning_checkpoint.py --out RESULT.json [--results RESULTS.md]
+    python benchmarks/bench_lightning_checkpoint.py --repeat 2 --out RESULT.json \
+        [--results RESULTS.md]
     python benchmarks/bench_lightning_checkpoint.py --smoke                 (a tiny GPT-2)
 
-Each strategy runs in a torchrun of its own, one after the other (Lightning keeps one
-strategy per process group): build the model from transformers' default GPT-2 config (124M
-parameters, tied head; fp32), fit 3 steps (batch 1 of 64 tokens per rank, AdamW), then time
-`trainer.save_checkpoint(path)` between barriers; the worse rank's seconds are kept, with the
-file's size, the mean time of the last 2 steps, and for shardwise the chunks the engine built.
+Each strategy runs in a torchrun of its own, the strategies in turn, `--repeat` rounds
+(Lightning keeps one strategy per process group): build the model from transformers' default
+GPT-2 config (124M parameters, tied head; fp32), fit 3 steps (batch 1 of 64 tokens per rank,
+AdamW), then time `trainer.save_checkpoint(path)` between barriers. Per strategy the fastest
+round is kept (the host is shared: other load only adds time), with the worse rank's seconds,
+the file's size, the mean time of the last 2 steps, and for shardwise the chunks it built.
 """
 
 from __future__ import annotations
@@ -166,7 +168,8 @@ def write_results(results: dict[str, Any], path: Path, command: str) -> None:
         f"Written by `{command}`: transformers' GPT-2 small ({params / 1e6:.0f}M parameters, "
         f"fp32, AdamW) fitted 3 steps (batch 1 x {SEQ} tokens per rank), then "
         f"`trainer.save_checkpoint` timed between barriers (the worse rank), each strategy in a "
-        f"torchrun of its own, one after the other on the same host. fsdp2 is Lightning's "
+        f"torchrun of its own, the strategies in turn, the fastest of the rounds kept (a host "
+        f"shared with other work: its load only adds time). fsdp2 is Lightning's "
         f"`ModelParallelStrategy(save_distributed_checkpoint=False)` with `fully_shard` per "
         f'block; the shardwise strategies write their default `state_dict_type="full"`.',
         "",
@@ -197,6 +200,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT-2, seconds")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over the strategies")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--results", type=Path, help="update this RESULTS.md block")
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)
@@ -209,13 +213,20 @@ def main() -> None:
         return
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as directory:
-        for strategy in args.strategies:
-            results[strategy] = _run_one(strategy, args.smoke, Path(directory))
-            print(strategy, json.dumps(results[strategy]), flush=True)
+        for _ in range(args.repeat):
+            for strategy in args.strategies:
+                result = _run_one(strategy, args.smoke, Path(directory))
+                print(strategy, json.dumps(result), flush=True)
+                best = results.get(strategy)
+                if best is None or result["save_seconds"] < best["save_seconds"]:
+                    results[strategy] = result
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     if args.results:
-        command = "python benchmarks/bench_lightning_checkpoint.py --results benchmarks/RESULTS.md"
+        command = (
+            f"python benchmarks/bench_lightning_checkpoint.py --repeat {args.repeat} "
+            f"--results benchmarks/RESULTS.md"
+        )
         write_results(results, args.results, command)
 
 

@@ -18,13 +18,39 @@ def gathered_chunks(
     chunk_manager: ChunkManager, chunks: Iterable[Chunk] | None = None
 ) -> Iterator[tuple[Chunk, torch.Tensor]]:
     """Every chunk (or those of `chunks`, the same on every rank) with its whole values (fp32
-    masters; the payload for frozen chunks), one chunk at a time, each dropped when the next
-    is gathered. A collective over the chunks' group: every rank must walk it to the end."""
-    for chunk in chunk_manager.chunks if chunks is None else chunks:
+    masters; the payload for frozen chunks), one chunk at a time; the next chunk's gather runs
+    in the background while the caller reads this one, which is dropped after. A collective
+    over the chunks' group: every rank must walk it to the end."""
+
+    def start(chunk: Chunk) -> tuple[Chunk, torch.Tensor, Any]:
         source = chunk.master if chunk.requires_grad else chunk.payload.shard
         full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
-        comm.all_gather(full, source, chunk_manager.stats, chunk_manager.group)
-        yield chunk, full
+        work = comm.all_gather(
+            full, source, chunk_manager.stats, chunk_manager.group, async_op=True
+        )
+        return chunk, full, work
+
+    pending = None
+    try:
+        for chunk in chunk_manager.chunks if chunks is None else chunks:
+            started = start(chunk)
+            if pending is not None:
+                ready, pending = pending, None
+                yield _finished(ready)
+            pending = started
+        if pending is not None:
+            ready, pending = pending, None
+            yield _finished(ready)
+    finally:
+        if pending is not None:  # left early: the gather still writes into its buffer
+            _finished(pending)
+
+
+def _finished(gather: tuple[Chunk, torch.Tensor, Any]) -> tuple[Chunk, torch.Tensor]:
+    chunk, full, work = gather
+    if work is not None:
+        work.wait()
+    return chunk, full
 
 
 def gather_parameters(
