@@ -1,12 +1,16 @@
 """Checkpoints other code reads: `state_dict_type="full"` writes one `.ckpt` from rank 0, and
 `shardwise consolidate` turns a sharded checkpoint into one; `load_from_checkpoint` reads both
-without shardwise. A layer rebuilt after the strategy sharded the module is refused.
+without shardwise. Layers rebuilt in on_load_checkpoint are sharded and loaded; a layer
+replaced between Trainer calls is refused.
 
 Two ranks train 8 steps and save both forms; a 2-epoch run resumed from the full file (its
 torch-format optimizer state sliced into the shards) continues exactly as the uninterrupted
 run, and Lightning's plain `ddp` resumes from it too. The weights in both files are the fp32
 masters, equal bit for bit to the state the ranks hold; the two files' optimizer states are
-equal bit for bit as well.
+equal bit for bit as well. A module whose on_load_checkpoint rebuilds a layer resumes from the
+full file exactly as the uninterrupted run continues (the optimizer rebuilt over the new layer,
+its state sliced into the new shards), and tests from the sharded directory with the losses of
+Lightning's plain `ddp` testing the same weights.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning_cases import Net, fit, full_state, trainer
+from lightning_cases import GLOBAL_BATCH, IN, NUM_SAMPLES, Net, fit, full_state, trainer
 from torch import nn
 
 from shardwise.cli import main as shardwise_cli
@@ -58,23 +62,29 @@ def _save_and_resume(directory: Path) -> dict[str, Any]:
     # Resumed from the one file, by this strategy and by Lightning's plain ddp.
     out["resumed"] = fit(_full(), max_epochs=2, ckpt_path=directory / "full.ckpt")
     out["resumed_ddp"] = fit("ddp", max_epochs=2, ckpt_path=directory / "full.ckpt")
-    # A layer rebuilt in on_load_checkpoint: refused, then at the next entry too.
-    torch.manual_seed(0)
-    rebuilt = RebuiltOnLoad()
-    run = trainer("shardwise_gemini", max_epochs=1)
+    # A layer rebuilt in on_load_checkpoint: sharded, loaded, trained on.
+    out["resumed_rebuilt"] = fit(
+        _full(), RebuiltOnLoad, max_epochs=2, ckpt_path=directory / "full.ckpt"
+    )
+    reference = Net.load_from_checkpoint(directory / "full.ckpt", map_location="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        trainer("ddp").test(reference, verbose=False)
+        torch.manual_seed(0)
+        rebuilt = RebuiltOnLoad()
+        run = trainer("shardwise_gemini", max_epochs=1)
         run.fit(rebuilt)
-        for entry in ("test", "predict"):
-            try:
-                if entry == "test":
-                    run.test(rebuilt, ckpt_path=directory / "sharded.ckpt", verbose=False)
-                else:
-                    run.predict(rebuilt)
-                out[entry] = "no error"
-            except ValueError as error:
-                out[entry] = str(error)
-    out["tested_batches"] = len(rebuilt.test_losses)
+        run.test(rebuilt, ckpt_path=directory / "sharded.ckpt", verbose=False)
+        out["reference_test_losses"] = reference.test_losses
+        out["rebuilt_test_losses"] = rebuilt.test_losses
+        # A layer replaced between Trainer calls: refused at the next entry.
+        assert rebuilt.net is not None
+        rebuilt.net[0] = nn.Linear(IN, 32)
+        try:
+            run.predict(rebuilt)
+            out["predict"] = "no error"
+        except ValueError as error:
+            out["predict"] = str(error)
     return out
 
 
@@ -154,15 +164,24 @@ def test_consolidate_command_output_loads_with_load_from_checkpoint(
     assert "no manifest.json" in capsys.readouterr().err
 
 
-def test_a_layer_rebuilt_after_sharding_is_refused(
+def test_layers_rebuilt_in_on_load_checkpoint_are_sharded_and_loaded(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for rank, result in enumerate(saved[1]):
+        continuous, resumed = result["continuous"], result["resumed_rebuilt"]
+        assert resumed.losses == continuous.losses[STEPS_PER_EPOCH:], rank
+        _assert_same(resumed.state, continuous.state)
+        # fp32 forward of the same weights on the same samples: equal to the last bit.
+        assert len(result["reference_test_losses"]) == NUM_SAMPLES // GLOBAL_BATCH
+        assert result["rebuilt_test_losses"] == result["reference_test_losses"], rank
+
+
+def test_a_layer_replaced_between_trainer_calls_is_refused(
     saved: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     for result in saved[1]:
-        for entry in ("test", "predict"):
-            message = result[entry]
-            assert "2 parameter(s) of the LightningModule are not managed" in message, message
-            assert "net.4.weight, net.4.bias" in message
-            assert "configure_model" in message
-        assert "after on_load_checkpoint" in result["test"]
-        assert "at the start of predict" in result["predict"]
-        assert result["tested_batches"] == 0  # refused before evaluating the unloaded layer
+        message = result["predict"]
+        assert "2 parameter(s) of the LightningModule are not managed" in message, message
+        assert "net.0.weight, net.0.bias" in message
+        assert "at the start of predict" in message
+        assert "configure_model" in message

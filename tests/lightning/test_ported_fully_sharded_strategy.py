@@ -13,7 +13,9 @@ manual wrapping in `configure_sharded_model` becomes building the layers in `con
 
 Kept: `_run_multiple_stages` (fit, `save_checkpoint(weights_only=True)`, the saved weights equal
 to `lightning_module_state_dict()` through `load_from_checkpoint`, then test and predict with
-the module and with `ckpt_path`), for the manually and the auto-wrapped model, the per-batch
+the module and with `ckpt_path`), for the manually and the auto-wrapped model, the manual
+model's `on_load_checkpoint` rebuilding its layers ("when loading full state dict, we first
+need to create a new unwrapped model": the strategy shards the rebuilt layers), the per-batch
 checks in every loop, `sync_batchnorm=True`, the precision plugin chosen from the Trainer's
 precision and its dtypes, the `cpu_offload` spellings, and the refusal of an optimizer over
 parameters the strategy does not manage. Added: test and predict from the checkpoint equal
@@ -22,10 +24,9 @@ test and predict of the trained module.
 Deliberate differences, asserted as shardwise documents them (see the comments at each test):
 CPU is supported (the originals refuse it); gradient clipping by norm is honoured (the fairscale
 strategy refused it) and by value refused; the same module instance is tested after fit (the
-fairscale strategy refused to wrap it again; the engine keeps it); rebuilding layers in
-`on_load_checkpoint` (the originals' idiom for full state dicts) is refused; no
-`mixed_precision=` / `CPUOffload` objects (the fairscale-era arguments `compute_dtype`,
-`fp32_reduce_scatter` and a bool `cpu_offload` instead).
+fairscale strategy refused to wrap it again; the engine keeps it); no `mixed_precision=` /
+`CPUOffload` objects (the fairscale-era arguments `compute_dtype`, `fp32_reduce_scatter` and a
+bool `cpu_offload` instead).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from shardwise import ZeroModel
 from shardwise.cli import main as shardwise_cli
 from shardwise.testing import run_ranks
-from shardwise_lightning import FullyShardedStrategy, ShardwisePrecision
+from shardwise_lightning import FullyShardedStrategy, GeminiStrategy, ShardwisePrecision
 
 # ---- construction, on one process ---------------------------------------------------------------
 
@@ -104,6 +105,17 @@ def test_fsdp_custom_mixed_precision() -> None:
         torch.bfloat16,
         torch.float32,
     )
+
+
+def test_chunk_size_is_searched_as_for_gemini_unless_set() -> None:
+    # Deliberate difference: the original wrapped units of min_num_params=100M parameters by
+    # default, which here made one chunk of most of a GPT-2 124M. Unset, the engine searches
+    # the size, as it does for GeminiStrategy; set, it is the chunk size.
+    cpu = torch.device("cpu")
+    searched = FullyShardedStrategy().engine_config(cpu).chunking
+    assert searched.size_numel is None
+    assert searched == GeminiStrategy(placement_policy="cuda").engine_config(cpu).chunking
+    assert FullyShardedStrategy(min_num_params=700).engine_config(cpu).chunking.size_numel == 700
 
 
 def test_fully_sharded_strategy_cpu_offload() -> None:
@@ -189,7 +201,9 @@ class BoringModel(pl.LightningModule):
 
 class TestFSDPModelManualWrapped(BoringModel):
     """The original builds in setup() and wraps in configure_sharded_model; here
-    configure_model builds, and the strategy slices the layers as they are built."""
+    configure_model builds, and the strategy slices the layers as they are built. As in the
+    original, on_load_checkpoint builds new, unwrapped layers for the checkpoint to fill: the
+    strategy shards them before the weights load."""
 
     __test__ = False
 
@@ -197,17 +211,14 @@ class TestFSDPModelManualWrapped(BoringModel):
         if self.layer is None:
             self.layer = self._layers()
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The original's comment: "when loading full state dict, we first need to create a
+        # new unwrapped model".
+        self.layer = self._layers()
+
     def configure_optimizers(self) -> Any:
         assert self.layer is not None
         return torch.optim.SGD(self.layer.parameters(), lr=0.1)
-
-
-class RebuildOnLoad(TestFSDPModelManualWrapped):
-    """The originals' on_load_checkpoint ("when loading full state dict, we first need to
-    create a new unwrapped model")."""
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.layer = self._layers()
 
 
 class TestFSDPModelAutoWrapped(BoringModel):
@@ -282,7 +293,10 @@ def _run_multiple_stages(
     fresh = type(model) if isinstance(model, TestFSDPModelAutoWrapped) else None
     out["test"] = run.test(model, verbose=False)
     predicted = run.predict(model)
+    trained_layers = [id(p) for p in model.parameters()]
     out["test_ckpt"] = run.test(fresh() if fresh else model, ckpt_path=model_path, verbose=False)
+    # The manual model's on_load_checkpoint built new layers, which ran sharded.
+    out["layers_rebuilt"] = trained_layers != [id(p) for p in model.parameters()]
     from_ckpt = run.predict(fresh() if fresh else model, ckpt_path=model_path)
     assert predicted is not None and from_ckpt is not None
     out["predict"] = torch.cat([p for p in predicted if isinstance(p, Tensor)])
@@ -316,17 +330,6 @@ def _all_cases(directory: Path) -> dict[str, Any]:
         out["auto"] = _run_multiple_stages(
             directory / "auto", TestFSDPModelAutoWrapped(), "sharded"
         )
-
-        # Deliberate difference: layers rebuilt in on_load_checkpoint would run unsharded and
-        # unloaded, so the strategy refuses them (see the README's Lightning section).
-        rebuilt = RebuildOnLoad()
-        run = trainer(_strategy(), **_loops())
-        run.fit(rebuilt)
-        try:
-            run.test(ckpt_path=out["manual"]["model_path"], verbose=False)
-            out["rebuild_on_load"] = "no error"
-        except ValueError as error:
-            out["rebuild_on_load"] = str(error)
 
         # test_fsdp_gradient_clipping_raises: the fairscale strategy refused norm clipping.
         # Deliberate difference: the engine clips the global norm across shards; by value is
@@ -378,17 +381,13 @@ def test_fully_sharded_strategy_checkpoint_multi_gpus(
         if case == "manual":  # the same module runs the checkpoint stages too
             expected.update(test=4, predict=4)
         assert stages["checked"] == expected, stages["checked"]
+        # The manual model's on_load_checkpoint rebuilt its layers (checked sharded after every
+        # batch above), and the checkpoint's weights reached them.
+        assert stages["layers_rebuilt"] is (case == "manual")
         assert stages["test_ckpt"] == stages["test"]
         assert stages["predict"].shape == (4, 2)  # 2 batches of 2 on this rank
         assert torch.equal(stages["predict_ckpt"], stages["predict"])
         assert stages["model_path"].name == "last.ckpt"
-
-
-def test_layers_rebuilt_in_on_load_checkpoint_are_refused(ranks: list[dict[str, Any]]) -> None:
-    for result in ranks:
-        message = result["rebuild_on_load"]
-        assert "are not managed by the shardwise engine after on_load_checkpoint" in message
-        assert "layer.0.weight" in message
 
 
 def test_fsdp_gradient_clipping(ranks: list[dict[str, Any]]) -> None:

@@ -8,7 +8,6 @@ from `configure_optimizers` to `wrap_optimizer`, and Lightning's checkpoints to
 
 from __future__ import annotations
 
-import secrets
 import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -40,13 +39,13 @@ from shardwise import (
 )
 from shardwise import checkpoint as sharded_checkpoint
 from shardwise.amp import LossScaleConfig
+from shardwise.checkpoint import CheckpointError
 from shardwise.checkpoint.consolidate import (
     PARAM_GROUP_NAMES,
     SHARDWISE_KEY,
+    WholeCheckpoint,
     lightning_checkpoint,
-    read_whole,
 )
-from shardwise.checkpoint.layout import param_slices
 from shardwise.engine.module_at_rest import (
     ModuleState,
     agree_to_gather,
@@ -125,6 +124,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         # another and come back to the first, whose parameters already live in its engine.
         self._engines: dict[int, ZeroModel] = {}
         self._loaded_sharded = False
+        self._loaded_path = Path()
 
     # ---- what a subclass provides -------------------------------------------------------------
 
@@ -286,8 +286,13 @@ class ShardwiseStrategyBase(DDPStrategy):
         return state
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        # This rank's shards only; save_checkpoint writes the engine's sharded checkpoint.
+        """With `state_dict_type="full"` the whole optimizer state in torch's format, on rank 0
+        (other ranks get an empty dict; a collective), which `save_checkpoint` writes as it is
+        (see [Note: full checkpoints]); with "sharded" this rank's shards, which it does not
+        read (the engine writes its own)."""
         engine = getattr(optimizer, "_optimizer", optimizer)
+        if self.state_dict_type == "full" and isinstance(engine, ZeroOptimizer):
+            return sharded_checkpoint.gather_optimizer_state(engine, only_rank_0=True)
         return cast(dict[str, Any], engine.state_dict())
 
     def save_checkpoint(
@@ -307,141 +312,177 @@ class ShardwiseStrategyBase(DDPStrategy):
         if self._zero_model is None:
             raise ValueError("nothing to save: the model is not set up by the strategy yet")
         self._check_all_managed("when saving a checkpoint")
+        path = Path(self.broadcast(str(filepath)))
+        if self.state_dict_type == "full":
+            self._save_full_checkpoint(checkpoint, path, storage_options)
+            return
         engine = self._zero_model
         if engine.module_state is ModuleState.WHOLE:
             # Saved after a run (see [Note: the module after a run]): the checkpoint reads the
             # shards, so they take the module's values first, and it gets them back after.
             engine.shard_module()
-            self._save_checkpoint(checkpoint, filepath, storage_options)
+            self._save_sharded_checkpoint(checkpoint, path)
             engine.gather_module()
         else:
-            self._save_checkpoint(checkpoint, filepath, storage_options)
+            self._save_sharded_checkpoint(checkpoint, path)
 
-    def _save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None
-    ) -> None:
+    def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         assert self._zero_model is not None
-        path = Path(self.broadcast(str(filepath)))
         optimizer = self.zero_optimizer() if "optimizer_states" in checkpoint else None
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if optimizer is not None:
             rest[PARAM_GROUP_NAMES] = self._param_group_names
-        if self.state_dict_type == "sharded":
-            sharded_checkpoint.save(path, self._zero_model, optimizer, extra=rest)
-            return
-        # [Note: full checkpoints]
-        # The shards go to disk as for a sharded save, in a directory of their own beside the
-        # target, and rank 0 reads them back whole (shardwise/checkpoint/consolidate.py) and
-        # writes one ordinary Lightning checkpoint through the CheckpointIO: `state_dict` with
-        # the module's keys, `optimizer_states` in torch's format (numbered by the parameter
-        # groups of configure_optimizers), the loss scaler under "shardwise". One code path
-        # with `shardwise consolidate`; rank 0 holds the whole state for the write, as any
-        # full-state save does.
-        staging = path.parent / self.broadcast(f".{path.name}.shards-{secrets.token_hex(4)}")
-        try:
-            sharded_checkpoint.save(staging, self._zero_model, optimizer, extra=rest)
-            if self.is_global_zero:
-                whole = read_whole(staging, optimizer=optimizer is not None, verify_checksums=False)
-                self.checkpoint_io.save_checkpoint(
-                    lightning_checkpoint(whole), path, storage_options=storage_options
-                )
-        finally:
-            self.barrier("shardwise_full_checkpoint")
-            if self.is_global_zero:
-                _remove_link_and_target(staging)
+        sharded_checkpoint.save(path, self._zero_model, optimizer, extra=rest)
+
+    # [Note: full checkpoints]
+    # Lightning builds the checkpoint dict before it asks the strategy to save it: the module's
+    # state through `lightning_module_state_dict` (the whole fp32 masters with the module's
+    # keys, gathered one chunk at a time) and each optimizer's through `optimizer_state`,
+    # which under "full" gathers the whole optimizer state in torch's format onto rank 0
+    # (numbered by the parameter groups of configure_optimizers, the loss scaler's state
+    # beside it). Rank 0 writes that dict as `shardwise consolidate` lays out a sharded
+    # checkpoint (`lightning_checkpoint`: the scaler under "shardwise") through the
+    # CheckpointIO: one gather and one write, as Lightning's own full-state strategies do, where
+    # staging the shards on disk and reading them back cost a write and a read of the whole
+    # state more. Rank 0 holds the whole state for the write, as any full-state save does.
+
+    def _save_full_checkpoint(
+        self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None
+    ) -> None:
+        if self.is_global_zero:
+            rest = {
+                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+            }
+            optimizer, scaler = None, None
+            if checkpoint.get("optimizer_states"):
+                optimizer = dict(checkpoint["optimizer_states"][0])
+                scaler = optimizer.pop("loss_scaler", None)
+            whole = WholeCheckpoint(
+                state_dict=checkpoint["state_dict"],
+                optimizer=optimizer,
+                grad_scaler=scaler,
+                extra=rest,
+            )
+            self.checkpoint_io.save_checkpoint(
+                lightning_checkpoint(whole), path, storage_options=storage_options
+            )
+        self.barrier("shardwise_full_checkpoint")
 
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load a sharded checkpoint (from any world size) into the engine and return the
         rest of Lightning's checkpoint. A single file (a full checkpoint of these strategies,
-        `shardwise consolidate`'s output, or one of any Lightning strategy) loads its weights
-        and, when fitting, its optimizer state sliced into this rank's shards."""
+        `shardwise consolidate`'s output, or one of any Lightning strategy) is returned whole:
+        `load_model_state_dict` loads its weights and, when fitting, its optimizer state
+        sliced into this rank's shards, after the LightningModule's on_load_checkpoint."""
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None and self._zero_model is not None
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        self._loaded_path = path
         if _is_shardwise_checkpoint(path):
-            optimizer = self.zero_optimizer() if fitting else None
-            extra = sharded_checkpoint.load(path, self._zero_model, optimizer)
+            extra = dict(self._load_sharded(path))
             self._loaded_sharded = True
-            extra = dict(extra)
             extra.pop(PARAM_GROUP_NAMES, None)
             return extra
-        # One file: a full checkpoint of these strategies, `shardwise consolidate`'s output, or
-        # one of any Lightning strategy. Weights load in load_model_state_dict; the optimizer
-        # state (torch's format) is sliced into this rank's shards here.
-        loaded = super().load_checkpoint(path, weights_only=weights_only)
-        if fitting and loaded.get("optimizer_states"):
-            self._load_whole_optimizer_state(path, loaded)
         self._loaded_sharded = False
-        return loaded
+        return super().load_checkpoint(path, weights_only=weights_only)
 
-    def _load_whole_optimizer_state(self, path: Path, loaded: Mapping[str, Any]) -> None:
+    def _fitting(self) -> bool:
+        assert self.lightning_module is not None
+        return bool(self.lightning_module.trainer.state.fn == TrainerFn.FITTING)
+
+    def _load_sharded(self, path: Path) -> Any:
+        assert self._zero_model is not None
+        optimizer = self.zero_optimizer() if self._fitting() else None
+        return sharded_checkpoint.load(path, self._zero_model, optimizer)
+
+    def _load_whole_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
         """Slice a torch-format optimizer state (numbered by the parameter groups of
-        configure_optimizers, as every Lightning strategy saves it) into this rank's shards."""
+        configure_optimizers, as every Lightning strategy saves it) into this rank's shards;
+        the loss scaler's state rides under "shardwise"."""
         optimizer = self.zero_optimizer()
-        assert optimizer is not None and self._zero_model is not None
-        states = loaded["optimizer_states"]
-        saved = states[0]
-        groups = saved["param_groups"]
-        counts = [len(group["params"]) for group in groups]
-        expected = [len(names) for names in self._param_group_names]
-        if len(states) != 1 or counts != expected:
+        assert optimizer is not None
+        states = checkpoint["optimizer_states"]
+        scaler = checkpoint.get(SHARDWISE_KEY, {}).get("grad_scaler")
+        fix = (
+            "resume with the same configure_optimizers, or load the weights alone "
+            "(trainer.validate(ckpt_path=...), or a checkpoint saved with "
+            "save_weights_only=True)"
+        )
+        if len(states) != 1:
             raise ValueError(
-                f"{path} holds optimizer state for {len(states)} optimizer(s) with "
-                f"{counts} parameters per group, but configure_optimizers gives one optimizer "
-                f"with {expected}: resume with the same configure_optimizers, or load the weights "
-                f"alone (trainer.validate(ckpt_path=...), or a checkpoint saved with "
-                f"save_weights_only=True)"
+                f"{self._loaded_path} holds optimizer state for {len(states)} optimizers, but "
+                f"configure_optimizers gives one: {fix}"
             )
-        slices = {item.name: item for item in param_slices(self._zero_model)}
-        optimizer.optim.state.clear()
-        for group, saved_group, names in zip(
-            optimizer.param_groups, groups, self._param_group_names, strict=True
-        ):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-            for name, number in zip(names, saved_group["params"], strict=True):
-                view = optimizer.shard_views.get(name)
-                fields = saved["state"].get(number)
-                if view is None or not fields:
-                    continue
-                item = slices[name]
-                begin, end = item.local_range()
-                optimizer.optim.state[view] = {
-                    key: value.reshape(-1)[begin:end].to(view.device, view.dtype, copy=True)
-                    if isinstance(value, torch.Tensor)
-                    and value.numel() == item.numel > 0
-                    and value.dim() > 0
-                    else value
-                    for key, value in fields.items()
-                }
-        scaler = loaded.get(SHARDWISE_KEY, {}).get("grad_scaler")
+        whole = dict(states[0])
         if scaler is not None:
-            optimizer.grad_scaler.load_state_dict(scaler)
+            whole["loss_scaler"] = scaler
+        try:
+            sharded_checkpoint.load_optimizer_state(optimizer, whole)
+        except CheckpointError as error:
+            raise ValueError(f"{self._loaded_path}: {error}; {fix}") from error
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        # The LightningModule's on_load_checkpoint has just run: it may have rebuilt a layer.
-        self._check_all_managed("after on_load_checkpoint")
-        if self._loaded_sharded:
-            return  # load_checkpoint already wrote the weights into the shards
+        """Load the checkpoint's weights (and, when fitting, optimizer state) into the engine,
+        after the LightningModule's on_load_checkpoint, which may have rebuilt layers (see
+        [Note: layers rebuilt in on_load_checkpoint])."""
         assert self._zero_model is not None
+        if self._unmanaged_parameters():
+            self._shard_rebuilt_module()
+            if self._loaded_sharded:
+                # The shards were read into the engine the rebuilt layers left behind.
+                self._load_sharded(self._loaded_path)
+                return
+        elif self._loaded_sharded:
+            return  # load_checkpoint already wrote the weights into the shards
         self._zero_model.load_state_dict(checkpoint["state_dict"], strict=strict)
+        if self._fitting() and checkpoint.get("optimizer_states"):
+            self._load_whole_optimizer_state(checkpoint)
+
+    # [Note: layers rebuilt in on_load_checkpoint]
+    # Lightning restores a checkpoint after this strategy sharded the module, and the idiom of
+    # its fully sharded strategies' tests (and of users porting them) rebuilds layers in
+    # on_load_checkpoint, "to load the full state dict into a new unwrapped model". The new
+    # layers' parameters are no chunk's, so the engine hands the module back whole
+    # (`ZeroModel.release_module`: one gather of the kept layers' values), a new engine wraps
+    # it with the same configuration, rebuilt layers included, and the checkpoint loads into
+    # that one; when fitting, configure_optimizers runs again, over the new parameters. Costs
+    # one whole copy of the module per rank while it is rewrapped, as the end of a run does
+    # (see [Note: the module after a run]).
+
+    def _shard_rebuilt_module(self) -> None:
+        old = self._zero_model
+        assert old is not None and self.lightning_module is not None
+        previous = optimizer_of(old)
+        if previous is not None:
+            previous.close()
+        module = old.release_module()
+        self._zero_model = wrap_model(module, self.engine_config(self.root_device))
+        self._engines[id(module)] = self._zero_model
+        self.model = self._zero_model
+        if self._fitting():
+            self.setup_optimizers(self.lightning_module.trainer)
 
     # ---- every entry: the module is still the one the engine sharded ----------------------------
 
-    def _check_all_managed(self, when: str) -> None:
-        """Raise when the LightningModule holds parameters the engine does not manage: a layer
-        built or replaced after the strategy sharded the module (in on_load_checkpoint, setup
-        after the first fit, between Trainer calls). Such a layer would run unsharded, be left
-        out of checkpoints and loads, and fail at stage 3's next gather."""
+    def _unmanaged_parameters(self) -> list[str]:
+        """Names of the LightningModule's parameters that no chunk of the engine holds."""
         if self._zero_model is None:
-            return
+            return []
         manages = self._zero_model.chunk_manager.manages
-        strays = [
+        return [
             name
             for name, param in self._zero_model.module.named_parameters()
             if not manages(param) and not is_ignored(param)
         ]
+
+    def _check_all_managed(self, when: str) -> None:
+        """Raise when the LightningModule holds parameters the engine does not manage: a layer
+        built or replaced after the strategy sharded the module (in setup after the first fit,
+        between Trainer calls; not in on_load_checkpoint, see [Note: layers rebuilt in
+        on_load_checkpoint]). Such a layer would run unsharded, be left
+        out of checkpoints and loads, and fail at stage 3's next gather."""
+        strays = self._unmanaged_parameters()
         if strays:
             shown = ", ".join(strays[:5]) + (
                 f" and {len(strays) - 5} more" if len(strays) > 5 else ""
@@ -449,11 +490,12 @@ class ShardwiseStrategyBase(DDPStrategy):
             raise ValueError(
                 f"{len(strays)} parameter(s) of the LightningModule are not managed by the "
                 f"shardwise engine {when}: {shown}. A layer was built or replaced after the "
-                f"strategy sharded the module (e.g. in on_load_checkpoint or between Trainer "
-                f"calls), so it would run unsharded and never be loaded or saved. Build every "
-                f"layer in __init__ or configure_model and let the checkpoint fill its weights "
-                f"(ckpt_path=... loads them into the shards); to change the architecture, build "
-                f"a new LightningModule and a new Trainer"
+                f"strategy sharded the module (e.g. in setup or between Trainer calls), so it "
+                f"would run unsharded and never be loaded or saved. Build every layer in "
+                f"__init__ or configure_model (or, to rebuild layers for a checkpoint, in "
+                f"on_load_checkpoint) and let the checkpoint fill its weights (ckpt_path=... "
+                f"loads them into the shards); to change the architecture, build a new "
+                f"LightningModule and a new Trainer"
             )
 
     def on_train_start(self) -> None:

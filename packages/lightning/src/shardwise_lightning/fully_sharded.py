@@ -22,8 +22,9 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
     """Fully sharded data parallelism (ZeRO stage 3) on the shardwise chunk engine.
 
     A "wrapped unit" of the original is a chunk here: parameters are packed, in module order,
-    into flat chunks of about `min_num_params` elements; a chunk is all-gathered before the
-    modules that use it run and resharded after, and its gradients are reduced into shards.
+    into flat chunks (of `min_num_params` elements when given, else of the size the engine's
+    chunk search picks, as for GeminiStrategy); a chunk is all-gathered before the modules that
+    use it run and resharded after, and its gradients are reduced into shards.
 
     Args:
         accelerator: as for Lightning's DDPStrategy.
@@ -40,7 +41,11 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             16-bit dtype in mixed precision on CUDA, fp32 otherwise (16-bit math is slow on CPUs).
         bucket_cap_mb: gradients of consecutive chunks are reduced together up to this many MB;
             values <= 0 reduce chunk by chunk.
-        min_num_params: elements per chunk (the auto-wrap threshold of the original).
+        min_num_params: elements per chunk (the auto-wrap threshold of the original); None
+            (the default) searches a size as GeminiStrategy does: the least padding among
+            sizes that keep the chunks gathered at once within half the model and the model in
+            at least 4 chunks (see shardwise/chunk/search.py). The original's 100M-element
+            default put most of a GPT-2 124M in one chunk, gathered whole.
         state_dict_to_cpu: `lightning_module_state_dict` on CPU (True) or the compute device.
         parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend: as for Lightning's DDPStrategy.
@@ -70,7 +75,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         fp32_reduce_scatter: bool | None = None,
         compute_dtype: torch.dtype | None = None,
         bucket_cap_mb: int = 25,
-        min_num_params: int = 100_000_000,
+        min_num_params: int | None = None,
         state_dict_to_cpu: bool = True,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -122,12 +127,14 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             MixedPrecision(compute_dtype=compute_dtype)  # validates the dtype now
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
             raise TypeError(f"bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
-        if (
+        if min_num_params is not None and (
             isinstance(min_num_params, bool)
             or not isinstance(min_num_params, int)
             or min_num_params < 1
         ):
-            raise ValueError(f"min_num_params must be a positive int, got {min_num_params!r}")
+            raise ValueError(
+                f"min_num_params must be a positive int or None (searched), got {min_num_params!r}"
+            )
         super().__init__(
             loss_scale=LossScaleConfig(
                 initial_scale=initial_scale,
@@ -166,7 +173,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
                 compute_dtype=self.compute_dtype,
                 reduce_dtype=torch.float32 if self.fp32_reduce_scatter else None,
             ),
-            chunking=Chunking(size_numel=self.min_num_params),
+            chunking=Chunking(size_numel=self.min_num_params),  # None: searched
             placement=Placement(
                 policy=placement_policy("cpu" if self.cpu_offload else "cuda"),
                 pin_memory=self.cpu_offload and device.type == "cuda",

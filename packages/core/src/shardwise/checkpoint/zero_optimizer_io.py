@@ -9,6 +9,7 @@ with one all-reduce. Loading takes back from each whole tensor the elements the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -115,8 +116,11 @@ def _layout(optimizer: ZeroOptimizer, ranks: Ranks) -> _Layout:
 
 def _whole_states(optimizer: ZeroOptimizer, layout: _Layout, sink: StateSink) -> None:
     """Hand `sink` every parameter's whole state (keyed by its number as a str) that it wants.
-    A collective: every rank walks every trainable chunk."""
+    A collective: every rank walks every trainable chunk. One state key of one chunk is
+    gathered at a time, the next one's gather running while this one's pieces are copied out:
+    a rank holds at most two gathered chunk states beside the pieces."""
     manager = optimizer.model.chunk_manager
+    in_flight: _StateGather | None = None
     for chunk in manager.trainable_chunks():
         states: dict[str, dict[str, Any]] = {}
         for info in chunk.tensors:
@@ -127,34 +131,62 @@ def _whole_states(optimizer: ZeroOptimizer, layout: _Layout, sink: StateSink) ->
                     key: torch.tensor(value, dtype=dtype)
                     for (key, dtype), value in zip(layout.scalars.items(), values, strict=True)
                 }
-        # One state key at a time, so a rank holds one gathered chunk beside its pieces.
-        for key, dtype in layout.elementwise.items():
-            full = _gather_state(optimizer, chunk, key, dtype)
-            for info in chunk.tensors:
-                number = layout.number_of.get(info.name)
-                if number is not None and str(number) in states:
-                    piece = full[info.offset : info.offset + info.numel].view(info.shape)
-                    states[str(number)][key] = piece.to("cpu", copy=True)
-            del full
-        for key_of_param, state in states.items():
-            sink.add(key_of_param, state)
+        keys = list(layout.elementwise.items())
+        for position, (key, dtype) in enumerate(keys):
+            started = _StateGather(optimizer, chunk, key, dtype, states)
+            if in_flight is not None:
+                in_flight.finish(layout, sink)
+            in_flight = started
+            in_flight.hand_over = position == len(keys) - 1
+        if not keys:
+            _hand_over(states, sink)
+    if in_flight is not None:
+        in_flight.finish(layout, sink)
 
 
-def _gather_state(
-    optimizer: ZeroOptimizer, chunk: Chunk, key: str, dtype: torch.dtype
-) -> torch.Tensor:
-    """State `key` over the whole chunk: each rank lays its parameters' values over its shard
-    (zeros where it holds none), then the shards are gathered."""
-    local = torch.zeros(chunk.shard_numel, dtype=dtype, device=chunk.device)
-    for index, info in enumerate(chunk.tensors):
-        owned = chunk.tensor_shard_range(index)
-        value = _local_state(optimizer, info.name).get(key)
-        if owned is not None and value is not None:
-            local[owned[0] : owned[1]] = value
-    full = torch.empty(chunk.padded_numel, dtype=dtype, device=chunk.device)
-    manager = optimizer.model.chunk_manager
-    comm.all_gather(full, local, manager.stats, manager.group)
-    return full
+def _hand_over(states: dict[str, dict[str, Any]], sink: StateSink) -> None:
+    for key_of_param, state in states.items():
+        sink.add(key_of_param, state)
+
+
+class _StateGather:
+    """State `key` over the whole chunk, being gathered: each rank lays its parameters' values
+    over its shard (zeros where it holds none), and the shards are all-gathered in the
+    background; `finish` waits and copies each wanted parameter's piece into `states`."""
+
+    def __init__(
+        self,
+        optimizer: ZeroOptimizer,
+        chunk: Chunk,
+        key: str,
+        dtype: torch.dtype,
+        states: dict[str, dict[str, Any]],
+    ) -> None:
+        self.chunk, self.key, self.states = chunk, key, states
+        # Whether `finish` hands the chunk's states to the sink: its last key.
+        self.hand_over = False
+        local = torch.zeros(chunk.shard_numel, dtype=dtype, device=chunk.device)
+        for index, info in enumerate(chunk.tensors):
+            owned = chunk.tensor_shard_range(index)
+            value = _local_state(optimizer, info.name).get(key)
+            if owned is not None and value is not None:
+                local[owned[0] : owned[1]] = value
+        self.full = torch.empty(chunk.padded_numel, dtype=dtype, device=chunk.device)
+        manager = optimizer.model.chunk_manager
+        self._local = local  # alive until the gather has read it
+        self._work = comm.all_gather(self.full, local, manager.stats, manager.group, async_op=True)
+
+    def finish(self, layout: _Layout, sink: StateSink) -> None:
+        if self._work is not None:
+            self._work.wait()
+        for info in self.chunk.tensors:
+            number = layout.number_of.get(info.name)
+            if number is not None and str(number) in self.states:
+                piece = self.full[info.offset : info.offset + info.numel].view(info.shape)
+                self.states[str(number)][self.key] = piece.to("cpu", copy=True)
+        del self.full, self._local
+        if self.hand_over:
+            _hand_over(self.states, sink)
 
 
 def _param_groups(optimizer: ZeroOptimizer) -> list[dict[str, Any]]:
@@ -194,6 +226,18 @@ def zero_optimizer_state_dict(optimizer: ZeroOptimizer, *, only_rank_0: bool) ->
     if not sink.keep:
         return {}
     return {"state": dict(sorted(sink.states.items())), "param_groups": _param_groups(optimizer)}
+
+
+def gather_optimizer_state(optimizer: ZeroOptimizer, *, only_rank_0: bool = True) -> dict[str, Any]:
+    """The whole optimizer state in torch's format, as a plain optimizer over the unsharded
+    model gives it (`state` of whole shapes keyed by parameter number, in the order the wrapped
+    optimizer's groups had the parameters; `param_groups`), and the loss scaler's state under
+    "loss_scaler": what `load_optimizer_state` takes back. Each chunk's state is gathered in
+    turn. A collective; with `only_rank_0` the other ranks get an empty dict."""
+    state = zero_optimizer_state_dict(optimizer, only_rank_0=only_rank_0)
+    if state:  # (torch's own state dict, which ColossalAI's shape keeps to, has no scaler)
+        state["loss_scaler"] = optimizer.grad_scaler.state_dict()
+    return state
 
 
 def save_zero_optimizer(
@@ -272,6 +316,21 @@ def load_zero_optimizer(optimizer: ZeroOptimizer, source: OptimizerCheckpoint) -
         scaler.state_dict().get("kind")
     ):
         scaler.load_state_dict(source.loss_scaler)
+
+
+def load_optimizer_state(optimizer: ZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
+    """Load an optimizer state held in memory in torch's whole-shape layout (as
+    `torch.optim.Optimizer.state_dict()` of the unsharded model gives it, or a Lightning
+    checkpoint's `optimizer_states[0]`): parameters numbered in the order the wrapped
+    optimizer's groups had them, every tensor of its parameter's whole shape. Each rank takes
+    the elements of its own shards; hyper-parameters are restored, and the loss scaler's state
+    from a "loss_scaler" entry when there is one of the same kind. Local to each rank: every
+    rank passes the same state.
+
+    Raises `CheckpointError` (a ValueError) when `state_dict` is not an optimizer state dict,
+    or its groups or tensors do not fit this model's parameters.
+    """
+    load_zero_optimizer(optimizer, OptimizerCheckpoint.of_state_dict(state_dict, "state_dict"))
 
 
 def _owned_part(located: tuple[Chunk, int], saved: dict[str, Any], name: str) -> dict[str, Any]:

@@ -124,7 +124,8 @@ def _searched(module: nn.Module, config: EngineConfig) -> tuple[int, str]:
         world_size=topology.shard_size or comm.world_size(topology.process_group),
         param_element_size=element_size,
         gathered_element_size=gathered_element_size,
-        device_budget_bytes=config.placement.device_budget_bytes,
+        # Not the device budget: a budget an error names must keep the chunks it was measured
+        # with (see [Note: the working set and the budget] in gemini/working_set.py).
         search_range_bytes=chunking.search_range_bytes,
         min_chunk_bytes=chunking.min_chunk_bytes,
         n_grids=chunking.search_n_grids,

@@ -20,6 +20,7 @@ from shardwise.engine.module_at_rest import (
     ModuleState,
     empty_parameters,
     give_whole_values,
+    release_parameters,
     write_whole_values,
 )
 from shardwise.engine.state_dict import (
@@ -487,6 +488,28 @@ class ZeroModel(nn.Module):
             )
         empty_parameters(self.chunk_manager)
         self._module_state = ModuleState.SHARDED
+
+    def release_module(self) -> nn.Module:
+        """Hand the module back unwrapped, so that a new engine can wrap it: every parameter a
+        plain parameter holding its whole values (fp32, in host memory, on every rank), no
+        hook of this engine left on the module or its parameters. Used when layers of the
+        module were replaced after wrapping (a framework hook rebuilding them), which this
+        engine's chunks cannot take in. This engine, and an optimizer wrapped over it, can no
+        longer be used. A collective."""
+        if self._module_state is ModuleState.RELEASED:
+            raise ValueError("release_module() on a module already released")
+        if self._module_state is ModuleState.WHOLE:
+            self.shard_module()  # the module's values are the truth: into the shards first
+        self.wait_param_gathers()
+        if self._to_pack is None:  # packed (see [Note: packed once the bucket size is known])
+            release_parameters(self._chunk_manager)
+            self._remove_hooks()
+        for handle in self._root_hooks:
+            handle.remove()
+        self._root_hooks.clear()
+        object.__setattr__(self.module, _WRAPPED_MARK, False)
+        self._module_state = ModuleState.RELEASED
+        return self.module
 
     # ---- state -------------------------------------------------------------------------------
 

@@ -40,6 +40,10 @@ class ModuleState(Enum):
     """In the module: every sharded parameter is a plain parameter holding its whole fp32
     values in host memory, on every rank, and those are the truth; the chunks keep their
     shards, rewritten from the module's values before the engine next computes."""
+    RELEASED = "released"
+    """Handed back (`ZeroModel.release_module`): every parameter is a plain parameter holding
+    its whole fp32 values in host memory, the module carries no hook of the engine, and the
+    engine no longer computes with it; a new engine may wrap it."""
 
 
 def whole_copy_bytes(chunk_manager: ChunkManager) -> int:
@@ -82,6 +86,17 @@ def give_whole_values(chunk_manager: ChunkManager) -> None:
     values = gather_parameters(chunk_manager, keep=True)
     for chunk in _sharded(chunk_manager):
         for info in chunk.tensors:
+            whole_face(info.param, values[id(info.param)])
+
+
+def release_parameters(chunk_manager: ChunkManager) -> None:
+    """Make every managed parameter a plain parameter holding its own whole values (fp32
+    masters; the payload for frozen chunks) in host memory, viewing no chunk buffer. A
+    collective over the chunks' group, one chunk gathered at a time."""
+    values = gather_parameters(chunk_manager, keep=True)
+    for chunk in chunk_manager.chunks:
+        for info in chunk.tensors:
+            info.param.grad = None  # at stage 1 `.grad` may view the chunk's gradients
             whole_face(info.param, values[id(info.param)])
 
 

@@ -11,22 +11,58 @@ from torch.distributed import ReduceOp
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
-from shardwise.chunk import Chunk, ChunkManager
+from shardwise.chunk import Chunk, ChunkManager, Pool
 
 
 def gathered_chunks(
     chunk_manager: ChunkManager, chunks: Iterable[Chunk] | None = None
 ) -> Iterator[tuple[Chunk, torch.Tensor]]:
     """Every chunk (or those of `chunks`, the same on every rank) with its whole values (fp32
-    masters; the payload for frozen chunks), one chunk at a time, each dropped when the next
-    is gathered. A collective over the chunks' group: every rank must walk it to the end."""
-    for chunk in chunk_manager.chunks if chunks is None else chunks:
-        # A master on the disk tier is read in for its gather alone.
-        with chunk.optim_side_in_memory(write_back=False):
-            source = chunk.master if chunk.requires_grad else chunk.payload.shard
-            full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
-            comm.all_gather(full, source, chunk_manager.stats, chunk_manager.group)
-        yield chunk, full
+    masters; the payload for frozen chunks), one chunk at a time; the next chunk's gather runs
+    in the background while the caller reads this one, which is dropped after. A master on the
+    disk tier is read in for its gather alone. A collective over the chunks' group: every rank
+    must walk it to the end."""
+
+    def start(chunk: Chunk) -> tuple[Chunk, torch.Tensor, Any, bool]:
+        fetched = chunk.requires_grad and _read_in(chunk)
+        source = chunk.master if chunk.requires_grad else chunk.payload.shard
+        full = torch.empty(chunk.padded_numel, dtype=source.dtype, device=chunk.device)
+        work = comm.all_gather(
+            full, source, chunk_manager.stats, chunk_manager.group, async_op=True
+        )
+        return chunk, full, work, fetched
+
+    pending = None
+    try:
+        for chunk in chunk_manager.chunks if chunks is None else chunks:
+            started = start(chunk)
+            if pending is not None:
+                ready, pending = pending, None
+                yield _finished(ready)
+            pending = started
+        if pending is not None:
+            ready, pending = pending, None
+            yield _finished(ready)
+    finally:
+        if pending is not None:  # left early: the gather still writes into its buffer
+            _finished(pending)
+
+
+def _read_in(chunk: Chunk) -> bool:
+    """Read `chunk`'s master in from the disk tier if it is there; whether it was."""
+    if chunk.placement.optim is not Pool.DISK or chunk.optim_side_resident:
+        return False
+    chunk.start_fetch().result()
+    return True
+
+
+def _finished(gather: tuple[Chunk, torch.Tensor, Any, bool]) -> tuple[Chunk, torch.Tensor]:
+    chunk, full, work, fetched = gather
+    if work is not None:
+        work.wait()
+    if fetched:  # gathered: its disk copy is the current one still
+        chunk.drop_fetched()
+    return chunk, full
 
 
 def gather_parameters(

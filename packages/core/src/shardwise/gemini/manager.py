@@ -29,10 +29,16 @@ from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.collaborators import ReductionsInFlight
 from shardwise.gemini.device_tally import DeviceTally
 from shardwise.gemini.errors import DeviceBudgetExceeded
-from shardwise.gemini.policies import AutoPlacement, DevicePlacement, PlacementPolicy
+from shardwise.gemini.policies import (
+    AutoPlacement,
+    DevicePlacement,
+    HostPlacement,
+    PlacementPolicy,
+)
 from shardwise.gemini.policies import placement_policy as placement_policy_object
 from shardwise.gemini.room import Room
 from shardwise.gemini.tracer import MemoryTracer
+from shardwise.gemini.working_set import WorkingSetGuard
 
 _log = logging.getLogger(__name__)
 
@@ -100,6 +106,14 @@ class GeminiManager:
         # A decision paused for the reductions in flight (see [Note: room after the
         # reductions] in room.py).
         self._paused: Callable[[], Room] | None = None
+        # See [Note: the working set and the budget] in gemini/working_set.py.
+        self.working_set: WorkingSetGuard | None = None
+        if self.device_budget_bytes is not None and isinstance(
+            self.policy, (AutoPlacement, HostPlacement)
+        ):
+            self.working_set = WorkingSetGuard(
+                chunk_manager, self.device_budget_bytes, self.policy.name
+            )
         self.auto: AutoPlacer | None = None
         if isinstance(self.policy, AutoPlacement):
             assert self.device_budget_bytes is not None
@@ -139,8 +153,11 @@ class GeminiManager:
     @property
     def prefetch_planned(self) -> bool:
         """Whether the schedule may gather the next chunk ahead: always, but under "auto"
-        only once its plan has room for it (see [Note: auto placement])."""
-        return self.auto is None or (self.auto.warm and self.auto.prefetch)
+        only once its plan has room for it (see [Note: auto placement]), and under "cpu"
+        with a budget only once the warm-up showed room for it beside the working set."""
+        if self.auto is not None:
+            return self.auto.warm and self.auto.prefetch
+        return self.working_set is None or self.working_set.prefetch_fits
 
     # Each call that may need room answers with a `Room`; on `Room.AFTER_REDUCTIONS` the caller
     # finishes the gradient reductions in flight and calls `resume()` (see [Note: room after
@@ -192,8 +209,11 @@ class GeminiManager:
         return self.check_budget(where)
 
     def end_of_warmup(self) -> None:
-        """After the first backward: the "auto" policy fixes its timeline and may move
-        optimizer sides to the device."""
+        """After the first backward: a working set over the budget raises on every rank (see
+        [Note: the working set and the budget]); the "auto" policy fixes its timeline and may
+        move optimizer sides to the device."""
+        if self.working_set is not None and not self.working_set.warm:
+            self.working_set.end_warmup(self._agree_max, self._model_state_bytes())
         if self.auto is not None and not self.auto.warm:
             self.auto.end_warmup(self._move_optim_to_device, self._agree_max)
 
@@ -257,23 +277,25 @@ class GeminiManager:
             self.peak_device_bytes = max(self.peak_device_bytes, device + non_model)
         else:
             self.peak_device_bytes = max(self.peak_device_bytes, device)
+        if self.working_set is not None:
+            self.working_set.observe(self.tally.transient_bytes(), where)
         if self.device_budget_bytes is not None and device > self.device_budget_bytes:
             short = device - self.device_budget_bytes
-            if self.auto is not None:
-                raise DeviceBudgetExceeded(
-                    f"placement 'auto' cannot fit {where}: the chunks gathered and the gradient "
-                    f"buffers alone take {device} bytes of the device, {short} over its budget "
-                    f"of {self.device_budget_bytes}, with every shard and optimizer side that "
-                    f"can move in host memory (placement 'cpu' needs the same); a "
-                    f"device_budget_bytes of at least {device} passes this point, or use a "
-                    f"smaller chunk_size_numel"
-                )
+            if self.working_set is not None:
+                # Everything movable is in host memory: the working set alone passes.
+                self.working_set.over_budget(device, where, self._model_state_bytes())
+                return Room.MADE
             raise DeviceBudgetExceeded(
                 f"{where}: the device would hold {device} bytes of model state, over its budget "
                 f"of {self.device_budget_bytes} by {short}; use placement_policy='cpu', raise "
                 f"the static offload fractions, use smaller chunks, or raise device_budget_bytes"
             )
         return Room.MADE
+
+    def _model_state_bytes(self) -> int:
+        """Bytes of model state in memory (device and host; the disk tier's files aside)."""
+        pools = self.memory_by_pool()
+        return pools["device"] + pools["host"]
 
     def bytes_moved(self) -> dict[str, int]:
         """Bytes copied host->device and device->host, and written to and read from the disk

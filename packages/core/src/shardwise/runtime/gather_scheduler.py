@@ -146,6 +146,9 @@ class GatherScheduler:
         self._learning_started = False
         self._used_in: dict[str, set[str]] = {}  # parameter name -> units it was used in
         self._pinned: set[int] = set()  # chunks gathered on use, held until the pass ends
+        # Per frozen chunk, the unit calls whose backward runs now (see [Note: frozen chunks
+        # in backward]).
+        self._frozen_users: dict[int, int] = {}
         self._sharded_faces = [
             info.param
             for chunk in chunk_manager.chunks
@@ -307,6 +310,7 @@ class GatherScheduler:
         places = unit.places
         chunks = _unique_chunks(places)
         chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
+        frozen = [c for c in chunks if not c.requires_grad and not c.keep_gathered]
 
         @_outside_compiled
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -327,6 +331,8 @@ class GatherScheduler:
                             chunk.payload.release(keep_secondary=torch.is_grad_enabled())
             if torch.is_grad_enabled():
                 self._register_pre_backward(output, chunks, visit)
+                if frozen:
+                    self._release_frozen_after_backward(args, output, frozen)
 
         return hook
 
@@ -424,6 +430,56 @@ class GatherScheduler:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(hook)
 
+    # [Note: frozen chunks in backward]
+    # A trainable chunk is released in backward once its gradients are reduced. A frozen one
+    # (a LoRA model's base weights) gets no gradient to say so: backward gathers it for the
+    # units that propagate gradients through it, and it would stay gathered until backward
+    # ends, so a frozen model would be held whole on every rank at the end of backward. So
+    # each call of a unit holding frozen chunks, when its output needs a gradient, counts as a
+    # user of them from its backward's start (the output's gradient, see
+    # `_register_pre_backward`) until the gradients of its inputs are computed (a multi-grad
+    # hook), when its backward is over; a frozen chunk is released when its last user is done.
+    # A unit whose inputs need no gradient gives no such signal: its chunks are released when
+    # backward ends, as before. A later unit needing a released chunk gathers it again. Every
+    # rank runs the same graph, so every rank releases, and gathers again, alike.
+
+    def _release_frozen_after_backward(self, args: Any, output: Any, frozen: list[Chunk]) -> None:
+        inputs = [
+            value
+            for value in tree_flatten(args)[0]
+            if isinstance(value, torch.Tensor) and value.requires_grad
+        ]
+        outputs = [
+            value
+            for value in tree_flatten(output)[0]
+            if isinstance(value, torch.Tensor) and value.requires_grad
+        ]
+        if not inputs or not outputs:
+            return
+        opened = [False]
+
+        def backward_started(grad: torch.Tensor) -> None:
+            if not opened[0]:
+                opened[0] = True
+                for chunk in frozen:
+                    self._frozen_users[chunk.chunk_id] = (
+                        self._frozen_users.get(chunk.chunk_id, 0) + 1
+                    )
+
+        def backward_done(grads: Any) -> None:
+            if not opened[0] or not self._in_backward:
+                return
+            opened[0] = False
+            for chunk in frozen:
+                users = self._frozen_users.get(chunk.chunk_id, 0) - 1
+                self._frozen_users[chunk.chunk_id] = users
+                if users <= 0 and self._releasable(chunk, frozenset()):
+                    chunk.payload.release()
+
+        for tensor in outputs:
+            tensor.register_hook(backward_started)
+        torch.autograd.graph.register_multi_grad_hook(inputs, backward_done)
+
     def _end_backward(self) -> None:
         self._in_backward = False
         self.units.end_backward()
@@ -437,6 +493,7 @@ class GatherScheduler:
                     chunk.set_hold(index)
         self._close_open_units()
         self._pinned.clear()
+        self._frozen_users.clear()
         self.release_all()
         if self._learning:
             self._finish_learning()

@@ -1,0 +1,234 @@
+"""`trainer.save_checkpoint` of a GPT-2 124M under Lightning on 2 ranks: shardwise's strategies
+against Lightning's DDP and FSDP2 (`ModelParallelStrategy`, `fully_shard` per block), each
+writing one whole checkpoint file (model and AdamW state) from rank 0.
+
+    python benchmarks/bench_lightning_checkpoint.py --repeat 2 --out RESULT.json \
+        [--results RESULTS.md]
+    python benchmarks/bench_lightning_checkpoint.py --smoke                 (a tiny GPT-2)
+
+Each strategy runs in a torchrun of its own, the strategies in turn, `--repeat` rounds
+(Lightning keeps one strategy per process group): build the model from transformers' default
+GPT-2 config (124M parameters, tied head; fp32), fit 3 steps (batch 1 of 64 tokens per rank,
+AdamW), then time `trainer.save_checkpoint(path)` between barriers. Per strategy the fastest
+round is kept (the host is shared: other load only adds time), with the worse rank's seconds,
+the file's size, the mean time of the last 2 steps, and for shardwise the chunks it built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MIB = 2**20
+STRATEGIES = ("ddp", "fsdp2", "shardwise_fsdp", "shardwise_gemini")
+STEPS, SEQ = 3, 64
+
+
+def _config(smoke: bool) -> Any:
+    from transformers import GPT2Config
+
+    if smoke:
+        return GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=SEQ)
+    return GPT2Config()  # GPT-2 small: 124M parameters
+
+
+def _module(smoke: bool, fully_shard_blocks: bool) -> Any:
+    import pytorch_lightning as pl
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    class GPT2Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT2LMHeadModel(_config(smoke))
+            self.step_seconds: list[float] = []
+            self._started = 0.0
+
+        def configure_model(self) -> None:
+            if not fully_shard_blocks:
+                return
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+        def on_train_batch_start(self, *_: Any) -> None:
+            self._started = time.perf_counter()
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            self.step_seconds.append(time.perf_counter() - self._started)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            (tokens,) = batch
+            return self.model(input_ids=tokens, labels=tokens).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self) -> Any:
+            from torch.utils.data import DataLoader, TensorDataset
+
+            generator = torch.Generator().manual_seed(0)
+            vocab = self.model.config.vocab_size
+            tokens = torch.randint(0, vocab, (STEPS * 2, SEQ), generator=generator)
+            return DataLoader(TensorDataset(tokens), batch_size=1)
+
+    return GPT2Module()
+
+
+def rank_main(strategy_name: str, directory: Path, smoke: bool) -> dict[str, Any]:
+    import pytorch_lightning as pl
+    import torch
+    import torch.distributed as dist
+
+    import shardwise_lightning  # noqa: F401  (registers the strategy names)
+
+    torch.set_num_threads(1)
+    strategy: Any = strategy_name
+    if strategy_name == "fsdp2":
+        from pytorch_lightning.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
+    module = _module(smoke, fully_shard_blocks=strategy_name == "fsdp2")
+    params = sum(p.numel() for p in module.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+        path = directory / f"{strategy_name}.ckpt"
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.save_checkpoint(path)
+        dist.barrier()
+        seconds = time.perf_counter() - start
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, seconds)
+    result: dict[str, Any] = {
+        "params": params,
+        "save_seconds": max(gathered),
+        "step_seconds": sum(module.step_seconds[1:]) / max(1, len(module.step_seconds) - 1),
+        "file_bytes": path.stat().st_size if dist.get_rank() == 0 else 0,
+    }
+    engine = getattr(trainer.strategy, "zero_model", None)
+    if engine is not None:
+        chunks = engine.chunk_manager.chunks
+        result["chunks"] = len(chunks)
+        result["largest_chunk_numel"] = max(chunk.numel for chunk in chunks)
+    if dist.get_rank() == 0:
+        path.unlink()
+    return result
+
+
+def _run_one(strategy: str, smoke: bool, directory: Path) -> dict[str, Any]:
+    out = directory / f"{strategy}.json"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(Path(__file__).resolve()),
+        "--rank-of",
+        strategy,
+        "--dir",
+        str(directory),
+        *(["--smoke"] if smoke else []),
+    ]
+    subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def write_results(results: dict[str, Any], path: Path, command: str) -> None:
+    params = next(iter(results.values()))["params"]
+    lines = [
+        "## Lightning `trainer.save_checkpoint` of GPT-2 124M, one whole file (2 ranks)",
+        "",
+        f"Written by `{command}`: transformers' GPT-2 small ({params / 1e6:.0f}M parameters, "
+        f"fp32, AdamW) fitted 3 steps (batch 1 x {SEQ} tokens per rank), then "
+        f"`trainer.save_checkpoint` timed between barriers (the worse rank), each strategy in a "
+        f"torchrun of its own, the strategies in turn, the fastest of the rounds kept (a host "
+        f"shared with other work: its load only adds time). fsdp2 is Lightning's "
+        f"`ModelParallelStrategy(save_distributed_checkpoint=False)` with `fully_shard` per "
+        f'block; the shardwise strategies write their default `state_dict_type="full"`.',
+        "",
+        "| strategy | save (s) | file (MiB) | step (s) | chunks | largest chunk (elements) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, figures in results.items():
+        chunks = figures.get("chunks", "")
+        largest = figures.get("largest_chunk_numel")
+        lines.append(
+            f"| {name} | {figures['save_seconds']:.1f} | {figures['file_bytes'] / MIB:,.0f} | "
+            f"{figures['step_seconds']:.2f} | {chunks} | "
+            f"{f'{largest:,}' if largest else ''} |"
+        )
+    block = "\n".join(lines) + "\n<!-- bench_lightning_checkpoint: end -->\n"
+    text = path.read_text() if path.exists() else ""
+    begin = text.find(lines[0])
+    if begin >= 0:
+        end_marker = "<!-- bench_lightning_checkpoint: end -->\n"
+        end = text.index(end_marker, begin) + len(end_marker)
+        text = text[:begin] + block + text[end:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny GPT-2, seconds")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over the strategies")
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--results", type=Path, help="update this RESULTS.md block")
+    parser.add_argument("--rank-of", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_of:
+        result = rank_main(args.rank_of, args.dir, args.smoke)
+        if int(os.environ["RANK"]) == 0:
+            (args.dir / f"{args.rank_of}.json").write_text(json.dumps(result))
+        return
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as directory:
+        for _ in range(args.repeat):
+            for strategy in args.strategies:
+                result = _run_one(strategy, args.smoke, Path(directory))
+                print(strategy, json.dumps(result), flush=True)
+                best = results.get(strategy)
+                if best is None or result["save_seconds"] < best["save_seconds"]:
+                    results[strategy] = result
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    if args.results:
+        command = (
+            f"python benchmarks/bench_lightning_checkpoint.py --repeat {args.repeat} "
+            f"--results benchmarks/RESULTS.md"
+        )
+        write_results(results, args.results, command)
+
+
+if __name__ == "__main__":
+    main()
