@@ -36,7 +36,15 @@ def _manager(num_chunks: int = 4, *, keep_gathered: bool = False) -> ChunkManage
     model[num_chunks - 1].requires_grad_(False)
     manager = ChunkManager(chunk_size_numel=20, device=CPU, keep_gathered=keep_gathered)
     manager.register(model.named_parameters())
+    _allocate_grad_shards(manager)
     return manager
+
+
+def _allocate_grad_shards(manager: ChunkManager) -> None:
+    """As after a first step: each trainable chunk's gradient shard is allocated (see [Note:
+    the gradient shard is allocated when first written] in chunk/grads.py)."""
+    for chunk in manager.trainable_chunks():
+        chunk.grads.for_step()
 
 
 def _give_state(manager: ChunkManager, copies: int = 2) -> None:
@@ -192,10 +200,12 @@ def test_chunks_packed_after_the_tally_was_built_are_counted_and_watched() -> No
     tally = DeviceTally(manager)  # as GeminiManager builds it: before packing
     assert tally.device_bytes() == tally.transient_bytes() == 0
     manager.register(nn.Linear(4, 4).named_parameters())
+    _allocate_grad_shards(manager)
     _give_state(manager)
     (first,) = manager.chunks
     assert tally.device_bytes() == 4 * CHUNK_BYTES
     manager.register(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).named_parameters())
+    _allocate_grad_shards(manager)
     _give_state(manager)
     assert tally.device_bytes() == 3 * 4 * CHUNK_BYTES
     last = manager.chunks[-1]

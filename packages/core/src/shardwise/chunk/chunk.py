@@ -218,9 +218,9 @@ class Chunk:
         self._bind_params()
         if self.requires_grad:
             self.master = self.payload.shard if fp32_values is None else fp32_values
-            self.grads.shard = torch.zeros(
-                self.shard_numel, dtype=torch.float32, device=self.device
-            )
+            # See [Note: the gradient shard is allocated when first written] in grads.py.
+            self.grads.shard = torch.empty(0, dtype=torch.float32, device=self.device)
+            self.grads.zero_grad()
         if not self.keep_gathered:
             self.payload.release()
 
@@ -436,7 +436,7 @@ class Chunk:
         whole gradient buffer (`SliceOfFullGrads`); other chunks keep their own shard."""
         if not self.requires_grad or not self.keep_gathered or self.dtypes.reduce != torch.float32:
             return
-        assert self.grads.state is GradState.OPEN, self.grads.state
+        assert self.grads.state is not GradState.CLOSED, self.grads.state
         self.grads = SliceOfFullGrads(self, self.grads.full)
 
     def keep_averaged_grads(self) -> None:
@@ -446,7 +446,7 @@ class Chunk:
         if not self.requires_grad:
             return
         assert self.keep_gathered, "stage 1 keeps its payload gathered"
-        assert self.grads.state is GradState.OPEN, self.grads.state
+        assert self.grads.state is not GradState.CLOSED, self.grads.state
         self.grads = AveragedFullGrads(self, self.grads.full)
 
     def reuse_payload_for_grads(self) -> None:

@@ -278,14 +278,27 @@ class GradSide:
 
 class OwnBufferGrads(GradSide):
     """An fp32 gradient shard of its own, into which each reduction adds (see [Note: gradient
-    layouts])."""
+    layouts]).
+
+    [Note: the gradient shard is allocated when first written]
+    A chunk starts STALE with an empty shard: the first reduction (or a step with none)
+    allocates it, in the optim pool's memory. Until the first backward a rank holds no
+    gradient memory, so a model wrapped and then given an optimizer whose state goes to the
+    disk tier never holds its fp32 masters, which wait there, beside its gradient shards."""
 
     layout = GradLayout.OWN_BUFFER
     STATES = frozenset({GradState.STALE, GradState.OPEN})
 
+    def _allocate(self) -> None:
+        chunk = self._chunk
+        if self.shard.numel() != chunk.shard_numel:
+            placement = chunk.placement
+            self.shard = placement.empty(chunk.shard_numel, torch.float32, placement.optim_memory)
+
     def _take_reduced(self, reduced: torch.Tensor) -> None:
         chunk = self._chunk
         if self.state is GradState.STALE:  # the first gradients since zero_grad()
+            self._allocate()
             # Straight into the shard, wherever it lives (stage 2's offload copies each
             # bucket's reduced gradient to the host here, as its reduction completes).
             if chunk.placement.optim is not Pool.DEVICE:
@@ -299,6 +312,7 @@ class OwnBufferGrads(GradSide):
 
     def for_step(self) -> torch.Tensor:
         if self.state is GradState.STALE:  # no gradient reached it since zero_grad()
+            self._allocate()
             self.shard.zero_()
             self._enter(GradState.OPEN, GradState.STALE)
         return self.shard

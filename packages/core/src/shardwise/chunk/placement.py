@@ -61,6 +61,15 @@ class ChunkPlacement:
             moved = moved.pin_memory()
         return moved
 
+    def empty(self, numel: int, dtype: torch.dtype, pool: Pool) -> torch.Tensor:
+        """A new uninitialised buffer in `pool`'s memory (pinned as `move_to` pins)."""
+        if pool is Pool.DEVICE:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        buffer = torch.empty(numel, dtype=dtype, device=self.host)
+        if self.pin_memory and self.device.type == "cuda":
+            buffer = buffer.pin_memory()
+        return buffer
+
     def count_copy(self, tensor: torch.Tensor, into: Pool) -> None:
         """Count a copy of `tensor` made elsewhere into `into` (an in-place copy_ between
         pools)."""
