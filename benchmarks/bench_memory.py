@@ -31,16 +31,17 @@ processes, bounded by `--attempt-timeout`, and a watchdog polling the process tr
 set stops it before the host runs short. `--layers 160,192` tries those depths instead of
 searching; `--largest-steps` sets the steps of an attempt.
 
-Engines beyond the defaults: `zero2-offload` (stage 2 with `cpu_offload`), `zero3-disk`
-(stage 3, "cpu" placement, every fp32 master and optimizer state on the disk tier under
-`--disk-dir`), `zero3-disk-bf16` (the same with bf16 parameter storage, fp32 compute and
-masters), `fsdp2-bf16` (FSDP2 over a bf16 model, gathered and computing in fp32: its
-16-bit storage, with torch's AdamW keeping bf16 state), `zero3-cuda-wholestep` (the optimizer
-stepping every shard in one call, as before the chunk-by-chunk step). `--meta` builds the
-model on the meta device and lets the engine initialise it shard by shard (never whole);
-`--foreach` gives every engine torch's foreach AdamW (CUDA's default) instead of the fused
-one. Each phase also records the bytes the rank's process wrote and read (`/proc/self/io`'s
-wchar and rchar: the disk tier's files, measured from outside the engine).
+Engines beyond the defaults: `zero2-offload` (stage 2 with `cpu_offload`), `zero3-disk` (stage
+3, "cpu" placement, every fp32 master and optimizer state on the disk tier under `--disk-dir`),
+`zero3-disk-bf16` (the same with bf16 parameter storage, fp32 compute and masters),
+`fsdp2-bf16` (FSDP2 over a bf16 model, gathered and computing in fp32: its 16-bit storage, with
+torch's AdamW keeping bf16 state), `zero3-cuda-wholestep` (the optimizer stepping every shard
+in one call, as before the chunk-by-chunk step). `--meta` builds the model on the meta device
+and lets the engine initialise it shard by shard (never whole); `--foreach` gives every engine
+torch's foreach AdamW (CUDA's default) instead of the fused one; `--chunk-numel` sets stage 3's
+chunk size (default: searched). Each phase also records the bytes the rank's process wrote and
+read (`/proc/self/io`'s wchar and rchar: the disk tier's files, measured from outside the
+engine).
 """
 
 from __future__ import annotations
@@ -171,6 +172,7 @@ def _build(
     *,
     foreach: bool = False,
     disk_dir: str | None = None,
+    chunk_numel: int | None = None,
 ) -> Any:
     """The training step of `engine` over `model`, as a user sets it up (its defaults), and the
     largest unit it gathers at once in bytes (payload and gradient)."""
@@ -228,6 +230,8 @@ def _build(
         return torch_forward, lambda loss: loss.backward(), optimizer.step, unit
     stage = int(engine[4])
     config: dict[str, Any] = {"device": device}
+    if chunk_numel is not None and stage == 3:
+        config["chunk_size_numel"] = chunk_numel
     parts = engine.split("-")
     if stage == 3:
         placement = parts[1]
@@ -300,6 +304,7 @@ def run_one(args: argparse.Namespace) -> None:
         int(state * 0.5),
         foreach=args.foreach,
         disk_dir=args.disk_dir,
+        chunk_numel=args.chunk_numel,
     )
     del model  # the engine holds what it needs
     meter.peak("build+wrap")
@@ -446,6 +451,7 @@ def _passed_on(args: argparse.Namespace) -> list[str]:
         *(["--meta"] if args.meta else []),
         *(["--foreach"] if args.foreach else []),
         *(["--disk-dir", args.disk_dir] if args.disk_dir else []),
+        *(["--chunk-numel", str(args.chunk_numel)] if args.chunk_numel else []),
     ]
 
 
@@ -656,6 +662,9 @@ def main() -> None:
     )
     parser.add_argument("--foreach", action="store_true", help="foreach AdamW instead of fused")
     parser.add_argument("--disk-dir", help="the disk tier's directory (zero3-disk engines)")
+    parser.add_argument(
+        "--chunk-numel", type=int, help="stage 3's chunk size in elements (default: searched)"
+    )
     parser.add_argument("--layers", help="for `largest`: depths to try, e.g. 160,192")
     parser.add_argument("--largest-steps", type=int, default=3, help="for `largest`")
     parser.add_argument(
