@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,10 +140,16 @@ def place_on_disk(chunks: list[Chunk], directory: str, rank: int) -> DiskPool:
     return disk
 
 
-def release_disk(chunks: list[Chunk], disk: DiskPool) -> None:
+def release_disk(
+    chunks: list[Chunk], disk: DiskPool, model: weakref.ref[Any] | None = None
+) -> None:
     """Bring `chunks`' masters and state back into host memory and remove the files (the
-    optimizer is closed: the model keeps its fp32 masters)."""
+    optimizer is closed: the model keeps its fp32 masters). When the model they belong to is
+    gone (`model` is a dead reference) or the interpreter is shutting down, only the files go:
+    nobody will read those masters."""
     try:
+        if sys.is_finalizing() or (model is not None and model() is None):
+            return
         for chunk in chunks:
             if chunk.placement.optim is Pool.DISK and chunk.placement.disk is disk:
                 chunk.move_optim(Pool.HOST)

@@ -175,7 +175,9 @@ class ZeroOptimizer:
                 self._disk_chunks = chosen
                 # Released with the optimizer (its masters back into host memory, its files
                 # removed); at exit the pool removes its files on its own.
-                finalizer = weakref.finalize(self, release_disk, chosen, self.disk)
+                finalizer = weakref.finalize(
+                    self, release_disk, chosen, self.disk, weakref.ref(model)
+                )
                 finalizer.atexit = False
                 self._release_disk = finalizer
         _OPTIMIZER_OF[model] = weakref.ref(self)
