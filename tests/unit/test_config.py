@@ -60,7 +60,7 @@ def test_wire_formats_are_checked_and_refused_where_they_cannot_run(
         Communication(reduce="bf16")
     with pytest.raises(ValueError, match="quant_block_numel must be a positive int, got 0"):
         Communication(block_numel=0)
-    with pytest.raises(ValueError, match="stage 0 .* gathers nothing"):
+    with pytest.raises(ValueError, match=r"stage 0 .* gathers nothing"):
         EngineConfig(stage=0, device=cpu, communication=Communication(gather="int8"))
     with pytest.raises(ValueError, match="leave it 'auto' or set 'all_to_all'"):
         EngineConfig(
