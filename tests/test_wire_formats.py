@@ -205,8 +205,51 @@ def _reduce_wire_checks() -> dict[str, bool]:
     return checks
 
 
+def _budget_checks_count_the_wire() -> int:
+    """Stage 3 under "auto" with a budget that evicts, int8 gathers: at every budget check the
+    memory manager's running device bytes equal a count from scratch, the wire's records
+    included (they are resident while a gather runs: see [Note: resident changes])."""
+    from shardwise.chunk import Pool
+    from shardwise.chunk.accounting import device_resident_bytes
+
+    wrapped = zero_model_wrapper(
+        make_model(),
+        3,
+        {
+            "device": torch.device("cpu"),
+            "chunk_size_numel": CHUNK_NUMEL,
+            "placement_policy": "auto",
+            "device_budget_bytes": 200_000,
+            "gather_format": "int8",
+        },
+    )
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(wrapped.module.parameters(), lr=1e-2))
+    gemini = wrapped.gemini_manager
+    assert gemini is not None
+    checks, check = 0, gemini.check_budget
+
+    def checked(where: str) -> None:
+        nonlocal checks
+        fresh = sum(
+            device_resident_bytes(c)
+            + (c.optimizer_state.nbytes() if c.placement.optim is Pool.DEVICE else 0)
+            for c in gemini.chunk_manager.chunks
+        )
+        assert gemini.tally.device_bytes() == fresh, where
+        checks += 1
+        check(where)
+
+    gemini.check_budget = checked  # type: ignore[method-assign]
+    for step in range(2):
+        optimizer.zero_grad()
+        optimizer.backward(wrapped(*batch_slice(step, 0, dist.get_rank(), 2)))
+        optimizer.step()
+    return checks
+
+
 def _two_rank_cases() -> dict[str, Any]:
     results: dict[str, Any] = {"reduce_wire": _reduce_wire_checks()}
+    results["budget_checks"] = _budget_checks_count_the_wire()
     for stage in (1, 2, 3):
         results[f"{stage}/dtype"] = _train(stage)
         results[f"{stage}/int8"] = _train(stage, gather="int8")
@@ -322,6 +365,10 @@ def test_a_quantized_reduce_scatter_sums_exactly_and_carries_an_overflow(
             "owner_sees_nan": True,
             "rest_finite": True,
         }
+
+
+def test_the_memory_manager_counts_the_wire_buffers(two_ranks: list[dict[str, Any]]) -> None:
+    assert all(rank_result["budget_checks"] > 10 for rank_result in two_ranks)
 
 
 def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(
