@@ -247,9 +247,49 @@ def _budget_checks_count_the_wire() -> int:
     return checks
 
 
+def _plugin_runs() -> dict[str, Any]:
+    """ColossalAI's `fp8_communication=True` on GeminiPlugin and LowLevelZeroPlugin (fp32
+    storage), against the same plugin without it: 2 steps through the Booster."""
+    from shardwise.booster import Booster
+    from shardwise.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
+
+    rank = dist.get_rank()
+    plugins = {
+        "gemini": lambda fp8: GeminiPlugin(precision="fp32", fp8_communication=fp8),
+        "zero2": lambda fp8: LowLevelZeroPlugin(stage=2, precision="fp32", fp8_communication=fp8),
+    }
+    seen: dict[str, Any] = {}
+    for name, plugin in plugins.items():
+        for fp8 in (False, True):
+            booster = Booster(plugin=plugin(fp8))
+            model = make_model()
+            boosted, optimizer, *_ = booster.boost(
+                model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+            )
+            losses = []
+            for step in range(2):
+                optimizer.zero_grad()
+                loss = boosted(*batch_slice(step, 0, rank, 2))
+                booster.backward(loss, optimizer)
+                optimizer.step()
+                losses.append(float(loss.detach()))
+            gathers = {type(c.wire.gather).__name__ for c in boosted.chunk_manager.chunks}
+            kinds = {
+                getattr(c.wire.gather, "quantizer", None) for c in boosted.chunk_manager.chunks
+            }
+            seen[f"{name} {fp8}"] = {
+                "losses": losses,
+                "gathers": gathers,
+                "kinds": {k.kind if k is not None else None for k in kinds},
+                "gather_bytes": boosted.comm_stats.payload_bytes(CommOp.ALL_GATHER),
+            }
+    return seen
+
+
 def _two_rank_cases() -> dict[str, Any]:
     results: dict[str, Any] = {"reduce_wire": _reduce_wire_checks()}
     results["budget_checks"] = _budget_checks_count_the_wire()
+    results["plugins"] = _plugin_runs()
     for stage in (1, 2, 3):
         results[f"{stage}/dtype"] = _train(stage)
         results[f"{stage}/int8"] = _train(stage, gather="int8")
@@ -369,6 +409,21 @@ def test_a_quantized_reduce_scatter_sums_exactly_and_carries_an_overflow(
 
 def test_the_memory_manager_counts_the_wire_buffers(two_ranks: list[dict[str, Any]]) -> None:
     assert all(rank_result["budget_checks"] > 10 for rank_result in two_ranks)
+
+
+def test_colossalai_fp8_communication_gathers_in_fp8(two_ranks: list[dict[str, Any]]) -> None:
+    for rank_result in two_ranks:
+        for name in ("gemini", "zero2"):
+            plain, fp8 = (
+                rank_result["plugins"][f"{name} False"],
+                rank_result["plugins"][f"{name} True"],
+            )
+            assert plain["gathers"] == {"PayloadGather"} and plain["kinds"] == {None}
+            assert fp8["gathers"] == {"QuantizedGather"} and fp8["kinds"] == {"fp8"}
+            assert fp8["gather_bytes"] / plain["gather_bytes"] < 0.26
+            assert fp8["losses"] != plain["losses"]
+            for a, b in zip(fp8["losses"], plain["losses"], strict=True):
+                assert abs(a - b) / b <= LOSS_RTOL
 
 
 def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(
