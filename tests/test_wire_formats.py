@@ -483,8 +483,8 @@ def _branch_run(**formats: Any) -> dict[str, Any]:
 
 def _four_rank_cases() -> dict[str, Any]:
     return {
-        "int8": _branch_run(gather_format="int8"),
-        "int8 hpZ": _branch_run(gather_format="int8", secondary_shard_size=2),
+        "int8": _branch_run(gather_format="int8", reduce_format="int8"),
+        "int8 hpZ": _branch_run(gather_format="int8", reduce_format="int8", secondary_shard_size=2),
         "hybrid": _branch_run(shard_size=2),
         "hybrid int8+int8": _branch_run(shard_size=2, gather_format="int8", reduce_format="int8"),
     }
@@ -496,9 +496,10 @@ def four_ranks() -> list[dict[str, Any]]:
 
 
 def test_hpz_backward_decodes_what_forward_received(four_ranks: list[dict[str, Any]]) -> None:
-    """int8 gathers with secondary shards equal int8 gathers without, bit for bit: backward's
-    gathers inside the 2-rank groups carry forward's records (see [Note: quantized gathers and
-    hpZ]), counted as secondary all-gathers of records."""
+    """int8 gathers (and reductions, over all 4 ranks) with secondary shards equal the same
+    without them, bit for bit: backward's gathers inside the 2-rank groups carry forward's
+    records (see [Note: quantized gathers and hpZ]), counted as secondary all-gathers of
+    records."""
     for rank_result in four_ranks:
         plain, hpz = rank_result["int8"], rank_result["int8 hpZ"]
         assert hpz["losses"] == plain["losses"]

@@ -325,11 +325,13 @@ class Communication:
     gather: str = "dtype"
     """Parameter all-gathers: "dtype" (the payload dtype, `MixedPrecision.param_dtype`),
     "int8" or "fp8" (ZeRO++'s qwZ: one byte per value with an fp32 scale per block; each rank
-    keeps its own slice and its fp32 masters exact, see [Note: quantized gathers])."""
+    keeps its own slice and its fp32 masters exact, see [Note: quantized gathers] in
+    chunk/wire/formats.py)."""
     reduce: str = "dtype"
     """Gradient reduce-scatters: "dtype" (`MixedPrecision.reduce_dtype`, by the
     `gradient_reduction` method), "int8" or "fp8" (ZeRO++'s qgZ: an all-to-all of quantized
-    slices, summed in fp32 by their owner, see [Note: quantized reductions])."""
+    slices, summed in fp32 by their owner, see [Note: quantized reductions] in
+    chunk/wire/formats.py)."""
     block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL
     """Values per quantization block, each with one fp32 scale (4 / block_numel bytes per
     value on top of the value's one byte)."""
@@ -539,13 +541,14 @@ def _check_communication(config: EngineConfig) -> None:
         )
     if "fp8" in (wire.gather, wire.reduce) and not fp8_casts_work(config.device):
         raise ValueError(
-            f"the fp8 wire format needs torch.float8_e4m3fn casts on {config.device}, which "
-            f"torch {torch.__version__} does not do there; use 'int8' instead"
+            f"the fp8 wire format (gather_format / reduce_format 'fp8', fp8_communication) "
+            f"needs torch.float8_e4m3fn casts on {config.device}, which torch "
+            f"{torch.__version__} does not do there; use 'int8' instead"
         )
     if wire.reduce != "dtype" and config.reduction.method not in ("auto", "all_to_all"):
         raise ValueError(
-            f"reduce_format={wire.reduce!r} exchanges quantized slices with an all-to-all "
-            f"(see [Note: quantized reductions]); gradient_reduction="
+            f"reduce_format={wire.reduce!r} exchanges quantized slices with an all-to-all, "
+            f"each summed by its owner; gradient_reduction="
             f"{config.reduction.method!r} cannot run with it: leave it 'auto' or set "
             f"'all_to_all', or set reduce_format='dtype'"
         )
