@@ -7,7 +7,9 @@ or from hpZ's secondary copies; stages 1-2 after the step) starts with `start` o
 `start_from_secondary` and is completed by `finish` once the collective is done; a prefetch
 nobody used is dropped with `discard`. The payload (chunk/payload.py) owns the gathered buffer
 `full` and the compute buffer the parameters view; the gather side owns what only travels: its
-send and receive buffers, and, for hpZ, the part of the last gather it keeps for backward.
+send and receive buffers (`allocate`), and, for hpZ, the part of the last gather it keeps for
+backward. The unquantized gather has none of its own: it receives straight into `full`, which
+the parameters view (or which is cast into their compute copy), so it adds no copy.
 """
 
 from __future__ import annotations
@@ -217,8 +219,8 @@ class QuantizedGather:
         self, shard: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None, *, async_op: bool
     ) -> dist.Work | None:
         record_nbytes = self.quantizer.record_nbytes(shard.numel())
-        self.sent = self.quantizer.encode(shard, self._allocate(record_nbytes, shard.device))
-        self.received = self._allocate(self._world * record_nbytes, shard.device)
+        self.sent = self.quantizer.encode(shard, self.allocate(record_nbytes, shard.device))
+        self.received = self.allocate(self._world * record_nbytes, shard.device)
         self._own = shard
         return comm.all_gather(self.received, self.sent, self._stats, group, async_op=async_op)
 
@@ -232,7 +234,7 @@ class QuantizedGather:
         async_op: bool,
     ) -> dist.Work | None:
         assert own is not None, "a quantized gather writes this rank's own slice from its shard"
-        self.received = self._allocate(
+        self.received = self.allocate(
             self._world * self.quantizer.record_nbytes(own.numel()), own.device
         )
         self._own = own
@@ -294,7 +296,8 @@ class QuantizedGather:
         )
 
     @staticmethod
-    def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+    def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+        """A send or receive buffer of `nbytes` bytes on `device` (records are bytes)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
