@@ -23,8 +23,9 @@ What differs, and why:
 - `data_utils.RandomDataset`, `model_utils` and `performance_evaluator` (the example's own
   modules beside it) are written here, the evaluator reduced to the step time it reports; the
   profiler context is left out.
-- `--tp` above 1, `--use_fp8` and `--use_fp8_comm` are refused by GeminiPlugin, each with
-  what to use instead.
+- `--tp` above 1 and `--use_fp8` are refused by GeminiPlugin, each with what to use
+  instead; `--use_fp8_comm` gathers parameters in fp8 (where torch casts to fp8 on the
+  device).
 """
 
 import argparse

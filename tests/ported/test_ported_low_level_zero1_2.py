@@ -21,7 +21,8 @@ Deliberate differences:
   exact (`torch.equal`) where the original allows fp16 / bf16 tolerances: each averaged element
   is (a + b) / 2 in both engines. `initial_scale`, `master_weights` (fp32 parameters are their
   own masters here) and the fp16 / bf16 / fp8 parametrisations have nothing to do in fp32;
-  fp8 communication is refused by the engine.
+  fp8 communication (quantized gathers, not exact by design) is tested against the
+  unquantized engine in tests/test_wire_formats.py.
 - `extra_dp_size=2` (a second data-parallel group of 2 over 4 ranks) is our hybrid sharding,
   `shard_size=2` on 4 ranks: there the average crosses the shard groups as shards only, so
   stage 1's `p.grad` stays None as at stage 2 and the averaged gradient is `full_grads()`,

@@ -240,19 +240,27 @@ def test_stage1_averaged_gradients_are_what_grad_views_until_the_step() -> None:
     grads.add(0, local[0])
 
 
-def test_gather_codec_follows_the_dtypes_and_fills_the_compute_copy() -> None:
+def test_payload_gather_fills_the_compute_copy_and_quantized_wires_are_built() -> None:
     from shardwise.chunk import ChunkDtypes
-    from shardwise.chunk.codec import CastCodec, IdentityCodec
+    from shardwise.chunk.wire import PayloadGather, QuantizedGather, QuantizedReduce, WireFormats
+    from shardwise.comm.quantize import BlockQuantizer
 
     model = nn.Linear(3, 2)
     fp16 = ChunkDtypes(payload=torch.float16, compute=torch.float32, reduce=torch.float16)
     manager = ChunkManager(chunk_size_numel=100, device=CPU, dtypes=fp16, keep_gathered=True)
     manager.register(model.named_parameters())
     (chunk,) = manager.chunks
-    assert isinstance(chunk.payload.codec, CastCodec)
-    # The parameters compute with the fp32 copy the codec decoded from the 16-bit payload.
+    assert isinstance(chunk.wire.gather, PayloadGather)
+    # The parameters compute with the fp32 copy cast from the 16-bit payload.
     assert model.weight.dtype == torch.float32
     assert torch.equal(model.weight.detach().reshape(-1), chunk.payload.full[:6].float())
-    plain = ChunkManager(chunk_size_numel=100, device=CPU, keep_gathered=True)
-    plain.register(nn.Linear(3, 2).named_parameters())
-    assert isinstance(plain.chunks[0].payload.codec, IdentityCodec)
+    int8 = BlockQuantizer("int8", 4)
+    quantized = ChunkManager(
+        chunk_size_numel=100,
+        device=CPU,
+        keep_gathered=True,
+        wire=WireFormats(gather=int8, reduce=int8),
+    )
+    quantized.register(nn.Linear(3, 2).named_parameters())
+    assert isinstance(quantized.chunks[0].wire.gather, QuantizedGather)
+    assert isinstance(quantized.chunks[0].wire.reduce, QuantizedReduce)

@@ -36,3 +36,47 @@ def test_overlap_param_gather_is_refused_at_stage_3() -> None:
     assert EngineConfig(stage=2, device=cpu, overlap=gathered).overlap.param_gather
     with pytest.raises(ValueError, match="overlap_param_gather applies to stages 1 and 2"):
         EngineConfig(stage=3, device=cpu, overlap=gathered)
+
+
+def test_wire_formats_are_checked_and_refused_where_they_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shardwise.comm import ReduceScatterMethod
+    from shardwise.comm.quantize import BlockQuantizer
+    from shardwise.engine import Communication, Reduction
+    from shardwise.zero.front_door import engine_config
+
+    cpu = torch.device("cpu")
+    off = Communication()
+    assert not off.quantizes
+    assert off.wire_formats(ReduceScatterMethod.ALL_TO_ALL).gather is None
+    wire = Communication(gather="int8", reduce="fp8", block_numel=64).wire_formats(
+        ReduceScatterMethod.NATIVE
+    )
+    assert wire.gather == BlockQuantizer("int8", 64) and wire.reduce == BlockQuantizer("fp8", 64)
+    with pytest.raises(ValueError, match=r"gather_format must be one of .* got 'int4'"):
+        Communication(gather="int4")
+    with pytest.raises(ValueError, match=r"reduce_format must be one of .* got 'bf16'"):
+        Communication(reduce="bf16")
+    with pytest.raises(ValueError, match="quant_block_numel must be a positive int, got 0"):
+        Communication(block_numel=0)
+    with pytest.raises(ValueError, match=r"stage 0 .* gathers nothing"):
+        EngineConfig(stage=0, device=cpu, communication=Communication(gather="int8"))
+    with pytest.raises(ValueError, match="leave it 'auto' or set 'all_to_all'"):
+        EngineConfig(
+            stage=2,
+            device=cpu,
+            reduction=Reduction(method="reduce_scatter"),
+            communication=Communication(reduce="int8"),
+        )
+    # A device whose torch cannot cast to fp8 refuses it, naming the format to use instead.
+    monkeypatch.setattr("shardwise.engine.config.fp8_casts_work", lambda device: False)
+    with pytest.raises(ValueError, match="use 'int8' instead"):
+        EngineConfig(stage=3, device=cpu, communication=Communication(gather="fp8"))
+    assert EngineConfig(stage=3, device=cpu, communication=Communication(gather="int8"))
+    # gemini_config's keys, at stage 3 and at stages 1-2.
+    config = engine_config(3, {"device": cpu, "gather_format": "int8", "quant_block_numel": 32})
+    assert config.communication == Communication(gather="int8", block_numel=32)
+    assert engine_config(2, {"device": cpu, "reduce_format": "int8"}).communication.reduce == "int8"
+    with pytest.raises(ValueError, match="gather_format must be one of"):
+        engine_config(1, {"device": cpu, "gather_format": True})

@@ -49,7 +49,12 @@ def _setup(
         param.register_post_accumulate_grad_hook(lambda p, name=name: log.append(("grad", name)))
 
     def reduce_to_shard(
-        full: torch.Tensor, method: object, stats: object, group: object, async_op: bool
+        full: torch.Tensor,
+        method: object,
+        stats: object,
+        group: object,
+        async_op: bool,
+        allocate: object = None,
     ) -> tuple[_FakeWork | None, torch.Tensor]:
         chunk = next(c for c in manager.chunks if c.grads.full is full)
         log.append(("start", chunk.chunk_id))

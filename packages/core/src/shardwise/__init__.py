@@ -16,6 +16,7 @@ from shardwise.optim import CPUAdam, HybridAdam
 from shardwise.zero import (
     BucketTensorShardStrategy,
     Chunking,
+    Communication,
     EngineConfig,
     GeminiDDP,
     MixedPrecision,
@@ -41,6 +42,7 @@ __all__ = [
     "BucketTensorShardStrategy",
     "ChunkManager",
     "Chunking",
+    "Communication",
     "CPUAdam",
     "ColoDDP",
     "CommOp",

@@ -21,6 +21,7 @@ def resident_bytes(chunk: Chunk) -> dict[str, int]:
         nbytes(chunk.payload.full)
         + nbytes(chunk.payload.full_compute)
         + nbytes(chunk.payload.secondary)
+        + chunk.wire.held_bytes()
     )
     payload += 0 if chunk.keep_gathered else nbytes(chunk.payload.shard)
     master = 0 if chunk.master is chunk.payload.shard else nbytes(chunk.master)
@@ -38,7 +39,8 @@ def resident_bytes_by_pool(chunk: Chunk) -> dict[Pool, int]:
         Pool.DEVICE: nbytes(chunk.payload.full)
         + nbytes(chunk.payload.full_compute)
         + nbytes(chunk.grads.full)
-        + nbytes(chunk.payload.secondary),
+        + nbytes(chunk.payload.secondary)
+        + chunk.wire.held_bytes(),
         Pool.HOST: 0,
     }
     if not chunk.keep_gathered:
@@ -80,22 +82,25 @@ def resting_device_bytes(chunk: Chunk) -> int:
 
 
 def gathered_bytes(chunk: Chunk) -> int:
-    """Device bytes a gather of `chunk` allocates (payload, and its compute copy)."""
-    nbytes = chunk.padded_numel * chunk.payload.full.element_size()
-    if chunk.dtypes.compute != chunk.dtypes.payload:
-        nbytes += chunk.padded_numel * torch.empty((), dtype=chunk.dtypes.compute).element_size()
-    return nbytes
+    """Device bytes a gather of `chunk` allocates (payload, its compute copy, and what its
+    wire receives into: see [Note: wire formats] in chunk/wire/formats.py)."""
+    return chunk.wire.gather.gathered_nbytes(chunk.padded_numel)
 
 
 def gathered_held_bytes(chunk: Chunk) -> int:
-    """Device bytes `chunk`'s gathered payload (and its compute copy) hold now: all of a
-    gather's, part of it while a prefetch runs, none while sharded."""
-    return storage_bytes(chunk.payload.full) + storage_bytes(chunk.payload.full_compute)
+    """Device bytes `chunk`'s gathered payload (and its compute copy, and its wire's buffers)
+    hold now: all of a gather's, part of it while a prefetch runs, none while sharded."""
+    return (
+        storage_bytes(chunk.payload.full)
+        + storage_bytes(chunk.payload.full_compute)
+        + chunk.wire.held_bytes()
+    )
 
 
 def transient_bytes(chunk: Chunk) -> int:
     """Device bytes `chunk` holds now that a step allocates and frees: its gathered payload
-    (and compute copy), its gradient buffer, and its secondary copy (hpZ). Every placement
+    (and compute copy, and its wire's buffers), its gradient buffer, and its secondary copy
+    (hpZ). Every placement
     needs them at once where the step does; the rest of the model state can wait in host
     memory."""
     return (

@@ -1,17 +1,18 @@
 """A chunk: one flat buffer holding many parameters, sharded evenly over the ranks.
 
-A chunk is its tensors and the shard's geometry, with three parts, each an object with state
+A chunk is its tensors and the shard's geometry, with four parts, each an object with state
 of its own: the payload (`chunk.payload`, payload.py: the values, gathered or sharded), the
-gradient side (`chunk.grads`, grads.py) and the placement (`chunk.placement`, placement.py:
-the pools). The chunk itself keeps the fp32 master, packs the parameters (`close`), moves its
-buffers between pools, and writes checkpoint ranges.
+gradient side (`chunk.grads`, grads.py), the placement (`chunk.placement`, placement.py:
+the pools) and the wire (`chunk.wire`, wire/: how its values and gradients cross ranks).
+The chunk itself keeps the fp32 master, packs the parameters (`close`), moves its buffers
+between pools, and writes checkpoint ranges.
 
 [Note: chunk buffers]
 - `payload.full`: the whole payload (numel padded to a multiple of the world size).
   Parameters (their compute faces, in a sharded chunk: see [Note: two faces of a stage-3
   parameter] in chunk/parameters.py) are views into the *compute* buffer (`full` itself, or
-  `full_compute` when the compute dtype differs from the payload dtype, filled by the gather
-  codec: see [Note: gather codecs] in chunk/codec.py), made once. Releasing resizes the
+  `full_compute` when the compute dtype differs from the payload dtype, filled by the wire's
+  gather side: see [Note: wire formats] in chunk/wire/formats.py), made once. Releasing resizes the
   buffer's storage to zero instead of dropping it, and a gather refills it, so those views,
   and the ones autograd saved during forward (a transposed weight, say), see the re-gathered
   data in backward (the same trick torch's FSDP uses).
@@ -20,7 +21,8 @@ buffers between pools, and writes checkpoint ranges.
 - `master`: fp32 copy of the shard for the optimizer; the same tensor as the shard when the
   payload is already fp32, so fp32 training keeps no second copy.
 - `payload.secondary` (ZeRO++ hpZ, stage 3 with `secondary_shard_size`): this rank's slice of the
-  payload within its secondary group, kept from a forward's release for the next gather (see
+  payload within its secondary group, in the form the wire sends (the payload dtype, or the
+  records of a quantized gather), kept from a forward's release for the next gather (see
   [Note: secondary shards]); None otherwise.
 - `grads` (grads.py), the gradient side, an object of its own: `grads.full`, gradients of the
   whole chunk in the reduce dtype, filled by gradient hooks (see [Note: gradient buffers start
@@ -31,18 +33,20 @@ buffers between pools, and writes checkpoint ranges.
 ZeRO++'s hierarchical partitioning (hpZ): when a forward with gradients on releases a chunk,
 each rank keeps 1/s of the gathered payload (s = `secondary_shard_size`, the ranks of a node,
 say) before freeing the rest, so that the gather backward needs runs inside those s ranks
-(fast links) rather than over every rank. The secondary copy holds exactly the payload's
-values, so gathering from it changes no number; it is valid until the payload changes (the
-step's `publish_master`, a checkpoint's `write_range`), which drop it, and a gather from it
-drops it too, since that gather is backward's. Whether a gather reads the secondary copy
-depends only on the sequence of releases and gathers, which is the same on every rank, so
-every rank picks the same group. Its memory: 1/s of each such chunk, on the device, from
-forward until backward gathers it (ZeRO++'s trade: more memory, less inter-node traffic).
+(fast links) rather than over every rank. The secondary copy holds exactly what the primary
+gather delivered (the payload's values, or a quantized gather's records: see [Note: quantized
+gathers and hpZ] in chunk/wire/formats.py), so gathering from it changes no number; it is
+valid until the payload changes (the step's `publish_master`, a checkpoint's `write_range`),
+which drop it, and a gather from it drops it too, since that gather is backward's. Whether a
+gather reads the secondary copy depends only on the sequence of releases and gathers, which
+is the same on every rank, so every rank picks the same group. Its memory: 1/s of each such
+chunk, on the device, from forward until backward gathers it (ZeRO++'s trade: more memory,
+less inter-node traffic).
 
 [Note: reducing gradients]
-`grads.full` reaches its owners through `comm.reduce_to_shard` with the chunk's `reduce_method`
-(see [Note: reduce-scatter methods] in comm/collectives.py), launched for one chunk or a bucket
-by chunk/reduction.py (see [Note: one reduction entry point]); the chunk prepares its buffer
+`grads.full` reaches its owners through the reduce side of the chunk's wire (see [Note: wire
+formats] in chunk/wire/formats.py), launched for one chunk or a bucket by chunk/reduction.py
+(see [Note: one reduction entry point]); the chunk prepares its buffer
 (`grads.prepare_reduce`) and takes its slice (`grads.accept_reduced`).
 
 [Note: pools]
@@ -62,9 +66,9 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from shardwise import comm
+from shardwise.chunk.context import ChunkContext
 from shardwise.chunk.disk_pool import DiskPool, DiskTierError
 from shardwise.chunk.grads import (
     AveragedFullGrads,
@@ -84,13 +88,11 @@ from shardwise.chunk.payload import Payload
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident, ResidentWatch
 from shardwise.chunk.states import (
-    ChunkDtypes,
     GradState,
     Pool,
     TensorInfo,
     TensorState,
 )
-from shardwise.comm import CommStats
 
 
 class Chunk:
@@ -99,22 +101,12 @@ class Chunk:
     Args:
         chunk_id: position of the chunk in its manager, also its reduction order key.
         capacity_numel: elements the chunk may hold before it is closed.
-        dtypes: payload, compute and reduce dtypes.
-        device: where the payload and gathered buffers live.
-        group: process group the chunk is sharded over.
-        stats: collective counters.
-        keep_gathered: keep the full payload resident (stages 1 and 2); only optimizer state
+        context: the settings its manager's chunks share: dtypes, device, groups, counters,
+            gradient pre-division and wire formats (see `ChunkContext`).
+        keep_gathered: keep the full payload resident (stages 0-2); only optimizer state
             and reduced gradients are sharded then.
         requires_grad: whether the chunk's parameters are trainable (frozen ones get a chunk of
             their own, with no gradient or master buffers).
-        reduce_method: how its gradients are reduced (see [Note: reducing gradients]).
-        predivide_factor: gradients are divided by this before the reduction and by N / this
-            after it, which keeps fp16 sums of many ranks from overflowing.
-        replicate_group: hybrid sharding: the same shard's holders in the other shard groups
-            (see [Note: hybrid sharding] in comm/topology.py); the initial broadcast reaches
-            them too.
-        secondary_group: hpZ: the group gathers from `secondary` run on (see [Note: secondary
-            shards]).
     """
 
     master = Resident[torch.Tensor]()
@@ -126,43 +118,49 @@ class Chunk:
         *,
         chunk_id: int,
         capacity_numel: int,
-        dtypes: ChunkDtypes,
-        device: torch.device,
-        group: ProcessGroup | None,
-        stats: CommStats,
+        context: ChunkContext,
         keep_gathered: bool,
         requires_grad: bool,
-        reduce_method: comm.ReduceScatterMethod = comm.ReduceScatterMethod.NATIVE,
-        predivide_factor: float = 1.0,
-        replicate_group: ProcessGroup | None = None,
-        secondary_group: ProcessGroup | None = None,
     ) -> None:
         self.chunk_id = chunk_id
         # Told whenever a buffer is replaced, resized or moved (see [Note: resident changes]
         # in chunk/resident.py): the memory manager's running totals, when set.
         self.resident_watch: ResidentWatch | None = None
         self.capacity_numel = capacity_numel
-        self.dtypes = dtypes
-        self.device = device
-        self.group = group
-        self.stats = stats
+        self.context = context
+        self.dtypes = context.dtypes
+        self.device = context.device
+        self.group = context.group
+        self.stats = context.stats
+        self.predivide_factor = context.predivide_factor
+        self.replicate_group = context.topology.replicate
+        self.secondary_group = context.topology.secondary
         self.keep_gathered = keep_gathered
         self.requires_grad = requires_grad
-        self.world_size = comm.world_size(group)
-        self.rank = comm.rank(group)
+        self.world_size = comm.world_size(self.group)
+        self.rank = comm.rank(self.group)
         self.tensors: list[TensorInfo] = []
         self.numel = 0
         self.closed = False
         self.num_trainable = 0
+        # How its parameters are gathered and its gradients reduced, with the buffers that
+        # only travel (see [Note: wire formats] in chunk/wire/formats.py).
+        self.wire = context.wire.build(
+            dtypes=self.dtypes,
+            device=self.device,
+            stats=self.stats,
+            topology=context.topology,
+            owner=self,
+        )
         # Buffers, allocated by close(); see [Note: chunk buffers].
-        self.payload = Payload(self)
-        self.master = torch.empty(0, dtype=torch.float32, device=device)
+        self.payload = Payload(self, self.wire.gather)
+        self.master = torch.empty(0, dtype=torch.float32, device=self.device)
         # Its own fp32 gradient shard unless a stage or facade picks another layout
         # (share_grad_shard_with_full, keep_averaged_grads, reuse_payload_for_grads,
         # keep_whole_grads).
-        self.grads = OwnBufferGrads(self, torch.empty(0, dtype=torch.float32, device=device))
+        self.grads = OwnBufferGrads(self, torch.empty(0, dtype=torch.float32, device=self.device))
         # See [Note: pools].
-        self.placement = ChunkPlacement(self, device)
+        self.placement = ChunkPlacement(self, self.device)
         # The views the optimizer steps and its state for them, which move with the master
         # (see [Note: the chunk owns its optimizer state] in optimizer_state.py).
         self.optimizer_state = OptimizerState(self)
@@ -170,10 +168,6 @@ class Chunk:
         # copy written since (until committed or discarded).
         self._written_to_disk: list[torch.Tensor] = []
         self._writing_to_disk: list[torch.Tensor] = []
-        self.predivide_factor = predivide_factor
-        self.reduce_method = reduce_method
-        self.replicate_group = replicate_group
-        self.secondary_group = secondary_group
 
     # ---- packing ---------------------------------------------------------------------------
 

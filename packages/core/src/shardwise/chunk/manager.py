@@ -25,8 +25,10 @@ from torch.distributed import ProcessGroup
 
 from shardwise.chunk.accounting import resident_bytes
 from shardwise.chunk.chunk import Chunk
+from shardwise.chunk.context import ChunkContext
 from shardwise.chunk.states import ChunkDtypes
-from shardwise.comm import CommStats, ReduceScatterMethod
+from shardwise.chunk.wire import WireFormats
+from shardwise.comm import CommStats
 from shardwise.comm.topology import Topology
 
 
@@ -45,8 +47,9 @@ class ChunkManager:
         stats: collective counters shared with the model and optimizer (default: new ones).
         keep_gathered: keep full payloads resident (stages 0-2); stage 3 shards them.
         predivide_factor: divide gradients by this before reducing them, by N / this after.
-        reduce_method: how gradients are reduce-scattered (see [Note: reduce-scatter methods]
-            in comm/collectives.py).
+        wire: how parameters are gathered and gradients reduced (see [Note: wire formats] in
+            chunk/wire/formats.py; default: the payload and reduce dtypes, reduce-scattered by
+            the backend's reduce-scatter).
         topology: hybrid sharding's groups (see [Note: hybrid sharding] in
             comm/topology.py); the chunks are then sharded over its shard group and `group`
             must be left unset.
@@ -62,7 +65,7 @@ class ChunkManager:
         stats: CommStats | None = None,
         keep_gathered: bool = False,
         predivide_factor: float = 1.0,
-        reduce_method: ReduceScatterMethod = ReduceScatterMethod.NATIVE,
+        wire: WireFormats | None = None,
         topology: Topology | None = None,
     ) -> None:
         if not isinstance(chunk_size_numel, int) or chunk_size_numel < 1:
@@ -83,7 +86,16 @@ class ChunkManager:
         if not predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide_factor!r}")
         self.predivide_factor = float(predivide_factor)
-        self.reduce_method = reduce_method
+        self.wire = wire if wire is not None else WireFormats()
+        # What every chunk shares, handed to each as it is built.
+        self.context = ChunkContext(
+            dtypes=self.dtypes,
+            device=self.device,
+            topology=self.topology,
+            stats=self.stats,
+            predivide_factor=self.predivide_factor,
+            wire=self.wire,
+        )
         # What chose `chunk_size_numel` (the search's reason, or the setting), for summaries.
         self.chunk_size_reason = f"chunk_size_numel {chunk_size_numel} as given"
         self.chunks: list[Chunk] = []
@@ -129,16 +141,9 @@ class ChunkManager:
             chunk = Chunk(
                 chunk_id=len(self.chunks) + position,
                 capacity_numel=layout.capacity_numel,
-                dtypes=self.dtypes,
-                device=self.device,
-                group=self.group,
-                stats=self.stats,
+                context=self.context,
                 keep_gathered=self.keep_gathered or position >= num_sharded,
                 requires_grad=layout.trainable,
-                reduce_method=self.reduce_method,
-                predivide_factor=self.predivide_factor,
-                replicate_group=self.topology.replicate,
-                secondary_group=self.topology.secondary,
             )
             owner.update(dict.fromkeys(layout.members, chunk))
             last[layout.members[-1]] = chunk

@@ -16,11 +16,11 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
-from shardwise.chunk.codec import codec_for
 from shardwise.chunk.parameters import mark_pending, mark_settled
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident, resident_changed
 from shardwise.chunk.states import ChunkDtypes, ChunkState, Pool, TensorInfo, TensorState
+from shardwise.chunk.wire import GatherWire
 from shardwise.comm import CommStats
 
 
@@ -64,6 +64,8 @@ class Payload:
 
     Args:
         chunk: the chunk whose tensors these values are.
+        wire: the gather side of the chunk's wire, which every all-gather of the payload goes
+            through (see [Note: wire formats] in wire/formats.py).
     """
 
     full = Resident[torch.Tensor](transient=True)
@@ -71,27 +73,30 @@ class Payload:
     while SHARDED."""
     full_compute = Resident[torch.Tensor | None](transient=True)
     """The compute copy the parameters view when the compute dtype differs from the payload's
-    (filled by the gather codec, see [Note: gather codecs] in codec.py); None otherwise."""
+    (filled by the wire's gather side, see [Note: wire formats] in wire/formats.py); None
+    otherwise."""
     shard = Resident[torch.Tensor]()
     """This rank's slice of the payload, always resident (a view into `full` when the chunk
     keeps its payload gathered)."""
     secondary = Resident[torch.Tensor | None](transient=True)
-    """hpZ: this rank's slice within its secondary group, kept from a forward's release for
-    backward's gather; None otherwise."""
+    """hpZ: this rank's slice within its secondary group, in the wire's form, kept from a
+    forward's release for backward's gather; None otherwise."""
 
-    def __init__(self, chunk: OwningChunk) -> None:
+    def __init__(self, chunk: OwningChunk, wire: GatherWire) -> None:
         # Changes to the buffers below are the chunk's (see [Note: resident changes] in
         # resident.py).
         self.__dict__["_resident_owner"] = chunk
         self._chunk = chunk
         dtypes, device = chunk.dtypes, chunk.device
         self.state = ChunkState.GATHERED
-        self.codec = codec_for(dtypes)
+        self.wire = wire
+        # The parameters view a compute copy of their own when they compute in another dtype.
+        self._compute_copy = dtypes.compute != dtypes.payload
         self.full = torch.empty(0, dtype=dtypes.payload, device=device)
         self.full_compute = None
         self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
         self.secondary = None
-        self._pending_gather: tuple[torch.distributed.Work, torch.Tensor] | None = None
+        self._pending_gather: torch.distributed.Work | None = None
         # publish(wait=False)'s all-gather.
         self._pending_publish: torch.distributed.Work | None = None
 
@@ -132,9 +137,9 @@ class Payload:
         own = slice(chunk.shard_begin, chunk.shard_begin + chunk.shard_numel)
         master = values[own].clone() if keep_fp32 else None
         self.full = values.to(chunk.dtypes.payload) if keep_fp32 else values
-        if self.codec.needs_compute_copy:
+        if self._compute_copy:
             self.full_compute = torch.empty_like(self.full, dtype=chunk.dtypes.compute)
-            self.codec.decode(self.full, self.full_compute)
+            self.full_compute.copy_(self.full)
         self.shard = self.full[own] if chunk.keep_gathered else self.full[own].clone()
         return master
 
@@ -149,10 +154,9 @@ class Payload:
         if self.state is ChunkState.GATHERED or self._pending_gather is not None:
             return
         self._chunk.grads.check_payload_holds_params()
-        self._materialise(self.full)
-        work = self._start_all_gather(*self._gather_source(), async_op=True)
+        work = self._launch_gather(async_op=True)
         if work is not None:
-            self._pending_gather = (work, self.full)
+            self._pending_gather = work
         else:
             self._finish_gather()
 
@@ -167,41 +171,25 @@ class Payload:
             return
         self._chunk.grads.check_payload_holds_params()
         if self._pending_gather is None:
-            self._materialise(self.full)
-            self._start_all_gather(*self._gather_source(), async_op=False)
+            self._launch_gather(async_op=False)
         else:
-            work, _ = self._pending_gather
-            work.wait()
+            self._pending_gather.wait()
             self._pending_gather = None
         self._finish_gather()
 
-    def _start_all_gather(
-        self,
-        shard: torch.Tensor,
-        group: ProcessGroup | None = None,
-        kind: comm.CommOp = comm.CommOp.ALL_GATHER,
-        *,
-        async_op: bool,
-    ) -> torch.distributed.Work | None:
-        """Every all-gather of the payload into `full` starts here (see [Note: gather
-        codecs]), over the chunk's group unless `group` says otherwise; the caller decodes
-        once it is complete."""
+    def _launch_gather(self, *, async_op: bool) -> torch.distributed.Work | None:
+        """Every gather of a sharded payload starts here, through the wire (see [Note: wire
+        formats] in wire/formats.py): from the secondary copy when there is one (see [Note:
+        secondary shards] in chunk.py), else from this rank's shard, on the device."""
         chunk = self._chunk
-        return comm.all_gather(
-            self.full,
-            self.codec.encode(shard),
-            chunk.stats,
-            chunk.group if group is None else group,
-            async_op=async_op,
-            kind=kind,
-        )
-
-    def _gather_source(self) -> tuple[torch.Tensor, ProcessGroup | None, comm.CommOp]:
-        """What a gather reads: the secondary copy when there is one (see [Note: secondary
-        shards]), else this rank's shard, on the device."""
+        if self.wire.receives_into_full:
+            self._materialise(self.full)
         if self.secondary is not None:
-            return self.secondary, self._chunk.secondary_group, comm.CommOp.SECONDARY_ALL_GATHER
-        return self._shard_on_device(), self._chunk.group, comm.CommOp.ALL_GATHER
+            own = self._shard_on_device() if self.wire.restores_own_slice else None
+            return self.wire.start_from_secondary(
+                self.secondary, self.full, chunk.secondary_group, own, async_op=async_op
+            )
+        return self.wire.start(self._shard_on_device(), self.full, chunk.group, async_op=async_op)
 
     def _shard_on_device(self) -> torch.Tensor:
         placement = self._chunk.placement
@@ -212,9 +200,10 @@ class Payload:
     def _finish_gather(self) -> None:
         # The secondary copy served backward's gather (see [Note: secondary shards] in chunk.py).
         self.drop_secondary()
-        if self.full_compute is not None:
-            self._materialise(self.full_compute)
-            self.codec.decode(self.full, self.full_compute)
+        compute = self.compute_buffer()
+        self._materialise(compute)
+        self.wire.finish(self.full, compute)
+        if self.full_compute is not None and self.full.untyped_storage().size():
             # The 16-bit payload is only a staging buffer once the compute copy exists.
             self._free(self.full)
         self._enter(ChunkState.GATHERED, ChunkState.SHARDED)
@@ -230,8 +219,9 @@ class Payload:
             raise RuntimeError(f"chunk {chunk.chunk_id} keeps its payload gathered")
         if self._pending_gather is not None:
             # A prefetch nobody used: it reads the shard, which the next step rewrites.
-            self._pending_gather[0].wait()
+            self._pending_gather.wait()
             self._pending_gather = None
+            self.wire.discard()
             self._free(self.full)
         if self.state is ChunkState.SHARDED:
             return
@@ -240,6 +230,8 @@ class Payload:
                 raise RuntimeError(f"cannot release chunk {chunk.chunk_id}: {info.name} is in use")
         if keep_secondary and chunk.secondary_group is not None:
             self._keep_secondary()
+        else:
+            self.wire.drop_kept()
         self._free(self.full)
         if self.full_compute is not None:
             self._free(self.full_compute)
@@ -252,11 +244,7 @@ class Payload:
         size = comm.world_size(chunk.secondary_group)
         span = chunk.padded_numel // size
         begin = comm.rank(chunk.secondary_group) * span
-        # A payload cast into a compute copy is freed after the cast; that slice of the copy,
-        # cast back to the payload dtype, decodes into the same compute values again (for a
-        # 16-bit payload computed in fp32 it is the payload itself: the cast up was exact).
-        source = self.full if self.full_compute is None else self.full_compute
-        self.secondary = source[begin : begin + span].to(chunk.dtypes.payload, copy=True)
+        self.secondary = self.wire.secondary_copy(self.full, self.compute_buffer(), begin, span)
 
     def drop_secondary(self) -> None:
         """Forget the secondary copy (the payload is about to change, or backward is over)."""
@@ -307,7 +295,7 @@ class Payload:
         """All-gather the shards into the full copy a stage-1/2 chunk keeps."""
         # In place: the shard is this rank's slice of `full`, where an all-gather puts it anyway
         # (NCCL and gloo both allow it; a copy of the shard cost 3 ms per 4 MiB here).
-        work = self._start_all_gather(self.shard, async_op=not wait)
+        work = self.wire.start(self.shard, self.full, self._chunk.group, async_op=not wait)
         if work is None:
             self._refresh_compute_copy()
         else:
@@ -331,8 +319,7 @@ class Payload:
             self._refresh_compute_copy()
 
     def _refresh_compute_copy(self) -> None:
-        if self.full_compute is not None:
-            self.codec.decode(self.full, self.full_compute)
+        self.wire.finish(self.full, self.compute_buffer())
 
     def before_overwrite(self) -> None:
         """Before this rank's shard is written directly (a checkpoint's values): no publish

@@ -6,7 +6,9 @@ A chunk reduces its gradient buffer in place; a bucket of chunks is reduced in o
 reduce-scatter whose input is laid out rank-major (every chunk's slice for rank 0, then for
 rank 1, ...), so each rank receives its own slice of every chunk, back to back. Either way the
 chunk prepares its buffer (`prepare_reduce`) and takes its reduced slice (`accept_reduced`,
-which finishes the average over the group); launching and waiting happen here only.
+which finishes the average over the group); launching and waiting happen here only, and the
+sums themselves on the reduce side of the (first) chunk's wire, in its format (see [Note: wire
+formats] in chunk/wire/formats.py).
 
 Under hybrid sharding the shard groups' gradient shards are then averaged across the groups by
 `reduce_across_replicas`, once before the step reads them (and before `full_grads()`), not
@@ -60,7 +62,7 @@ class PendingReduction:
 
 def start_reduction(chunks: Sequence[Chunk], *, async_op: bool = True) -> PendingReduction:
     """Launch the reduction of `chunks`' gradients (one collective for all of them; at stage 0
-    one each, see [Note: stage 0]). They must share the group, the reduction method and the
+    one each, see [Note: stage 0]). They must share the group, the wire formats and the
     reduction dtype, as one manager's do."""
     if not chunks:
         raise ValueError("nothing to reduce: start_reduction needs at least one chunk")
@@ -74,9 +76,7 @@ def start_reduction(chunks: Sequence[Chunk], *, async_op: bool = True) -> Pendin
     else:
         rows = [c.grads.prepare_reduce().view(c.world_size, c.shard_numel) for c in chunks]
         full = torch.cat(rows, dim=1).reshape(-1)
-    work, reduced = comm.reduce_to_shard(
-        full, first.reduce_method, first.stats, first.group, async_op=async_op
-    )
+    work, reduced = first.wire.reduce.start_reduce_scatter(full, async_op=async_op)
     slices = reduced.split([c.shard_numel for c in chunks])
     return PendingReduction(chunks, [work], slices)
 
@@ -96,50 +96,26 @@ def _start_average_of_replicas(chunks: Sequence[Chunk], *, async_op: bool) -> Pe
         if replicas > 1:
             # Divided before the sum, as DDP does (exactly, for a power-of-two count).
             buffer.div_(replicas)
-        works.append(comm.all_reduce(buffer, chunk.stats, chunk.replicate_group, async_op=async_op))
+        works.append(
+            chunk.wire.reduce.start_sum_over_replicas(
+                buffer, kind=comm.CommOp.ALL_REDUCE, async_op=async_op
+            )
+        )
     return PendingReduction(chunks, works, buffers)
 
 
 def _start_average_in_place(chunks: Sequence[Chunk], *, async_op: bool) -> PendingReduction:
     """Stage 1 (`GradLayout.AVERAGED_FULL`): each chunk's whole gradient buffer summed over
     its group in place, one collective per chunk (see [Note: stage 1 averages in backward] in
-    chunk/grads.py). With `reduce_method` ALL_REDUCE (what "auto" picks here) that is one
-    all-reduce; a reduce-scatter method asked for by name is honoured as that reduce-scatter
-    followed by an all-gather of the summed slices, the two halves of an all-reduce."""
+    chunk/grads.py), by the wire's `start_sum`."""
     works: list[comm.Waitable | None] = []
     buffers = []
     for chunk in chunks:
         assert chunk.grads.layout is GradLayout.AVERAGED_FULL, "a bucket mixes layouts"
         full = chunk.grads.prepare_reduce()
         buffers.append(full)
-        work, summed = comm.reduce_to_shard(
-            full, chunk.reduce_method, chunk.stats, chunk.group, async_op=async_op
-        )
-        if chunk.reduce_method is comm.ReduceScatterMethod.ALL_REDUCE:
-            works.append(work)  # `full` itself holds the sum once it is done
-        else:
-            works.append(_GatherOnWait(work, summed, full, chunk))
+        works.append(chunk.wire.reduce.start_sum(full, async_op=async_op))
     return PendingReduction(chunks, works, buffers)
-
-
-class _GatherOnWait:
-    """A reduce-scatter whose summed slices are all-gathered back into the whole buffer when
-    it is waited for (see `_start_average_in_place`)."""
-
-    def __init__(
-        self, work: comm.Waitable | None, summed: torch.Tensor, full: torch.Tensor, chunk: Chunk
-    ) -> None:
-        self._work = work
-        self._summed = summed
-        self._full = full
-        self._chunk = chunk
-
-    def wait(self) -> bool:
-        if self._work is not None:
-            self._work.wait()
-        chunk = self._chunk
-        comm.all_gather(self._full, self._summed, chunk.stats, chunk.group)
-        return True
 
 
 def reduce_now(chunks: Sequence[Chunk], *, keep_full: bool) -> None:
@@ -168,8 +144,8 @@ def reduce_across_replicas(chunk_manager: ChunkManager) -> None:
     # compute device (NCCL moves device tensors only), in the reduction dtype.
     flat = torch.cat([s.to(chunk_manager.device) for s in shards]).div_(topology.replicas)
     wire = flat.to(chunks[0].dtypes.reduce)
-    comm.all_reduce(
-        wire, chunk_manager.stats, topology.replicate, kind=comm.CommOp.REPLICATE_ALL_REDUCE
+    chunks[0].wire.reduce.start_sum_over_replicas(
+        wire, kind=comm.CommOp.REPLICATE_ALL_REDUCE, async_op=False
     )
     wire = wire.float()
     offset = 0

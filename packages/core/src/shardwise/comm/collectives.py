@@ -6,6 +6,7 @@ the torch `Work` handle when `async_op=True`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
 
@@ -152,19 +153,27 @@ class _SumOnWait:
         return True
 
 
+Allocate = Callable[[int, torch.dtype], torch.Tensor]
+"""Makes a receive buffer of so many elements of a dtype (the caller's, who owns it)."""
+
+
 def reduce_to_shard(
     full: torch.Tensor,
     method: ReduceScatterMethod,
     stats: CommStats,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    allocate: Allocate | None = None,
 ) -> tuple[Waitable | None, torch.Tensor]:
     """Sum `full` over ranks so that rank r holds the r-th of N equal slices of the result.
 
     Returns (handle, slice): with `async_op`, the slice is valid after `handle.wait()`; without,
     the handle is None and the slice is ready. The slice may be a view of `full` (ALL_REDUCE),
-    which then holds reduced values. See [Note: reduce-scatter methods].
+    which then holds reduced values. See [Note: reduce-scatter methods]. Receive buffers come
+    from `allocate` (default: new tensors on `full`'s device).
     """
+    if allocate is None:
+        allocate = _allocator(full.device)
     n = world_size(group)
     if full.numel() % n:
         raise ValueError(f"a buffer of {full.numel()} elements does not split over {n} ranks")
@@ -174,16 +183,16 @@ def reduce_to_shard(
         work = all_reduce(full, stats, group, async_op=async_op)
         return work, full[begin : begin + shard_numel]
     if method is ReduceScatterMethod.NATIVE:
-        reduced = full.new_empty(shard_numel)
+        reduced = allocate(shard_numel, full.dtype)
         return reduce_scatter(reduced, full, stats, group, async_op=async_op), reduced
     payload = _nbytes(full)
     stats.record(CommOp.REDUCE_SCATTER, payload, payload * (n - 1) // n)
     if n == 1:
         return None, full.clone()
     if n == 2:
-        return _exchange_with_peer(full, shard_numel, group, async_op)
-    reduced = full.new_empty(shard_numel)
-    received = torch.empty_like(full)
+        return _exchange_with_peer(full, shard_numel, group, async_op, allocate)
+    reduced = allocate(shard_numel, full.dtype)
+    received = allocate(full.numel(), full.dtype)
     exchange = dist.all_to_all_single(received, full, group=group, async_op=True)
     pending = _SumOnWait(exchange, received.view(n, shard_numel), reduced)
     if async_op:
@@ -208,7 +217,11 @@ class _AddOnWait:
 
 
 def _exchange_with_peer(
-    full: torch.Tensor, shard_numel: int, group: ProcessGroup | None, async_op: bool
+    full: torch.Tensor,
+    shard_numel: int,
+    group: ProcessGroup | None,
+    async_op: bool,
+    allocate: Allocate,
 ) -> tuple[Waitable | None, torch.Tensor]:
     """Two ranks: each sends the peer its slice and receives the peer's part of its own, into
     a buffer of one slice that then holds the sum (a + b rounds as the sum of the two rows
@@ -216,7 +229,7 @@ def _exchange_with_peer(
     methods])."""
     me = rank(group)
     peer = 1 - me
-    received = full.new_empty(shard_numel)
+    received = allocate(shard_numel, full.dtype)
     splits = [0, shard_numel] if me == 0 else [shard_numel, 0]
     exchange = dist.all_to_all_single(
         received,
@@ -231,3 +244,42 @@ def _exchange_with_peer(
         return pending, received
     pending.wait()
     return None, received
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    stats: CommStats,
+    group: ProcessGroup | None = None,
+    *,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    logical_bytes: int,
+    kind: CommOp = CommOp.REDUCE_SCATTER,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Send rank d the d-th split of `input` and receive rank r's split for this rank as the
+    r-th split of `output` (equal splits unless given), counted as `kind` with
+    `logical_bytes` as its payload: the whole buffer the exchange stands for (a
+    reduce-scatter's input), of which a rank sends (N-1)/N."""
+    n = world_size(group)
+    stats.record(kind, logical_bytes, logical_bytes * (n - 1) // n)
+    if n == 1:
+        output.copy_(input)
+        return None
+    work: dist.Work | None = dist.all_to_all_single(
+        output,
+        input,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+        async_op=async_op,
+    )
+    return work
+
+
+def _allocator(device: torch.device) -> Allocate:
+    def allocate(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    return allocate

@@ -16,6 +16,7 @@ zero/front_door.py for how the seed API reaches this one):
 
 from shardwise.engine.config import (
     Chunking,
+    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,
@@ -28,6 +29,7 @@ from shardwise.engine.optimizer import ZeroOptimizer, optimizer_of
 
 __all__ = [
     "Chunking",
+    "Communication",
     "EngineConfig",
     "MixedPrecision",
     "Overlap",

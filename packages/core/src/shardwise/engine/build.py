@@ -48,8 +48,8 @@ def settle_chunk_size(module: nn.Module, config: EngineConfig) -> tuple[EngineCo
 
 def chunk_manager_for(config: EngineConfig, stats: CommStats, reason: str = "") -> ChunkManager:
     """An empty chunk manager as `config` says (its chunk size settled): size, device,
-    dtypes, groups, reduction method, and whether chunks keep their payload gathered (stages
-    0-2)."""
+    dtypes, groups, wire formats (with the reduction method), and whether chunks keep their
+    payload gathered (stages 0-2)."""
     if config.stage == 0:  # every rank a replica of the whole model (see `replicated`)
         topology = replicated(config.topology.process_group)
     else:
@@ -71,7 +71,7 @@ def chunk_manager_for(config: EngineConfig, stats: CommStats, reason: str = "") 
         stats=stats,
         keep_gathered=config.stage < 3,
         predivide_factor=config.reduction.predivide_factor,
-        reduce_method=method,
+        wire=config.communication.wire_formats(method),
         topology=topology,
     )
     if reason:

@@ -15,7 +15,9 @@ from shardwise.chunk.search import (
     DEFAULT_SEARCH_N_GRIDS,
     DEFAULT_SEARCH_RANGE_BYTES,
 )
+from shardwise.chunk.wire import WireFormats
 from shardwise.comm import ReduceScatterMethod
+from shardwise.comm.quantize import QUANTIZED_KINDS, BlockQuantizer, fp8_casts_work
 from shardwise.gemini.policies import DevicePlacement, HostPlacement, PlacementPolicy
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -310,6 +312,56 @@ class Reduction:
             )
 
 
+WIRE_FORMATS = ("dtype", *QUANTIZED_KINDS)
+DEFAULT_QUANT_BLOCK_NUMEL = 256
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Communication:
+    """Wire formats: what parameters are gathered in and gradients reduced in (see [Note: wire
+    formats] in chunk/wire/formats.py). Off ("dtype") both sides send what they always did, bit
+    for bit."""
+
+    gather: str = "dtype"
+    """Parameter all-gathers: "dtype" (the payload dtype, `MixedPrecision.param_dtype`),
+    "int8" or "fp8" (ZeRO++'s qwZ: one byte per value with an fp32 scale per block; each rank
+    keeps its own slice and its fp32 masters exact, see [Note: quantized gathers] in
+    chunk/wire/formats.py)."""
+    reduce: str = "dtype"
+    """Gradient reduce-scatters: "dtype" (`MixedPrecision.reduce_dtype`, by the
+    `gradient_reduction` method), "int8" or "fp8" (ZeRO++'s qgZ: an all-to-all of quantized
+    slices, summed in fp32 by their owner, see [Note: quantized reductions] in
+    chunk/wire/formats.py)."""
+    block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL
+    """Values per quantization block, each with one fp32 scale (4 / block_numel bytes per
+    value on top of the value's one byte)."""
+
+    def __post_init__(self) -> None:
+        # Named as the gemini_config keys, which users set.
+        for key, value in (("gather_format", self.gather), ("reduce_format", self.reduce)):
+            if value not in WIRE_FORMATS:
+                raise ValueError(f"{key} must be one of {WIRE_FORMATS}, got {value!r}")
+        block = self.block_numel
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"quant_block_numel must be a positive int, got {block!r}")
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether either side sends quantized values."""
+        return self.gather != "dtype" or self.reduce != "dtype"
+
+    def wire_formats(self, reduce_method: ReduceScatterMethod) -> WireFormats:
+        """The chunks' wire formats, unquantized reduce-scatters running by `reduce_method`."""
+        return WireFormats(
+            gather=self._quantizer(self.gather),
+            reduce=self._quantizer(self.reduce),
+            reduce_method=reduce_method,
+        )
+
+    def _quantizer(self, name: str) -> BlockQuantizer | None:
+        return None if name == "dtype" else BlockQuantizer(name, self.block_numel)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Overlap:
     """What runs in the background of compute."""
@@ -389,6 +441,8 @@ class EngineConfig:
     """What communication runs in the background of compute."""
     topology: Topology = field(default_factory=Topology)
     """Which ranks shard and which replicate."""
+    communication: Communication = field(default_factory=Communication)
+    """What parameters are gathered in and gradients reduced in (quantized or not)."""
     gather_units: tuple[type[torch.nn.Module] | str, ...] = ()
     """Stage 3: module classes or qualified names to gather as one conditional unit, besides
     the blocks that hold experts (see [Note: conditional units] in runtime/gather_units.py)."""
@@ -415,6 +469,7 @@ class EngineConfig:
             ("reduction", Reduction),
             ("overlap", Overlap),
             ("topology", Topology),
+            ("communication", Communication),
         )
         for name, kind in parts:
             if not isinstance(getattr(self, name), kind):
@@ -448,6 +503,7 @@ class EngineConfig:
             )
         if self.stage < 3:
             _check_low_level_placement(self.stage, self.placement)
+        _check_communication(self)
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -470,3 +526,29 @@ class EngineConfig:
         if self.stage < 3:
             return DEFAULT_REDUCE_BUCKET_NUMEL
         raise ValueError("stage 3's chunk size is searched when the model is built")
+
+
+def _check_communication(config: EngineConfig) -> None:
+    """Refuse wire formats the configuration cannot honour, naming the fix."""
+    wire = config.communication
+    if not wire.quantizes:
+        return
+    if config.stage == 0:
+        raise ValueError(
+            f"gather_format={wire.gather!r} / reduce_format={wire.reduce!r} apply to stages "
+            f"1-3; stage 0 (ColoDDP) gathers nothing and averages gradients as DDP does, in "
+            f"the parameters' dtype"
+        )
+    if "fp8" in (wire.gather, wire.reduce) and not fp8_casts_work(config.device):
+        raise ValueError(
+            f"the fp8 wire format (gather_format / reduce_format 'fp8', fp8_communication) "
+            f"needs torch.float8_e4m3fn casts on {config.device}, which torch "
+            f"{torch.__version__} does not do there; use 'int8' instead"
+        )
+    if wire.reduce != "dtype" and config.reduction.method not in ("auto", "all_to_all"):
+        raise ValueError(
+            f"reduce_format={wire.reduce!r} exchanges quantized slices with an all-to-all, "
+            f"each summed by its owner; gradient_reduction="
+            f"{config.reduction.method!r} cannot run with it: leave it 'auto' or set "
+            f"'all_to_all', or set reduce_format='dtype'"
+        )

@@ -3,6 +3,7 @@ name translates its arguments into one `EngineConfig` and builds the engine (sha
 
 from shardwise.engine import (
     Chunking,
+    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,
@@ -26,6 +27,7 @@ from shardwise.zero.wrappers import zero_model_wrapper, zero_optim_wrapper
 
 __all__ = [
     "Chunking",
+    "Communication",
     "EngineConfig",
     "Overlap",
     "Placement",

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from shardwise.engine.config import (
+    DEFAULT_QUANT_BLOCK_NUMEL,
     DEFAULT_REDUCE_BUCKET_NUMEL,
     Chunking,
+    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,
@@ -61,6 +63,9 @@ GEMINI_CONFIG_KEYS = (
     "nvme_offload_fraction",
     "nvme_offload_dir",
     "host_budget_bytes",
+    "gather_format",
+    "reduce_format",
+    "quant_block_numel",
 )
 # What stages 1 and 2 take from `gemini_config`; their bucket size is `optim_config`'s.
 LOW_LEVEL_KEYS = (
@@ -76,6 +81,9 @@ LOW_LEVEL_KEYS = (
     "nvme_offload_fraction",
     "nvme_offload_dir",
     "host_budget_bytes",
+    "gather_format",
+    "reduce_format",
+    "quant_block_numel",
 )
 OPTIM_CONFIG_KEYS = (
     "reduce_bucket_size",
@@ -123,6 +131,12 @@ def engine_config(stage: int, gemini_config: Mapping[str, Any] | None) -> Engine
             process_group=options.get("process_group"),
             shard_size=options.get("shard_size"),
             secondary_shard_size=options.get("secondary_shard_size"),
+        ),
+        # Wire formats (see [Note: wire formats] in chunk/wire/formats.py).
+        communication=Communication(
+            gather=options.get("gather_format", "dtype"),
+            reduce=options.get("reduce_format", "dtype"),
+            block_numel=options.get("quant_block_numel", DEFAULT_QUANT_BLOCK_NUMEL),
         ),
         gather_units=_gather_units(options.get("gather_units", ())),
         force_outputs_fp32=options.get("force_outputs_fp32", False),

@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 from shardwise import comm
 from shardwise.engine.config import (
     Chunking,
+    Communication,
     EngineConfig,
     Overlap,
     Placement,
@@ -88,18 +89,23 @@ def gemini_engine_config(
         memstats: refused unless None (the engine records the order in its first iteration).
         master_weights: True only (the engine always steps fp32 masters).
         enable_async_reduce: reduce gradients in the background of backward.
-        fp8_communication, use_fp8: refused unless False.
+        fp8_communication: gather parameters in fp8 (e4m3, blockwise scales: ZeRO++'s qwZ
+            with fp8 values; see [Note: quantized gathers] in chunk/wire/formats.py), as
+            ColossalAI's gathers in fp8; reductions stay in the reduce dtype.
+        use_fp8: refused unless False (the engine computes in the compute dtype).
         gpu_margin_mem_ratio: "auto": the share of the device room left after warm-up that
             optimizer state may use; ignored with a warning under other policies.
         shard_size: hybrid sharding's group size (ColossalAI's `extra_dp_size` replicas).
         verbose: log the configuration.
     """
-    if fp8_communication or use_fp8:
+    if use_fp8:
         raise ValueError(
-            f"{caller}(use_fp8={use_fp8!r}, fp8_communication={fp8_communication!r}) cannot be "
-            f"honoured: shardwise does not compute or communicate in fp8; leave both False and "
-            f"use precision 'bf16' or 'fp16'"
+            f"{caller}(use_fp8={use_fp8!r}) cannot be honoured: shardwise does not compute in "
+            f"fp8; leave it False and use precision 'bf16' or 'fp16' (fp8_communication=True "
+            f"gathers parameters in fp8)"
         )
+    if not isinstance(fp8_communication, bool):
+        raise TypeError(f"{caller}: fp8_communication must be a bool, got {fp8_communication!r}")
     if memstats is not None:
         raise ValueError(
             f"{caller}: memstats cannot be honoured: the engine records the order chunks are "
@@ -158,6 +164,7 @@ def gemini_engine_config(
         placement=placement,
         overlap=Overlap(communication=enable_async_reduce, prefetch=max_prefetch > 0),
         topology=Topology(process_group=process_group, shard_size=shard_size),
+        communication=Communication(gather="fp8" if fp8_communication else "dtype"),
         force_outputs_fp32=force_outputs_fp32,
     )
     if verbose:

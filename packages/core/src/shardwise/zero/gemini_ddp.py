@@ -14,6 +14,7 @@ from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.engine.config import (
     Chunking,
+    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,
@@ -311,7 +312,7 @@ def _seed_config(
             pin_memory=pin_memory,
         ),
         reduction=Reduction(
-            method=chunk_manager.reduce_method.value,
+            method=chunk_manager.wire.reduce_method.value,
             bucket_bytes=reduce_scatter_bucket_bytes,
             predivide_factor=chunk_manager.predivide_factor,
         ),
@@ -321,6 +322,23 @@ def _seed_config(
             shard_size=_shard_size(chunk_manager),
             secondary_shard_size=_secondary_shard_size(chunk_manager),
         ),
+        communication=_communication(chunk_manager),
         force_outputs_fp32=force_outputs_fp32,
         param_init_fn=param_init_fn,
+    )
+
+
+def _communication(chunk_manager: ChunkManager) -> Communication:
+    """The wire formats of a ChunkManager the user built, as the engine's setting."""
+    wire = chunk_manager.wire
+    blocks = {q.block_numel for q in (wire.gather, wire.reduce) if q is not None}
+    if len(blocks) > 1:
+        raise ValueError(
+            f"the ChunkManager's gather and reduce formats quantize in blocks of different "
+            f"sizes ({sorted(blocks)}); GeminiDDP takes one block size for both"
+        )
+    return Communication(
+        gather=wire.gather.kind if wire.gather is not None else "dtype",
+        reduce=wire.reduce.kind if wire.reduce is not None else "dtype",
+        **({"block_numel": blocks.pop()} if blocks else {}),
     )

@@ -28,7 +28,8 @@ class GeminiPlugin(ZeroPluginBase):
     "auto" sizes its budget as `steady_cuda_cap_ratio` of the CUDA device; on a host without
     one it keeps every chunk on the compute device. Arguments ColossalAI ignores at the
     configuration given are accepted and named in a warning or a log line (see
-    zero/gemini_config.py); tensor parallelism, fp8 and NVMe offload are refused.
+    zero/gemini_config.py); tensor parallelism, fp8 compute and NVMe offload are refused;
+    `fp8_communication=True` gathers parameters in fp8, as ColossalAI's.
 
     Args (ColossalAI's):
         chunk_config_dict: `{group size: {"chunk_size": n, "keep_gathered": b}}`
@@ -65,7 +66,10 @@ class GeminiPlugin(ZeroPluginBase):
             enable_sequence_parallelism, enable_jit_fused: Shardformer's kernels, which
             ColossalAI applies only with tp_size > 1: accepted, logged once as changing
             nothing.
-        use_fp8, fp8_communication: refused unless False.
+        use_fp8: refused unless False (no fp8 compute).
+        fp8_communication: gather parameters in fp8 with blockwise scales (see [Note:
+            quantized gathers] in chunk/wire/formats.py); refused where torch cannot cast to
+            fp8 on the device.
         extra_dp_size: replicate the sharded model this many times (hybrid sharding).
         enable_async_reduce: reduce gradients in the background of backward.
         verbose: log the engine configuration.

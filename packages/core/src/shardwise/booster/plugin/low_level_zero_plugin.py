@@ -10,6 +10,7 @@ from shardwise.booster.plugin.refusals import precision_of, refuse_model_paralle
 from shardwise.booster.plugin.zero_plugin_base import ZeroPluginBase
 from shardwise.engine.config import (
     Chunking,
+    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,
@@ -24,8 +25,8 @@ class LowLevelZeroPlugin(ZeroPluginBase):
     """ZeRO stage 1 (optimizer state sharded) or 2 (gradients too), with ColossalAI 0.5's
     `LowLevelZeroPlugin` arguments, defaults and order.
 
-    Beyond ColossalAI: `no_sync` at stage 2 too; any `norm_type`. fp8 and
-    `master_weights=False` are refused.
+    Beyond ColossalAI: `no_sync` at stage 2 too; any `norm_type`. fp8 compute and
+    `master_weights=False` are refused; `fp8_communication=True` gathers parameters in fp8.
 
     Args (ColossalAI's):
         stage: 1 or 2.
@@ -40,7 +41,10 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         overlap_allgather: let the all-gather of updated parameters run into the next forward.
         cpu_offload: fp32 masters, reduced gradients and optimizer state in host memory, the
             step on the host (see [Note: offload at stages 1 and 2] in engine/model.py).
-        master_weights, use_fp8, fp8_communication: refused unless at their defaults.
+        master_weights, use_fp8: refused unless at their defaults.
+        fp8_communication: gather updated parameters in fp8 with blockwise scales after the
+            step (see [Note: quantized gathers] in chunk/wire/formats.py); refused where
+            torch cannot cast to fp8 on the device.
         verbose: accepted (overflows are reported by a warning when steps keep being skipped).
         cast_inputs: floating inputs are cast to the compute dtype; False is refused.
         extra_dp_size: replicate the sharded state this many times (hybrid sharding).
@@ -73,7 +77,9 @@ class LowLevelZeroPlugin(ZeroPluginBase):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        refuse_model_parallel(name, use_fp8=use_fp8, fp8_communication=fp8_communication)
+        refuse_model_parallel(name, use_fp8=use_fp8)
+        if not isinstance(fp8_communication, bool):
+            raise TypeError(f"{name}: fp8_communication must be a bool, got {fp8_communication!r}")
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(
                 f"{name}: stage must be 1 or 2 (GeminiPlugin is stage 3), got {stage!r}"
@@ -106,6 +112,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         self.chunking = Chunking(size_numel=round(reduce_bucket_size_in_m * 2**20))
         self.overlap = Overlap(communication=overlap_communication, param_gather=overlap_allgather)
         self.topology = Topology(shard_size=shard_size_for(name, extra_dp_size, self.world_size))
+        self.communication = Communication(gather="fp8" if fp8_communication else "dtype")
         self.loss_scale = LossScaleConfig(
             initial_scale=initial_scale,
             min_scale=min_scale,
@@ -129,4 +136,5 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             placement=self.placement,
             overlap=self.overlap,
             topology=self.topology,
+            communication=self.communication,
         )

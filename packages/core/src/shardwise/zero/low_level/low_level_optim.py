@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 from shardwise.amp import LossScaleConfig
 from shardwise.engine.config import (
     Chunking,
+    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,
@@ -74,7 +75,8 @@ class LowLevelZeroOptimizer(ZeroOptimizerWrapper):
         forced_dtype: the dtype the parameters are cast to and computed in (None: theirs).
         master_weights: True only (fp32 masters are always kept).
         overlap_allgather: refused unless False (see the module note).
-        fp8_communication: refused unless False.
+        fp8_communication: gather updated parameters in fp8 with blockwise scales after the
+            step (see [Note: quantized gathers] in chunk/wire/formats.py).
         backward_context: refused unless None.
     """
 
@@ -113,9 +115,10 @@ class LowLevelZeroOptimizer(ZeroOptimizerWrapper):
             extra_dp_group=extra_dp_group is not None,
             master_weights=not master_weights,
             overlap_allgather=overlap_allgather,
-            fp8_communication=fp8_communication,
             backward_context=backward_context is not None,
         )
+        if not isinstance(fp8_communication, bool):
+            raise TypeError(f"fp8_communication must be a bool, got {fp8_communication!r}")
         if not isinstance(partition_grad, bool):
             raise TypeError(f"partition_grad must be a bool, got {partition_grad!r}")
         params = list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
@@ -137,6 +140,7 @@ class LowLevelZeroOptimizer(ZeroOptimizerWrapper):
             placement=Placement(policy=placement_policy("cpu" if cpu_offload else "cuda")),
             overlap=Overlap(communication=overlap_communication, param_gather=False),
             topology=Topology(process_group=dp_process_group),
+            communication=Communication(gather="fp8" if fp8_communication else "dtype"),
         )
         self.model: ZeroModel = wrap_model(_ParameterHolder(params), config)
         engine = wrap_optimizer(
@@ -167,8 +171,8 @@ def _refuse_unhonoured(**asked: bool) -> None:
     if named:
         raise ValueError(
             f"LowLevelZeroOptimizer cannot honour {named}: one process group shards every "
-            f"parameter, fp32 master weights are kept on the compute device, parameters are "
-            f"gathered in the step and nothing runs in fp8; for "
+            f"parameter, fp32 master weights are kept on the compute device and parameters "
+            f"are gathered in the step; for "
             f"replicas LowLevelZeroPlugin(extra_dp_size=...), for overlapped gathers "
             f"LowLevelZeroPlugin(overlap_allgather=True)"
         )

@@ -1,0 +1,190 @@
+"""Blockwise int8 and fp8 quantization (comm/quantize.py): each format's round-trip error
+against its bound, on edge values: zeros, inf and nan (an fp16 overflow under loss scaling),
+blocks that straddle parameters of different magnitudes, a last block shorter than the others,
+and a tensor's zero padding.
+
+The bounds are [Note: blockwise quantization]'s: int8 within absmax / 254 of each value (half
+a step of a block's 255 levels), fp8 e4m3 within 2^-4 of the value where it is in e4m3's normal
+range and 2^-10 of the block's scale below it; both plus fp32's rounding of the division and
+the product (a few units in the last place of the block's absmax, allowed as 1e-6 of it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.comm.quantize import BlockQuantizer, fp8_casts_work
+
+KINDS = ("int8", "fp8")
+# Relative slack for fp32's rounding of x / scale and q * scale.
+FP32_SLACK = 1e-6
+
+
+def _bound(kind: str, x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per value, the largest round-trip error the format allows for `x` (flat, fp32)."""
+    padded = torch.zeros(-(-x.numel() // block) * block)
+    padded[: x.numel()] = x.abs()
+    absmax = padded.view(-1, block).amax(dim=1).repeat_interleave(block)[: x.numel()]
+    if kind == "int8":
+        bound = absmax / 254
+    else:
+        scale = absmax / 448
+        bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)
+    return bound + absmax * FP32_SLACK
+
+
+def _values(numel: int, seed: int = 0) -> torch.Tensor:
+    """Values over nine decades, signs mixed, so blocks hold very different magnitudes."""
+    generator = torch.Generator().manual_seed(seed)
+    magnitude = torch.logspace(-4, 4, numel)[torch.randperm(numel, generator=generator)]
+    return torch.randn(numel, generator=generator) * magnitude
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block", [1, 7, 64, 256])
+def test_round_trip_stays_within_the_bound(kind: str, block: int) -> None:
+    quantizer = BlockQuantizer(kind, block)
+    x = _values(1000)  # 1000 is no multiple of 7, 64 or 256: a shorter last block
+    decoded = quantizer.round_trip(x)
+    error = (decoded - x).abs()
+    assert bool((error <= _bound(kind, x, block)).all()), float(
+        (error / _bound(kind, x, block)).max()
+    )
+    # Not a copy: most values moved (a format that sent fp32 would pass the bound too);
+    # blocks of one value are their own absmax, a level of the format.
+    assert int((decoded != x).sum()) > (500 if block > 1 else 0)
+    # The largest value of each block is a level of its own: exact for int8 (127 * scale).
+    if kind == "int8" and block == 7:
+        blocks = x[:994].view(-1, 7)
+        largest = blocks.abs().argmax(dim=1) + torch.arange(0, 994, 7)
+        assert torch.allclose(decoded[largest], x[largest], rtol=FP32_SLACK * 4, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_bound_is_tight_enough_to_fail(kind: str) -> None:
+    """The check above can fail: halve the bound and values break it."""
+    quantizer = BlockQuantizer(kind, 64)
+    x = _values(1000, seed=1)
+    error = (quantizer.round_trip(x) - x).abs()
+    assert bool((error > _bound(kind, x, 64) / 2).any())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zeros_decode_to_zeros_exactly(kind: str) -> None:
+    quantizer = BlockQuantizer(kind, 4)
+    x = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.5, 0.0, -2.0, 0.0, 0.0, 0.0])
+    decoded = quantizer.round_trip(x)
+    assert torch.equal(decoded[:4], torch.zeros(4))  # a block of zeros: scale 0, no 0 / 0
+    assert torch.equal(decoded[x == 0], torch.zeros(int((x == 0).sum())))
+    assert torch.equal(quantizer.round_trip(torch.zeros(9)), torch.zeros(9))
+    assert torch.equal(quantizer.round_trip(-torch.zeros(3)).abs(), torch.zeros(3))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_value_makes_its_whole_block_nan_and_no_other(kind: str, bad: float) -> None:
+    """An fp16 gradient that overflowed under loss scaling must not decode finite: the rank
+    that sums it finds the overflow in its step's norm. fp8 has no inf and torch's CPU cast
+    saturates inf to 448, so the format itself must carry it."""
+    quantizer = BlockQuantizer(kind, 4)
+    x = torch.tensor([1.0, -3.0, 2.0, 0.5, 7.0, bad, 0.0, 1.0, 4.0, 5.0], dtype=torch.float16)
+    decoded = quantizer.round_trip(x)
+    assert bool(decoded[4:8].isnan().all())
+    assert bool(decoded[:4].isfinite().all()) and bool(decoded[8:].isfinite().all())
+    finite = torch.cat([x[:4], x[8:]]).float()
+    error = (torch.cat([decoded[:4], decoded[8:]]) - finite).abs()
+    assert bool(
+        (error <= torch.cat([_bound(kind, x[:4].float(), 4), _bound(kind, x[8:].float(), 4)])).all()
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp16_extremes_round_trip_within_the_bound(kind: str) -> None:
+    """A loss-scaled fp16 gradient near the top of fp16's range, and tiny ones, keep their
+    bound (scales are fp32, so neither end overflows or flushes)."""
+    quantizer = BlockQuantizer(kind, 4)
+    x = torch.tensor([65504.0, -60000.0, 1.0, 3e-5, 6e-8, -6e-8, 1e-7, 0.0], dtype=torch.float16)
+    decoded = quantizer.round_trip(x)
+    assert bool(decoded.isfinite().all())
+    assert bool(((decoded - x.float()).abs() <= _bound(kind, x.float(), 4)).all())
+    tiny = torch.tensor([1e-30, -3e-31, 2e-32, 0.0])
+    assert bool(((quantizer.round_trip(tiny) - tiny).abs() <= _bound(kind, tiny, 4)).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_straddling_two_parameters(kind: str) -> None:
+    """A small parameter packed after a large one: the block they share is scaled by the large
+    one's values (within the bound of that block, so the small values there may round to
+    zero), while the small parameter's own blocks keep its precision."""
+    quantizer = BlockQuantizer(kind, 8)
+    large = torch.linspace(-1000.0, 1000.0, 13)
+    small = torch.linspace(-1e-3, 1e-3, 19)
+    flat = torch.cat([large, small])  # elements 13-15 share block 1 with the large tensor
+    decoded = quantizer.round_trip(flat)
+    assert bool(((decoded - flat).abs() <= _bound(kind, flat, 8)).all())
+    own_blocks = slice(16, 32)  # blocks 2 and 3: small values only
+    relative = (decoded[own_blocks] - flat[own_blocks]).abs().max() / small.abs().max()
+    assert float(relative) <= (1 / 254 if kind == "int8" else 2.0**-4) + FP32_SLACK
+    shared = (decoded[13:16] - flat[13:16]).abs().max()
+    assert float(shared) > float(small.abs().max()) / 2 or kind == "fp8"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_padding_changes_no_value(kind: str) -> None:
+    """A chunk is padded with zeros to a multiple of the ranks; they fall in the last rank's
+    last block and leave every value's scale as it was."""
+    quantizer = BlockQuantizer(kind, 4)
+    x = _values(10, seed=2)
+    padded = torch.cat([x, torch.zeros(2)])
+    assert torch.equal(quantizer.round_trip(padded)[:10], quantizer.round_trip(x))
+    assert torch.equal(quantizer.round_trip(padded)[10:], torch.zeros(2))
+
+
+def test_records_decode_into_16_bit_buffers_and_rows() -> None:
+    """Several records decode at once, row by row, into any float dtype (a bf16 compute
+    buffer): one rounding of the product in that dtype on top of the bound."""
+    quantizer = BlockQuantizer("int8", 5)
+    rows = [_values(12, seed=s) for s in range(3)]
+    records = torch.stack(
+        [
+            quantizer.encode(r, torch.empty(quantizer.record_nbytes(12), dtype=torch.uint8))
+            for r in rows
+        ]
+    )
+    out = torch.empty(3, 12, dtype=torch.bfloat16)
+    quantizer.decode(records, out)
+    for row, values in zip(out, rows, strict=True):
+        exact = quantizer.round_trip(values)
+        assert torch.equal(row, exact.to(torch.bfloat16))
+
+
+def test_record_layout_and_sizes() -> None:
+    int8 = BlockQuantizer("int8", 256)
+    # 1000 values padded to 1000 bytes (a multiple of 4), then 4 fp32 scales.
+    assert int8.num_blocks(1000) == 4
+    assert int8.record_nbytes(1000) == 1000 + 16
+    assert int8.record_nbytes(1001) == 1004 + 16
+    record = int8.encode(
+        torch.full((300,), 2.54), torch.empty(int8.record_nbytes(300), dtype=torch.uint8)
+    )
+    assert torch.equal(record[:300].view(torch.int8), torch.full((300,), 127, dtype=torch.int8))
+    scales = record[300:308].view(torch.float32)
+    assert torch.allclose(scales, torch.full((2,), 2.54 / 127))
+    # Against fp32 on the wire: a quarter, plus the scales.
+    assert int8.record_nbytes(4096) / (4096 * 4) == pytest.approx((1 + 4 / 256) / 4)
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="one of"):
+        BlockQuantizer("int4", 64)
+    with pytest.raises(ValueError, match="quant_block_numel must be a positive int, got 0"):
+        BlockQuantizer("int8", 0)
+
+
+def test_fp8_casts_work_on_this_cpu() -> None:
+    """torch 2.13's CPU build converts to and from float8_e4m3fn, so the fp8 format is
+    offered here; a device without the casts is refused (see test_wire_formats)."""
+    assert fp8_casts_work(torch.device("cpu"))
+    x = torch.tensor([448.0, -1.75, 2.0**-9, 0.0])
+    assert torch.equal(x.to(torch.float8_e4m3fn).float(), x)
