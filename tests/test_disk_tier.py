@@ -362,3 +362,48 @@ def test_booster_checkpoints_of_state_on_the_disk_tier_resume_exactly(tmp_path: 
     uninterrupted = run_ranks(_booster_resume, 2, str(tmp_path / "a"), save, 2)
     resumed = run_ranks(_booster_resume, 2, str(tmp_path / "b"), save, 0)
     assert resumed == uninterrupted
+
+
+def _second_optimizer(closed: bool, directory: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """Train with one optimizer, drop it (closed, or only collected), wrap a second over the
+    same model and train on. Returns the parameters and whether files are left once the
+    second one is dropped too."""
+    import gc
+
+    rank = dist.get_rank()
+    model = make_model()
+    config = {
+        "device": torch.device("cpu"),
+        "chunk_size_numel": CHUNK_NUMEL,
+        "placement_policy": "cpu",
+        "nvme_offload_fraction": 1.0,
+        "nvme_offload_dir": directory,
+    }
+    wrapped = zero_model_wrapper(model, 3, config)
+
+    def train(wrapped: Any, steps: range) -> None:
+        optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-2))
+        for step in steps:
+            optimizer.zero_grad()
+            optimizer.backward(wrapped(*batch_slice(step, 0, rank, 2)))
+            optimizer.step()
+        if closed:
+            optimizer.close()
+
+    train(wrapped, range(2))
+    gc.collect()  # a collected optimizer leaves the masters on disk for the model
+    train(wrapped, range(2, 4))
+    params = wrapped.state_dict(only_rank_0=False)
+    del wrapped, model
+    gc.collect()
+    return params, any(Path(directory).iterdir())
+
+
+def test_an_optimizer_collected_without_close_leaves_the_masters_to_the_next(
+    tmp_path: Path,
+) -> None:
+    closed = run_ranks(_second_optimizer, 2, True, str(tmp_path / "closed"))
+    collected = run_ranks(_second_optimizer, 2, False, str(tmp_path / "collected"))
+    for (a, files_a), (b, _) in zip(closed, collected, strict=True):
+        assert _same(a, b)
+        assert not files_a  # close() removed them (collected ones go at exit: test_disk_pool)

@@ -116,3 +116,22 @@ def test_a_directory_that_cannot_hold_files_is_refused(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="cannot hold files"):
         DiskPool(blocker / "below", rank=0)
+
+
+def test_files_are_removed_when_the_process_exits(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from shardwise.chunk.disk_pool import DiskPool\n"
+        "pool = DiskPool(sys.argv[1], rank=0)\n"
+        "pool.write(0, [torch.ones(8)]).result()\n"
+        "print(pool.path)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(str(tmp_path))
+    assert not any(tmp_path.iterdir())

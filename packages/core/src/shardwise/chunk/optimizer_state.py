@@ -46,6 +46,13 @@ class OptimizerState:
         """`view` is `master[begin:end]` and the optimizer steps it."""
         self.views.append((view, begin, end))
 
+    def unbind(self) -> None:
+        """Forget the views and state of an optimizer before (a new one is wrapped)."""
+        self.views = []
+        if self.tensors:
+            self.tensors = []
+            resident_changed(self._owner, transient=False)
+
     def adopt(self, states: Iterable[dict[str, Any]]) -> int:
         """Take the optimizer's state of the bound views (`states`, one dict per view, in
         bind order) as this chunk's: its per-element tensors (those shaped as their view; a

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import tempfile
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,10 +69,15 @@ def disk_settings(placement: Placement, optimizer: torch.optim.Optimizer) -> Dis
     )
 
 
-def chunks_for_disk(chunks: list[Chunk], settings: DiskSettings) -> list[Chunk]:
+def chunks_for_disk(
+    chunks: list[Chunk], settings: DiskSettings, *, already: int = 0
+) -> list[Chunk]:
     """The chunks whose optimizer side goes to the disk tier (see the module's docstring);
-    refused where no optimizer side is in host memory to take from."""
+    refused where no optimizer side is in host memory to take from, unless `already` chunks
+    are on the disk tier (left there by an optimizer before)."""
     held = [chunk for chunk in chunks if chunk.placement.optim is Pool.HOST]
+    if not held and already:
+        return []
     if not held:
         raise ValueError(
             f"the disk tier (nvme_offload_fraction={settings.fraction}, host_budget_bytes="
@@ -127,9 +130,11 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def place_on_disk(chunks: list[Chunk], directory: str, rank: int) -> DiskPool:
-    """A disk tier under `directory` holding `chunks`' masters and state."""
-    disk = DiskPool(directory, rank=rank)
+def place_on_disk(chunks: list[Chunk], disk: DiskPool) -> DiskPool:
+    """`disk` holding `chunks`' masters and state too. Its files go when it is closed
+    (`release_disk`, the optimizer's `close()`), when it is collected (every chunk on it is:
+    an optimizer collected without `close()` leaves the masters there for the model) or when
+    the process exits."""
     try:
         for chunk in chunks:
             chunk.move_optim(Pool.DISK, disk=disk)
@@ -140,16 +145,10 @@ def place_on_disk(chunks: list[Chunk], directory: str, rank: int) -> DiskPool:
     return disk
 
 
-def release_disk(
-    chunks: list[Chunk], disk: DiskPool, model: weakref.ref[Any] | None = None
-) -> None:
+def release_disk(chunks: list[Chunk], disk: DiskPool) -> None:
     """Bring `chunks`' masters and state back into host memory and remove the files (the
-    optimizer is closed: the model keeps its fp32 masters). When the model they belong to is
-    gone (`model` is a dead reference) or the interpreter is shutting down, only the files go:
-    nobody will read those masters."""
+    optimizer is closed: the model keeps its fp32 masters)."""
     try:
-        if sys.is_finalizing() or (model is not None and model() is None):
-            return
         for chunk in chunks:
             if chunk.placement.optim is Pool.DISK and chunk.placement.disk is disk:
                 chunk.move_optim(Pool.HOST)

@@ -163,23 +163,24 @@ class ZeroOptimizer:
         # [Note: the step, chunk by chunk]).
         self._groups_of_chunk: dict[int, list[list[torch.Tensor]]] = {}
         self._swap_params_for_shards()
-        # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py), when asked for.
-        self.disk: DiskPool | None = None
-        self._disk_chunks: list[Chunk] = []
+        # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py): chunks an optimizer
+        # before this one left there (it was collected without `close()`: their masters wait
+        # there still), and those the settings send there now.
+        self._disk_chunks = [c for c in self._chunks if c.placement.optim is Pool.DISK]
+        self.disk: DiskPool | None = (
+            self._disk_chunks[0].placement.disk if self._disk_chunks else None
+        )
         settings = disk_settings(model.config.placement, optimizer)
         if settings.wanted:
-            chosen = chunks_for_disk(self._chunks, settings)
+            chosen = chunks_for_disk(self._chunks, settings, already=len(self._disk_chunks))
             if chosen:
                 group = model.config.topology.process_group
-                self.disk = place_on_disk(chosen, settings.directory, comm.rank(group))
-                self._disk_chunks = chosen
-                # Released with the optimizer (its masters back into host memory, its files
-                # removed); at exit the pool removes its files on its own.
-                finalizer = weakref.finalize(
-                    self, release_disk, chosen, self.disk, weakref.ref(model)
+                self.disk = place_on_disk(
+                    chosen, self.disk or DiskPool(settings.directory, rank=comm.rank(group))
                 )
-                finalizer.atexit = False
-                self._release_disk = finalizer
+                self._disk_chunks = sorted(
+                    [*self._disk_chunks, *chosen], key=lambda chunk: chunk.chunk_id
+                )
         _OPTIMIZER_OF[model] = weakref.ref(self)
 
     def close(self) -> None:
@@ -188,8 +189,8 @@ class ZeroOptimizer:
         disk tier come back into host memory and its files are removed."""
         if optimizer_of(self.model) is self:
             del _OPTIMIZER_OF[self.model]
-        if self.disk is not None:
-            self._release_disk()
+        if self.disk is not None and not self._closed:
+            release_disk(self._disk_chunks, self.disk)
         self._closed = True
 
     def _swap_params_for_shards(self) -> None:
@@ -216,6 +217,11 @@ class ZeroOptimizer:
                 f"{', '.join(foreign[:5])}); build the optimizer over model.parameters() of "
                 f"the model passed to zero_model_wrapper"
             )
+        for chunk in self._chunks:
+            # Its master readable (a master an optimizer before left on the disk tier is read
+            # in; the next step writes it back), and no view or state of that optimizer kept.
+            chunk.ensure_resident()
+            chunk.optimizer_state.unbind()
         num_groups = len(self.optim.param_groups)
         for group_index, group in enumerate(self.optim.param_groups):
             shards: list[torch.Tensor] = []
