@@ -268,10 +268,11 @@ def test_no_sync_at_stage_3_reduces_nothing_and_releases_chunks_as_it_goes() -> 
     # Inside no_sync: no gradient reduction; what remains are the pass checks of [Note: ranks
     # in step], all-reduces of a few numbers, one at the forward and one at the backward.
     assert result["reductions_0"] == 2 and result["reductions_1"] == 2, result
-    # Whole gradients are kept beside the fp32 gradient shards (the documented cost),
-    # parameters are not: every chunk is released once its gradients are in, as in a
-    # synchronised pass.
-    kept = result["unsharded_grad_bytes"] + result["shard_grad_bytes"]
+    # Whole gradients are kept (the documented cost); the fp32 gradient shards are not there
+    # yet, as their first reduction allocates them ([Note: the gradient shard is allocated
+    # when first written]). Parameters are not kept: every chunk is released once its
+    # gradients are in, as in a synchronised pass.
+    kept = result["unsharded_grad_bytes"]
     assert result["grad_bytes_0"] == result["grad_bytes_1"] == kept, result
     assert result["gathered_after_0"] == result["gathered_after_1"] == 0
     assert result["peak_gathered"] < result["chunks"]
