@@ -6,7 +6,11 @@
 Each engine trains its own copy of the same model (same seed, same batches). After a warm-up
 of every engine, round after round each engine runs `--block` steps in turn, the order rotating
 every round; the first step of each turn is left out of the figures (it pays for the cache the
-previous engine evicted). Separate runs of one engine drift by several percent on these
+previous engine evicted). `--timing outside` times as a user's script does from outside
+instead: every step counted (none left out, no warm-up unless asked), each from a barrier to
+a barrier after the step, so a rank waiting for the other counts. Every step's time is written
+with its round and its place in the turn, so the two ways can be compared on one run. Separate
+runs of one engine drift by several percent on these
 machines; figures interleaved this finely share the drift, so their ratios hold. Rank 0 writes
 per-engine medians and every measured step time. Every engine must reach the same losses: the
 final loss of each is reported.
@@ -35,9 +39,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block", type=int, default=3, help="steps per engine per turn")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--timing",
+        choices=("turn", "outside"),
+        default="turn",
+        help="turn: leave out each turn's first step; outside: every step, barrier to barrier",
+    )
     add_model_arguments(parser)
     args = parser.parse_args()
-    if args.block < 2:
+    if args.block < 2 and args.timing == "turn":
         parser.error("--block must be at least 2 (a turn's first step is not measured)")
     return args
 
@@ -62,21 +72,28 @@ def main() -> None:
     losses: dict[str, float] = {}
 
     warmup: dict[str, list[float]] = {name: [] for name in engines}
+    # Every measured step as [round, place in its turn, ms].
+    every_step: dict[str, list[list[float]]] = {name: [] for name in engines}
+    outside = args.timing == "outside"
 
-    def run(name: str, count: int, record: bool) -> None:
+    def run(name: str, count: int, record: bool, round_index: int = -1) -> None:
         step, _ = engines[name]
         for turn_step in range(count):
             idx, targets = gpt_batch(config, args.batch, args.seq, steps_done[name])
             dist.barrier()
             start = time.perf_counter()
             loss = step(idx.chunk(world)[rank], targets.chunk(world)[rank])
-            elapsed = time.perf_counter() - start
+            if outside:
+                dist.barrier()
+            elapsed = (time.perf_counter() - start) * 1000
             steps_done[name] += 1
             losses[name] = float(loss.detach())
-            if record and turn_step > 0:
-                times[name].append(elapsed * 1000)
+            if record:
+                every_step[name].append([round_index, turn_step, elapsed])
+            if record and (turn_step > 0 or outside):
+                times[name].append(elapsed)
             if not record:
-                warmup[name].append(elapsed * 1000)
+                warmup[name].append(elapsed)
 
     for name in engines:
         run(name, args.warmup, record=False)
@@ -85,7 +102,7 @@ def main() -> None:
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             before = len(times[name])
-            run(name, args.block, record=True)
+            run(name, args.block, record=True, round_index=round_index)
             round_medians[name].append(statistics.median(times[name][before:]))
         if rank == 0:
             medians = ", ".join(f"{n} {statistics.median(times[n]):.1f}" for n in names)
@@ -104,10 +121,12 @@ def main() -> None:
             "world": world,
             "params": num_params,
             "steps_per_engine": steps_done[names[0]],
+            "timing": args.timing,
             "engines": {
                 name: {
                     "median_ms": statistics.median(times[name]),
                     "step_ms": times[name],
+                    "every_step": every_step[name],
                     "round_median_ms": round_medians[name],
                     "final_loss": losses[name],
                     # The warm-up steps, first to last: a compiled engine's first step

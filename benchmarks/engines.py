@@ -1,17 +1,19 @@
 """The engines the benchmarks compare, built over one model: torch's and shardwise's.
 
 An engine is named as the results name it: `ddp`, `fsdp1`, `fsdp2`, `colo` (shardwise's
-ColoDDP, stage 0, its defaults), `zero1`, `zero2`, `zero3-cuda`, `zero3-cpu`, with suffixes
-`+sync` (stages 1-2: `overlap_param_gather=False`, the all-gather of updated parameters waited
-in the step instead of overlapping the next forward, the default), `+defaults` (the sizes a
-user gets: stage 3 searches its chunk size, stages 1-2 take the default reduce_bucket_size),
-`+compile` (each block `torch.compile`d before wrapping), `+telemetry` (stream telemetry to
-a file), `+offload` (stages 1-2: `cpu_offload`, the optimizer side in host memory),
-`+wholestep` (the optimizer steps every shard in one call, as before the step went chunk by
-chunk: the reference of that change) and `-rs`, `-a2a`, `-ar` (shardwise's
-gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce). `zero3-disk` is stage 3
-with "cpu" placement and every master and optimizer state on the disk tier (under
-`$SHARDWISE_BENCH_DISK_DIR`, else the system's temporary directory).
+ColoDDP, stage 0, its defaults), `zero1`, `zero2`, `zero3-cuda`, `zero3-cpu`, and `local`
+(plain torch with no communication at all: each rank trains its own copy on its part of the
+batch, the floor every engine's step sits on), with suffixes `+sync` (stages 1-2:
+`overlap_param_gather=False`, the all-gather of updated parameters waited in the step instead
+of overlapping the next forward, the default), `+defaults` (the sizes a user gets: stage 3
+searches its chunk size, stages 1-2 take the default reduce_bucket_size), `+compile` (each
+block `torch.compile`d before wrapping), `+telemetry` (stream telemetry to a file),
+`+offload` (stages 1-2: `cpu_offload`, the optimizer side in host memory), `+wholestep` (the
+optimizer steps every shard in one call, as before the step went chunk by chunk: the
+reference of that change) and `-rs`, `-a2a`, `-ar` (shardwise's gradient_reduction: gloo's
+reduce-scatter, all-to-all, all-reduce). `zero3-disk` is stage 3 with "cpu" placement and
+every master and optimizer state on the disk tier (under `$SHARDWISE_BENCH_DISK_DIR`, else
+the system's temporary directory).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from shardwise.testing import GPT, GPTConfig
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Counters = Callable[[], dict[str, float]]
 
-TORCH_ENGINES = ("ddp", "fsdp1", "fsdp2")
+TORCH_ENGINES = ("ddp", "fsdp1", "fsdp2", "local")
 ZERO_ENGINES = ("zero1", "zero2", "zero3")
 COLO_ENGINE = "colo"
 # Engine-name suffixes of the gradient_reduction methods ("auto" is all-to-all on gloo).
@@ -152,6 +154,8 @@ def build(spec: EngineSpec, model: GPT, chunk_mib: float = 8.0) -> tuple[Step, C
             model.blocks[index] = torch.compile(block)
     if spec.engine == "ddp":
         return torch_step(torch.nn.parallel.DistributedDataParallel(model)), dict
+    if spec.engine == "local":
+        return torch_step(model), dict
     if spec.engine == COLO_ENGINE:
         from shardwise import ColoDDP
 

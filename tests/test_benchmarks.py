@@ -36,6 +36,26 @@ def test_interleaved_engines_reach_identical_losses(tmp_path: Path) -> None:
     assert len(set(losses.values())) == 1, losses
 
 
+def test_outside_timing_counts_every_step_with_its_place(tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    engines = "local,ddp,zero2"
+    options = [
+        "--engines", engines, "--out", str(out), "--rounds", "2", "--warmup", "0",
+        "--block", "2", "--timing", "outside",
+        "--n-layer", "2", "--n-embd", "64", "--vocab", "512", "--seq", "32", "--chunk-mib", "0.1",
+    ]  # fmt: skip
+    result = torchrun(ROOT / "benchmarks" / "bench_ab.py", *options, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    runs = summary["engines"]
+    assert summary["timing"] == "outside" and summary["steps_per_engine"] == 4
+    for run in runs.values():
+        assert len(run["step_ms"]) == 4
+        assert [place[:2] for place in run["every_step"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    # `local` trains each rank's copy on its own part of the batch: no loss to share.
+    assert runs["ddp"]["final_loss"] == runs["zero2"]["final_loss"]
+
+
 def test_gpu_benchmark_runs_its_smoke_configuration(tmp_path: Path) -> None:
     """The GPU half of the suite on a tiny model, on whatever device there is (the CPU in
     CI): every engine trains, and "largest" stops at the first size that trains."""
