@@ -54,6 +54,18 @@ def test_outside_timing_counts_every_step_with_its_place(tmp_path: Path) -> None
         assert [place[:2] for place in run["every_step"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     # `local` trains each rank's copy on its own part of the batch: no loss to share.
     assert runs["ddp"]["final_loss"] == runs["zero2"]["final_loss"]
+    views_script = str(ROOT / "benchmarks" / "ab_views.py")
+    views = subprocess.run(
+        [sys.executable, views_script, str(out), "--pairs", "zero2/ddp"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert views.returncode == 0, views.stderr
+    rows = [line.split("|") for line in views.stdout.splitlines()[2:]]
+    assert len(rows) == 4
+    every = [float(cell) for cell in rows[0][3:5]]
+    zero2 = [step[2] for step in runs["zero2"]["every_step"]]
+    ddp = [step[2] for step in runs["ddp"]["every_step"]]
+    assert every[1] == round(sum(zero2) / sum(ddp), 3)
 
 
 def test_gpu_benchmark_runs_its_smoke_configuration(tmp_path: Path) -> None:
