@@ -8,7 +8,8 @@ batch, the floor every engine's step sits on), with suffixes `+sync` (stages 1-2
 of overlapping the next forward, the default), `+defaults` (the sizes a user gets: stage 3
 searches its chunk size, stages 1-2 take the default reduce_bucket_size), `+compile` (each
 block `torch.compile`d before wrapping), `+telemetry` (stream telemetry to a file),
-`+offload` (stages 1-2: `cpu_offload`, the optimizer side in host memory), `+wholestep` (the
+`+offload` (stages 1-2: `cpu_offload`, the optimizer side in host memory), `+int8` / `+fp8`
+(parameters gathered and gradients reduced in that quantized format), `+wholestep` (the
 optimizer steps every shard in one call, as before the step went chunk by chunk: the
 reference of that change) and `-rs`, `-a2a`, `-ar` (shardwise's gradient_reduction: gloo's
 reduce-scatter, all-to-all, all-reduce). `zero3-disk` is stage 3 with "cpu" placement and
@@ -39,6 +40,9 @@ TORCH_ENGINES = ("ddp", "fsdp1", "fsdp2", "local")
 ZERO_ENGINES = ("zero1", "zero2", "zero3")
 COLO_ENGINE = "colo"
 # Engine-name suffixes of the gradient_reduction methods ("auto" is all-to-all on gloo).
+# `+int8` / `+fp8`: stages 1-3 gather parameters and reduce gradients in that blockwise format
+# (gemini_config's gather_format and reduce_format; README, "Quantized communication").
+WIRE_KINDS = ("int8", "fp8")
 REDUCTION_SUFFIX = {"auto": "", "reduce_scatter": "-rs", "all_to_all": "-a2a", "all_reduce": "-ar"}
 
 
@@ -76,6 +80,7 @@ class EngineSpec:
     compiled: bool = False
     offload: bool = False
     whole_step: bool = False
+    wire: str = "dtype"
 
     @property
     def name(self) -> str:
@@ -83,6 +88,7 @@ class EngineSpec:
             self.engine
             + ("-" + self.placement if self.engine == "zero3" else "")
             + ("+offload" if self.offload else "")
+            + ("" if self.wire == "dtype" else f"+{self.wire}")
             + ("+wholestep" if self.whole_step else "")
             + ("+compile" if self.compiled else "")
             + ("+defaults" if self.defaults else "")
@@ -108,6 +114,10 @@ class EngineSpec:
         name = name.removesuffix("+compile")
         whole_step = name.endswith("+wholestep")
         name = name.removesuffix("+wholestep")
+        wire = "dtype"
+        for kind in WIRE_KINDS:
+            if name.endswith(f"+{kind}"):
+                wire, name = kind, name.removesuffix(f"+{kind}")
         offload = name.endswith("+offload")
         name = name.removesuffix("+offload")
         engine, _, placement = name.partition("-")
@@ -124,6 +134,7 @@ class EngineSpec:
             compiled,
             offload,
             whole_step,
+            wire,
         )
         if spec.name != original:
             raise ValueError(f"cannot parse engine name {original!r} (read as {spec.name!r})")
@@ -205,6 +216,8 @@ def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Co
     config: dict[str, object] = {
         "device": torch.device("cpu"),
         "gradient_reduction": spec.reduction,
+        "gather_format": spec.wire,
+        "reduce_format": spec.wire,
     }
     if stage == 3:
         config.update(placement_policy="cpu" if spec.placement == "disk" else spec.placement)

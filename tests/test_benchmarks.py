@@ -38,7 +38,7 @@ def test_interleaved_engines_reach_identical_losses(tmp_path: Path) -> None:
 
 def test_outside_timing_counts_every_step_with_its_place(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
-    engines = "local,ddp,zero2"
+    engines = "local,ddp,zero2,zero3-cuda+int8"
     options = [
         "--engines", engines, "--out", str(out), "--rounds", "2", "--warmup", "0",
         "--block", "2", "--timing", "outside",
@@ -52,8 +52,11 @@ def test_outside_timing_counts_every_step_with_its_place(tmp_path: Path) -> None
     for run in runs.values():
         assert len(run["step_ms"]) == 4
         assert [place[:2] for place in run["every_step"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
-    # `local` trains each rank's copy on its own part of the batch: no loss to share.
+    # `local` trains each rank's copy on its own part of the batch: no loss to share; int8
+    # communication rounds.
     assert runs["ddp"]["final_loss"] == runs["zero2"]["final_loss"]
+    int8 = runs["zero3-cuda+int8"]["final_loss"]
+    assert abs(int8 - runs["ddp"]["final_loss"]) < 0.01 * runs["ddp"]["final_loss"], int8
     views_script = str(ROOT / "benchmarks" / "ab_views.py")
     views = subprocess.run(
         [sys.executable, views_script, str(out), "--pairs", "zero2/ddp"],
