@@ -49,7 +49,9 @@ ZeRO++'s qgZ: a reduce-scatter becomes one all-to-all of records: each rank enco
 of its gradient buffer every other rank owns, sends each its record, and keeps its own slice as
 it is; the owner adds the decoded records to its own slice in fp32, in rank order. Rounding
 therefore happens once per contribution, on the way, and never accumulates across ranks in a
-narrow dtype; the sum is fp32 whatever the reduce dtype (the reduced slice reaches the fp32
+narrow dtype (which is what lets int4, ZeRO++'s gradient format, serve here at half a byte a
+value: see [Note: int4 is for gradients] in comm/quantize.py); the sum is fp32 whatever the
+reduce dtype (the reduced slice reaches the fp32
 gradient shard as it would). A non-finite gradient decodes to nan on its owner (see [Note:
 blockwise quantization]), whose step then finds the overflow. Where every rank must hold the
 whole sum (stage 1 for `.grad`, the replicas of hybrid sharding, once per level), the summed
