@@ -67,6 +67,9 @@ import torch
 QUANTIZED_KINDS = ("int8", "fp8", "int4")
 GATHER_KINDS = ("int8", "fp8")
 """The kinds a parameter gather may send (see [Note: int4 is for gradients])."""
+DEFAULT_QUANT_BLOCK_NUMEL = 256
+GATHER_FORMATS = ("dtype", *GATHER_KINDS)
+REDUCE_FORMATS = ("dtype", *QUANTIZED_KINDS)
 _LARGEST = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
 _WIRE_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.int8}
 _ROUNDED = ("int8", "int4")
@@ -82,6 +85,26 @@ def fp8_casts_work(device: torch.device) -> bool:
     except (RuntimeError, TypeError, NotImplementedError):
         return False
     return bool(torch.equal(back, values))
+
+
+def check_wire_formats(gather: object, reduce: object, block_numel: object) -> None:
+    """Refuse wire formats that do not exist, naming the `gemini_config` keys users set:
+    `gather` one of GATHER_FORMATS, `reduce` one of REDUCE_FORMATS ("dtype": unquantized),
+    `block_numel` a positive int."""
+    if gather == "int4":
+        raise ValueError(
+            "gather_format='int4' is not offered: int4 quantizes gradient reductions only "
+            "(reduce_format='int4'); gather parameters in 'int8' (ZeRO++'s qwZ sends weights "
+            "in int8) or 'fp8'"
+        )
+    for key, value, formats in (
+        ("gather_format", gather, GATHER_FORMATS),
+        ("reduce_format", reduce, REDUCE_FORMATS),
+    ):
+        if value not in formats:
+            raise ValueError(f"{key} must be one of {formats}, got {value!r}")
+    if isinstance(block_numel, bool) or not isinstance(block_numel, int) or block_numel < 1:
+        raise ValueError(f"quant_block_numel must be a positive int, got {block_numel!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,9 @@ from shardwise.chunk.search import (
 from shardwise.chunk.wire import WireFormats
 from shardwise.comm import ReduceScatterMethod
 from shardwise.comm.quantize import (
-    GATHER_KINDS,
-    QUANTIZED_KINDS,
+    DEFAULT_QUANT_BLOCK_NUMEL,
     BlockQuantizer,
+    check_wire_formats,
     fp8_casts_work,
 )
 from shardwise.gemini.policies import DevicePlacement, HostPlacement, PlacementPolicy
@@ -317,11 +317,6 @@ class Reduction:
             )
 
 
-GATHER_FORMATS = ("dtype", *GATHER_KINDS)
-REDUCE_FORMATS = ("dtype", *QUANTIZED_KINDS)
-DEFAULT_QUANT_BLOCK_NUMEL = 256
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Communication:
     """Wire formats: what parameters are gathered in and gradients reduced in (see [Note: wire
@@ -344,22 +339,7 @@ class Communication:
     value on top of the value's one byte, or half byte for int4)."""
 
     def __post_init__(self) -> None:
-        # Named as the gemini_config keys, which users set.
-        if self.gather == "int4":
-            raise ValueError(
-                "gather_format='int4' is not offered: int4 quantizes gradient reductions only "
-                "(reduce_format='int4'); gather parameters in 'int8' (ZeRO++'s qwZ sends "
-                "weights in int8) or 'fp8'"
-            )
-        for key, value, formats in (
-            ("gather_format", self.gather, GATHER_FORMATS),
-            ("reduce_format", self.reduce, REDUCE_FORMATS),
-        ):
-            if value not in formats:
-                raise ValueError(f"{key} must be one of {formats}, got {value!r}")
-        block = self.block_numel
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ValueError(f"quant_block_numel must be a positive int, got {block!r}")
+        check_wire_formats(self.gather, self.reduce, self.block_numel)
 
     @property
     def quantizes(self) -> bool:
