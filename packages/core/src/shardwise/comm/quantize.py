@@ -54,8 +54,8 @@ ZeRO++ sends weights in int8 (qwZ) and gradients in int4 (qgZ). A gathered weigh
 with by the ranks that decode it, so its error (absmax / 14 of its block, 7% of the block's
 largest weight) would enter every forward and backward; a gradient's enters once, as one
 of N contributions to an fp32 sum that the optimizer then averages over steps. So int4 is
-offered for `reduce_format` and refused for `gather_format`, naming int8 (engine/config.py's
-`Communication`, and `WireFormats` below it).
+offered for `reduce_format` and refused for `gather_format`, naming int8
+(`check_wire_formats` below, which `Communication` and the planner call, and `WireFormats`).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ DEFAULT_QUANT_BLOCK_NUMEL = 256
 GATHER_FORMATS = ("dtype", *GATHER_KINDS)
 REDUCE_FORMATS = ("dtype", *QUANTIZED_KINDS)
 _LARGEST = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
-_WIRE_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.int8}
+_WIRE_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # int4: packed, no dtype
 _ROUNDED = ("int8", "int4")
 _INT4_ZERO = 8  # the offset of [Note: int4 packing]
 
