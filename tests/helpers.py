@@ -209,9 +209,10 @@ class BranchNet(nn.Module):
         return self.out(h)
 
 
-def branch_net_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of step `step`'s global batch for `BranchNet`."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def branch_net_batch(step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows (or `rank`'s) of step `step`'s global batch for `BranchNet`."""
+    world = dist.get_world_size()
+    rank = dist.get_rank() if rank is None else rank
     generator = torch.Generator().manual_seed(10 + step)
     x = torch.randn(world * ROWS_PER_RANK, BRANCH_WIDTH, generator=generator)
     y = torch.randn(world * ROWS_PER_RANK, BRANCH_WIDTH, generator=generator)

@@ -188,3 +188,32 @@ def _planned_budgets_train() -> dict[str, Any]:
 def test_a_budget_the_planner_says_fits_trains_without_budget_errors() -> None:
     outcomes = run_ranks(_planned_budgets_train, 1, backend="nccl")[0]
     assert outcomes == {"cpu": "trained", "auto": "trained"}, outcomes
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_records_on_cuda_are_the_cpu_records(kind: str) -> None:
+    """A record encoded on the device is the host's, byte for byte (int4's packing included),
+    and decodes to the same values: what a rank sends does not depend on where it encodes."""
+    from shardwise.comm.quantize import BlockQuantizer
+
+    quantizer = BlockQuantizer(kind, 7)
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(1001, generator=generator) * torch.logspace(-3, 3, 1001)
+    values[500] = float("inf")  # an overflowed block travels as nan on both
+    records = {}
+    for device in ("cpu", "cuda"):
+        x = values.to(device)
+        record = torch.empty(quantizer.record_nbytes(1001), dtype=torch.uint8, device=device)
+        records[device] = quantizer.encode(x, record).cpu()
+        decoded = torch.empty(1, 1001, device=device)
+        quantizer.decode(record.view(1, -1), decoded)
+        records[f"{device} decoded"] = decoded.cpu()
+    # Values and padding bytes (int8 leaves its padding unwritten), then the scales.
+    values_nbytes = records["cpu"].numel() - 4 * quantizer.num_blocks(1001)
+    written = 1001 if kind == "int8" else values_nbytes
+    assert torch.equal(records["cuda"][:written], records["cpu"][:written])
+    scales = [records[d][values_nbytes:].view(torch.float32) for d in ("cuda", "cpu")]
+    decoded = [records[f"{d} decoded"] for d in ("cuda", "cpu")]
+    for on_device, on_host in (scales, decoded):
+        assert torch.equal(on_device.isnan(), on_host.isnan()) and bool(on_host.isnan().any())
+        assert torch.equal(on_device.nan_to_num(), on_host.nan_to_num())

@@ -41,6 +41,7 @@ def test_overlap_param_gather_is_refused_at_stage_3() -> None:
 def test_wire_formats_are_checked_and_refused_where_they_cannot_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from shardwise.chunk.wire import WireFormats
     from shardwise.comm import ReduceScatterMethod
     from shardwise.comm.quantize import BlockQuantizer
     from shardwise.engine import Communication, Reduction
@@ -54,8 +55,18 @@ def test_wire_formats_are_checked_and_refused_where_they_cannot_run(
         ReduceScatterMethod.NATIVE
     )
     assert wire.gather == BlockQuantizer("int8", 64) and wire.reduce == BlockQuantizer("fp8", 64)
-    with pytest.raises(ValueError, match=r"gather_format must be one of .* got 'int4'"):
+    with pytest.raises(ValueError, match=r"gather_format must be one of .* got 'int2'"):
+        Communication(gather="int2")
+    # int4 reduces gradients; gathering weights in it is refused, naming what to use.
+    assert Communication(reduce="int4").wire_formats(
+        ReduceScatterMethod.ALL_TO_ALL
+    ).reduce == BlockQuantizer("int4", 256)
+    with pytest.raises(ValueError, match=r"gather_format='int4' is not offered.*'int8'"):
         Communication(gather="int4")
+    with pytest.raises(ValueError, match=r"gather must quantize to one of \('int8', 'fp8'\)"):
+        WireFormats(gather=BlockQuantizer("int4", 64))
+    with pytest.raises(ValueError, match=r"reduce_format must be one of .* got 'int2'"):
+        Communication(reduce="int2")
     with pytest.raises(ValueError, match=r"reduce_format must be one of .* got 'bf16'"):
         Communication(reduce="bf16")
     with pytest.raises(ValueError, match="quant_block_numel must be a positive int, got 0"):
@@ -78,5 +89,20 @@ def test_wire_formats_are_checked_and_refused_where_they_cannot_run(
     config = engine_config(3, {"device": cpu, "gather_format": "int8", "quant_block_numel": 32})
     assert config.communication == Communication(gather="int8", block_numel=32)
     assert engine_config(2, {"device": cpu, "reduce_format": "int8"}).communication.reduce == "int8"
+    for stage in (1, 2, 3):
+        assert engine_config(stage, {"device": cpu, "reduce_format": "int4"}).communication == (
+            Communication(reduce="int4")
+        )
+        with pytest.raises(ValueError, match="gather_format='int4' is not offered"):
+            engine_config(stage, {"device": cpu, "gather_format": "int4"})
+    with pytest.raises(ValueError, match=r"reduce_format='int4' exchanges .* 'all_to_all'"):
+        EngineConfig(
+            stage=3,
+            device=cpu,
+            reduction=Reduction(method="reduce_scatter"),
+            communication=Communication(reduce="int4"),
+        )
+    with pytest.raises(ValueError, match=r"stage 0 .* gathers nothing"):
+        EngineConfig(stage=0, device=cpu, communication=Communication(reduce="int4"))
     with pytest.raises(ValueError, match="gather_format must be one of"):
         engine_config(1, {"device": cpu, "gather_format": True})

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shardwise.cli import main
+from shardwise.comm.quantize import BlockQuantizer
 from shardwise.planner import ModelSpec, engine_bytes, plan, zero_paper_bytes
 
 
@@ -152,3 +153,67 @@ def test_hpz_moves_backward_gathers_into_the_node_and_holds_a_slice_of_every_chu
             plan(spec, world_size=16, secondary_shard_size=bad, **common)
     with pytest.raises(ValueError, match="cannot be combined"):
         plan(spec, world_size=16, secondary_shard_size=8, shard_size=8, **common)
+
+
+def test_quantized_formats_count_their_buffers_and_send_their_records(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """See [Note: wire buffers in the plan]: int8 gathers and int4 reductions hold their
+    records (and a reduction its two fp32 slices) beside the chunks, one gather and one
+    reduction in flight at stage 3, every chunk's gather and two reductions at stages 1-2; the
+    model state is as without them, and the traffic is the records'."""
+    spec = ModelSpec(num_params=8_000_000, largest_tensor_numel=1_000)
+    common = {"device_memory_bytes": 10**12, "host_memory_bytes": 10**12}
+    off = plan(spec, world_size=8, chunk_size_numel=1_000_000, **common)
+    on = plan(
+        spec, world_size=8, chunk_size_numel=1_000_000, gather_format="int8",
+        reduce_format="int4", **common,
+    )  # fmt: skip
+    before = {option.name: option for option in off.options}
+    after = {option.name: option for option in on.options}
+    assert "DDP" in before and "DDP" not in after  # ColoDDP takes no wire format
+    shard = 1_000_000 // 8
+    int8, int4 = BlockQuantizer("int8", 256), BlockQuantizer("int4", 256)
+    gather = 9 * int8.record_nbytes(shard)  # this rank's record and the 8 it receives
+    reduction = 2 * 7 * int4.record_nbytes(shard) + 2 * 4 * shard  # 7 sent, 7 received
+    assert int4.record_nbytes(shard) == shard // 2 + 4 * 489  # half a byte a value, scales
+    stage3, stage2 = after["stage 3 (cuda)"], after["stage 2 (cuda)"]
+    assert stage3.working_bytes == before["stage 3 (cuda)"].working_bytes + gather + reduction
+    gathers = -(-gather * on.psi_padded // 1_000_000)  # every chunk's at once after the step
+    assert stage2.working_bytes == before["stage 2 (cuda)"].working_bytes + gathers + 2 * reduction
+    assert on.smallest_budget_bytes == off.smallest_budget_bytes + gather + reduction
+    for name, option in after.items():
+        assert option.device == before[name].device and option.host == before[name].host, name
+    # Traffic: int8 records for fp32 parameters, int4 records for fp32 gradients.
+    per_element = int4.record_nbytes(shard) / shard + int8.record_nbytes(shard) / shard
+    assert stage2.comm_bytes_per_step == pytest.approx(per_element * 7 / 8 * spec.num_params)
+    assert stage2.comm_bytes_per_step / before["stage 2 (cuda)"].comm_bytes_per_step == (
+        pytest.approx((0.5 + 1 + 8 / 256) / 8, abs=1e-4)  # the last block of a shard is short
+    )
+    # The recommendation carries the formats into gemini_config.
+    assert on.zero_stage == 2 and on.gemini_config == {
+        "gather_format": "int8",
+        "reduce_format": "int4",
+    }
+    assert "'reduce_format': 'int4'" in on.wrapper_call()
+    tight = plan(
+        spec, world_size=8, device_memory_bytes=30_000_000, host_memory_bytes=10**12,
+        chunk_size_numel=1_000_000, reduce_format="int4", quant_block_numel=64,
+    )  # fmt: skip
+    assert tight.zero_stage == 3
+    assert tight.gemini_config["reduce_format"] == "int4"
+    assert tight.gemini_config["quant_block_numel"] == 64
+    # Hybrid sharding: across the groups a reduce-scatter of records and an exact all-gather.
+    hybrid = plan(spec, world_size=16, shard_size=8, reduce_format="int4", **common)
+    across = next(o.cross_group_bytes_per_step for o in hybrid.options if o.stage == 3)
+    shard_across = -(-(hybrid.psi_padded // 8) // 2)
+    records = int4.record_nbytes(shard_across) / shard_across
+    assert across == pytest.approx(0.5 * (records + 4) * hybrid.psi_padded / 8)
+    with pytest.raises(ValueError, match="gather_format='int4' is not offered"):
+        plan(spec, world_size=8, gather_format="int4", **common)
+    with pytest.raises(ValueError, match="reduce_format must be one of"):
+        plan(spec, world_size=8, reduce_format="int2", **common)
+    args = ["plan", "--params", "8e6", "--world-size", "8", "--device-memory", "1TB",
+            "--host-memory", "1TB", "--reduce-format", "int4", "--json"]  # fmt: skip
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["gemini_config"] == {"reduce_format": "int4"}

@@ -1,12 +1,14 @@
-"""Blockwise int8 and fp8 quantization (comm/quantize.py): each format's round-trip error
-against its bound, on edge values: zeros, inf and nan (an fp16 overflow under loss scaling),
-blocks that straddle parameters of different magnitudes, a last block shorter than the others,
-and a tensor's zero padding.
+"""Blockwise int8, fp8 and int4 quantization (comm/quantize.py): each format's round-trip
+error against its bound, on edge values: zeros, inf and nan (an fp16 overflow under loss
+scaling), blocks that straddle parameters of different magnitudes, a last block shorter than
+the others, odd lengths, 16-bit inputs and a tensor's zero padding; int4's packing of two
+values a byte, exactly.
 
 The bounds are [Note: blockwise quantization]'s: int8 within absmax / 254 of each value (half
-a step of a block's 255 levels), fp8 e4m3 within 2^-4 of the value where it is in e4m3's normal
-range and 2^-10 of the block's scale below it; both plus fp32's rounding of the division and
-the product (a few units in the last place of the block's absmax, allowed as 1e-6 of it).
+a step of a block's 255 levels), int4 within absmax / 14 (half a step of its 15 levels, -7 to
+7), fp8 e4m3 within 2^-4 of the value where it is in e4m3's normal range and 2^-10 of the
+block's scale below it; all plus fp32's rounding of the division and the product (a few units
+in the last place of the block's absmax, allowed as 1e-6 of it).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.comm.quantize import BlockQuantizer, fp8_casts_work
+from shardwise.comm.quantize import BlockQuantizer, fp8_casts_work, pack_int4, unpack_int4
 
-KINDS = ("int8", "fp8")
+KINDS = ("int8", "fp8", "int4")
+# Half a step of the integer formats, as a fraction of the block's absmax.
+HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14}
 # Relative slack for fp32's rounding of x / scale and q * scale.
 FP32_SLACK = 1e-6
 
@@ -26,8 +30,8 @@ def _bound(kind: str, x: torch.Tensor, block: int) -> torch.Tensor:
     padded = torch.zeros(-(-x.numel() // block) * block)
     padded[: x.numel()] = x.abs()
     absmax = padded.view(-1, block).amax(dim=1).repeat_interleave(block)[: x.numel()]
-    if kind == "int8":
-        bound = absmax / 254
+    if kind in HALF_STEP:
+        bound = absmax * HALF_STEP[kind]
     else:
         scale = absmax / 448
         bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)
@@ -54,8 +58,9 @@ def test_round_trip_stays_within_the_bound(kind: str, block: int) -> None:
     # Not a copy: most values moved (a format that sent fp32 would pass the bound too);
     # blocks of one value are their own absmax, a level of the format.
     assert int((decoded != x).sum()) > (500 if block > 1 else 0)
-    # The largest value of each block is a level of its own: exact for int8 (127 * scale).
-    if kind == "int8" and block == 7:
+    # The largest value of each block is a level of its own: exact for int8 (127 * scale) and
+    # int4 (7 * scale).
+    if kind in HALF_STEP and block == 7:
         blocks = x[:994].view(-1, 7)
         largest = blocks.abs().argmax(dim=1) + torch.arange(0, 994, 7)
         assert torch.allclose(decoded[largest], x[largest], rtol=FP32_SLACK * 4, atol=0)
@@ -125,7 +130,7 @@ def test_blocks_straddling_two_parameters(kind: str) -> None:
     assert bool(((decoded - flat).abs() <= _bound(kind, flat, 8)).all())
     own_blocks = slice(16, 32)  # blocks 2 and 3: small values only
     relative = (decoded[own_blocks] - flat[own_blocks]).abs().max() / small.abs().max()
-    assert float(relative) <= (1 / 254 if kind == "int8" else 2.0**-4) + FP32_SLACK
+    assert float(relative) <= HALF_STEP.get(kind, 2.0**-4) + FP32_SLACK
     shared = (decoded[13:16] - flat[13:16]).abs().max()
     assert float(shared) > float(small.abs().max()) / 2 or kind == "fp8"
 
@@ -141,10 +146,11 @@ def test_zero_padding_changes_no_value(kind: str) -> None:
     assert torch.equal(quantizer.round_trip(padded)[10:], torch.zeros(2))
 
 
-def test_records_decode_into_16_bit_buffers_and_rows() -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_records_decode_into_16_bit_buffers_and_rows(kind: str) -> None:
     """Several records decode at once, row by row, into any float dtype (a bf16 compute
     buffer): one rounding of the product in that dtype on top of the bound."""
-    quantizer = BlockQuantizer("int8", 5)
+    quantizer = BlockQuantizer(kind, 5)
     rows = [_values(12, seed=s) for s in range(3)]
     records = torch.stack(
         [
@@ -175,9 +181,78 @@ def test_record_layout_and_sizes() -> None:
     assert int8.record_nbytes(4096) / (4096 * 4) == pytest.approx((1 + 4 / 256) / 4)
 
 
+def test_int4_record_layout_and_sizes() -> None:
+    """Two values a byte (value i in the low half of byte i // 2 when i is even, the high half
+    when odd, as level + 8), padded to 4 bytes with zero levels, then the fp32 scales."""
+    int4 = BlockQuantizer("int4", 256)
+    assert int4.record_nbytes(1000) == 500 + 16
+    assert int4.record_nbytes(1001) == 504 + 16  # 501 bytes of values, padded to 504
+    assert int4.record_nbytes(1) == 4 + 4
+    # Against int8: half the values' bytes, the same scales.
+    int8 = BlockQuantizer("int8", 256)
+    assert int4.record_nbytes(4096) == 4096 // 2 + 64 == int8.record_nbytes(4096) - 4096 // 2
+    assert int4.record_nbytes(4096) / (4096 * 4) == pytest.approx((0.5 + 4 / 256) / 4)
+    # Levels 1, -7, 7, 0, 7 of one block with scale 1: bytes 0x19 (1 + 8, then -7 + 8 in the
+    # high half), 0x8f, 0x0f's low half with a zero (8) above it, then zero padding.
+    values = torch.tensor([1.0, -7.0, 7.0, 0.0, 7.0])
+    record = int4.encode(values, torch.empty(int4.record_nbytes(5), dtype=torch.uint8))
+    assert record[:4].tolist() == [0x19, 0x8F, 0x8F, 0x88]
+    assert record[4:8].view(torch.float32).tolist() == [1.0]
+    assert torch.equal(int4.round_trip(values), values)
+
+
+def test_int4_packing_is_exact() -> None:
+    """Every level -8 to 7 in either half of a byte unpacks as it was; an odd count's last
+    high half and the padding are zero levels."""
+    levels = torch.arange(-8, 8, dtype=torch.int8)
+    pairs = torch.cartesian_prod(levels, levels).reshape(-1)  # each level beside each other
+    packed = pack_int4(pairs, torch.empty(pairs.numel() // 2, dtype=torch.uint8))
+    assert torch.equal(unpack_int4(packed), pairs)
+    assert torch.equal(unpack_int4(packed.view(16, -1)), pairs.view(16, -1))  # rows alike
+    assert len(set(packed.tolist())) == 256  # every byte used once: nothing is lost
+    int4 = BlockQuantizer("int4", 3)
+    for numel in (1, 2, 3, 7, 8, 9, 31):
+        record = int4.encode(
+            _values(numel, seed=numel), torch.empty(int4.record_nbytes(numel), dtype=torch.uint8)
+        )
+        values_nbytes = record.numel() - 4 * int4.num_blocks(numel)
+        unpacked = unpack_int4(record[:values_nbytes])
+        assert bool((unpacked[:numel].abs() <= 7).all())  # -8 is never sent
+        assert bool((unpacked[numel:] == 0).all()), numel
+
+
+@pytest.mark.parametrize("block", [3, 7, 256])
+@pytest.mark.parametrize("numel", [1, 2, 3, 13, 257, 1001])
+def test_int4_blocks_starting_mid_byte_decode_as_on_their_own(block: int, numel: int) -> None:
+    """The packing runs over the record whatever the blocks: a block of odd length puts the
+    next one's first value in a high half, and each block still decodes exactly as it does
+    quantized alone (its own scale, its own levels)."""
+    int4 = BlockQuantizer("int4", block)
+    x = _values(numel, seed=numel + block)
+    decoded = int4.round_trip(x)
+    for begin in range(0, numel, block):
+        alone = int4.round_trip(x[begin : begin + block])
+        assert torch.equal(decoded[begin : begin + block], alone), begin
+    assert bool(((decoded - x).abs() <= _bound("int4", x, block)).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_inputs_round_trip_within_the_bound(kind: str, dtype: torch.dtype) -> None:
+    """Gradients reduced in a 16-bit reduce dtype: the bound holds against the 16-bit values
+    themselves (they are exact in fp32), odd lengths and a shorter last block included."""
+    quantizer = BlockQuantizer(kind, 64)
+    for numel in (1, 63, 1001):
+        x = (_values(numel, seed=numel) / 10).to(dtype)  # within fp16's range
+        decoded = quantizer.round_trip(x)
+        assert decoded.dtype == torch.float32
+        assert bool(((decoded - x.float()).abs() <= _bound(kind, x.float(), 64)).all()), numel
+        assert torch.equal(decoded, quantizer.round_trip(x.float()))
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="one of"):
-        BlockQuantizer("int4", 64)
+        BlockQuantizer("int2", 64)
     with pytest.raises(ValueError, match="quant_block_numel must be a positive int, got 0"):
         BlockQuantizer("int8", 0)
 

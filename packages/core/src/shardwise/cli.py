@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.planner import ModelSpec, plan
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -86,6 +87,18 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="per rank: what the disk tier's files may take (default 0: no disk tier)",
     )
+    planner.add_argument(
+        "--gather-format", default="dtype", help="parameter gathers: dtype, int8 or fp8"
+    )
+    planner.add_argument(
+        "--reduce-format", default="dtype", help="gradient reductions: dtype, int8, fp8 or int4"
+    )
+    planner.add_argument(
+        "--quant-block-numel",
+        type=int,
+        default=DEFAULT_QUANT_BLOCK_NUMEL,
+        help="values per quantization block",
+    )
     planner.add_argument("--json", action="store_true", help="machine-readable output")
     merger = commands.add_parser(
         "consolidate",
@@ -131,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             shard_size=args.shard_size,
             secondary_shard_size=args.secondary_shard_size,
             disk_memory_bytes=args.disk_memory,
+            gather_format=args.gather_format,
+            reduce_format=args.reduce_format,
+            quant_block_numel=args.quant_block_numel,
         )
     except ValueError as error:
         parser.error(str(error))

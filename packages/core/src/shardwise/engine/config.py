@@ -17,7 +17,12 @@ from shardwise.chunk.search import (
 )
 from shardwise.chunk.wire import WireFormats
 from shardwise.comm import ReduceScatterMethod
-from shardwise.comm.quantize import QUANTIZED_KINDS, BlockQuantizer, fp8_casts_work
+from shardwise.comm.quantize import (
+    DEFAULT_QUANT_BLOCK_NUMEL,
+    BlockQuantizer,
+    check_wire_formats,
+    fp8_casts_work,
+)
 from shardwise.gemini.policies import DevicePlacement, HostPlacement, PlacementPolicy
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -312,10 +317,6 @@ class Reduction:
             )
 
 
-WIRE_FORMATS = ("dtype", *QUANTIZED_KINDS)
-DEFAULT_QUANT_BLOCK_NUMEL = 256
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Communication:
     """Wire formats: what parameters are gathered in and gradients reduced in (see [Note: wire
@@ -326,24 +327,19 @@ class Communication:
     """Parameter all-gathers: "dtype" (the payload dtype, `MixedPrecision.param_dtype`),
     "int8" or "fp8" (ZeRO++'s qwZ: one byte per value with an fp32 scale per block; each rank
     keeps its own slice and its fp32 masters exact, see [Note: quantized gathers] in
-    chunk/wire/formats.py)."""
+    chunk/wire/formats.py). Not "int4": see [Note: int4 is for gradients] in
+    comm/quantize.py."""
     reduce: str = "dtype"
     """Gradient reduce-scatters: "dtype" (`MixedPrecision.reduce_dtype`, by the
-    `gradient_reduction` method), "int8" or "fp8" (ZeRO++'s qgZ: an all-to-all of quantized
-    slices, summed in fp32 by their owner, see [Note: quantized reductions] in
-    chunk/wire/formats.py)."""
+    `gradient_reduction` method), "int8", "fp8" or "int4" (ZeRO++'s qgZ: an all-to-all of
+    quantized slices, summed in fp32 by their owner, see [Note: quantized reductions] in
+    chunk/wire/formats.py; int4 sends half a byte per value)."""
     block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL
     """Values per quantization block, each with one fp32 scale (4 / block_numel bytes per
-    value on top of the value's one byte)."""
+    value on top of the value's one byte, or half byte for int4)."""
 
     def __post_init__(self) -> None:
-        # Named as the gemini_config keys, which users set.
-        for key, value in (("gather_format", self.gather), ("reduce_format", self.reduce)):
-            if value not in WIRE_FORMATS:
-                raise ValueError(f"{key} must be one of {WIRE_FORMATS}, got {value!r}")
-        block = self.block_numel
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ValueError(f"quant_block_numel must be a positive int, got {block!r}")
+        check_wire_formats(self.gather, self.reduce, self.block_numel)
 
     @property
     def quantizes(self) -> bool:

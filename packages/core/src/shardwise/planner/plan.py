@@ -15,6 +15,23 @@ the model state, the gathered working set (two chunks with their gradient buffer
 activation bytes within its memory, the host holds what is offloaded (and, on the disk tier,
 the three chunks' optimizer sides its step holds at once) within its memory, and the disk
 tier's files fit its bytes.
+
+[Note: wire buffers in the plan]
+Quantized wire formats (`gather_format`, `reduce_format`: see [Note: wire formats] in
+chunk/wire/formats.py) send fewer bytes, and hold buffers of their own beside the chunks they
+move, counted in the working memory as the engine holds them:
+- a quantized gather: this rank's record and every rank's, (N + 1) records of a shard, from
+  its start until it is finished: one chunk's at stage 3 (the prefetch in flight while another
+  computes), every chunk's at stages 1-2 (the step starts every gather and the next forward
+  finishes them: see [Note: deferred parameter gathers] in runtime/param_gather.py);
+- a quantized reduction: the (N - 1) records it sends and the (N - 1) it receives, and two
+  fp32 slices (the sum and the decoded record added to it), for each reduction in flight:
+  one at stage 3, two at stages 1-2 (see [Note: gradients in flight] in
+  runtime/grad_reducer.py).
+Their traffic is the records' bytes per element in place of the dtype's, and across groups a
+quantized reduce-scatter of the records and an exact all-gather of the sums (see [Note:
+quantized reductions]). Stage 0 (ColoDDP) takes no wire format, so a plan with one leaves it
+out. With both formats "dtype" nothing here changes the plan.
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import torch
 from torch import nn
 
 from shardwise.chunk.search import DEFAULT_MIN_CHUNK_BYTES, default_chunk_search
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL, BlockQuantizer, check_wire_formats
 from shardwise.planner.formulas import StateBytes, engine_bytes, zero_paper_bytes
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "sgd": 0, "sgd_momentum": 4}
@@ -124,6 +142,12 @@ class Plan:
     """hpZ's group size for backward's gathers at stage 3 (None: without hpZ)."""
     chunk_size_reason: str = ""
     """What chose `chunk_size_numel`: the search's reason, as the wrappers log it."""
+    gather_format: str = "dtype"
+    """The parameter gathers' wire format (see [Note: wire buffers in the plan])."""
+    reduce_format: str = "dtype"
+    """The gradient reductions' wire format."""
+    quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL
+    """Values per quantization block."""
 
     @property
     def zero_stage(self) -> int | None:
@@ -136,13 +160,21 @@ class Plan:
         if self.recommended is None or self.recommended.stage == 0:
             return {}
         disk = {"nvme_offload_fraction": 1.0} if self.recommended.placement == "disk" else {}
+        wire: dict[str, Any] = {}
+        if self.gather_format != "dtype":
+            wire["gather_format"] = self.gather_format
+        if self.reduce_format != "dtype":
+            wire["reduce_format"] = self.reduce_format
+        if wire and self.quant_block_numel != DEFAULT_QUANT_BLOCK_NUMEL:
+            wire["quant_block_numel"] = self.quant_block_numel
         if self.recommended.stage != 3:
-            return {**hybrid, **disk}
+            return {**hybrid, **disk, **wire}
         config: dict[str, Any] = {
             "placement_policy": "cpu" if disk else self.recommended.placement,
             **disk,
             "chunk_size_numel": self.chunk_size_numel,
             **hybrid,
+            **wire,
         }
         if self.secondary_shard_size is not None:
             config["secondary_shard_size"] = self.secondary_shard_size
@@ -257,6 +289,9 @@ def plan(
     shard_size: int | None = None,
     secondary_shard_size: int | None = None,
     disk_memory_bytes: int = 0,
+    gather_format: str = "dtype",
+    reduce_format: str = "dtype",
+    quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
 ) -> Plan:
     """Memory per rank and traffic per step for stages 0-3 and the stage-3 placements, and the
     recommended configuration (see [Note: which configuration is recommended]).
@@ -277,6 +312,9 @@ def plan(
             [Note: secondary shards] in chunk/chunk.py); counted in the working memory.
         disk_memory_bytes: bytes the disk tier's files may take per rank (see [Note: the disk
             tier] in chunk/disk_pool.py); 0 plans without a disk tier.
+        gather_format, reduce_format, quant_block_numel: the wire formats, as in
+            `gemini_config`; their buffers count in the working memory and their records in
+            the traffic (see [Note: wire buffers in the plan]).
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.from_module(model)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -296,6 +334,13 @@ def plan(
             f"got {shard_size!r}"
         )
     _check_secondary_shard_size(secondary_shard_size, world_size, shard_size)
+    check_wire_formats(gather_format, reduce_format, quant_block_numel)
+    gather_q = (
+        None if gather_format == "dtype" else BlockQuantizer(gather_format, quant_block_numel)
+    )
+    reduce_q = (
+        None if reduce_format == "dtype" else BlockQuantizer(reduce_format, quant_block_numel)
+    )
     if (
         isinstance(disk_memory_bytes, bool)
         or not isinstance(disk_memory_bytes, int)
@@ -319,6 +364,8 @@ def plan(
     for stage, placement in _ORDER:
         if placement == "disk" and not disk_memory_bytes:
             continue
+        if stage == 0 and (gather_q or reduce_q):
+            continue  # ColoDDP takes no wire format: see [Note: wire buffers in the plan]
         n = world_size if stage == 0 else shards
         state = engine_bytes(
             stage, psi_padded, n, param_bytes=sizes["param"],
@@ -330,6 +377,8 @@ def plan(
             working = 2 * chunk * (sizes["param"] + sizes["compute"] + sizes["reduce"])
             if secondary_shard_size is not None:  # every chunk's slice, forward to backward
                 working += psi_padded * sizes["param"] / secondary_shard_size
+        if stage > 0:
+            working += _wire_buffer_bytes(stage, chunk, psi_padded, n, gather_q, reduce_q)
         zero = StateBytes(params=0, grads=0, optimizer=0, master=0)
         disk = zero
         if stage == 3:
@@ -352,25 +401,33 @@ def plan(
             host = StateBytes(params=host.params, grads=host.grads, optimizer=0, master=0)
             host_working = 3 * shard_of_chunk * (4 + opt_bytes)
         wire = (n - 1) / n * spec.num_params
+        # Bytes per element a gather and a reduce-scatter send: the dtype's, or the records'.
+        gather_el = _sent_per_element(gather_q, chunk, n, sizes["param"])
+        reduce_el = _sent_per_element(reduce_q, chunk, n, sizes["reduce"])
         # Stage 0 all-reduces gradients; 1 and 2 reduce-scatter them and all-gather parameters;
         # 3 gathers parameters twice (forward, backward).
         per_element = {
             0: 2 * sizes["reduce"],
-            1: sizes["reduce"] + sizes["param"],
-            2: sizes["reduce"] + sizes["param"],
-            3: sizes["reduce"] + 2 * sizes["param"],
+            1: reduce_el + gather_el,
+            2: reduce_el + gather_el,
+            3: reduce_el + 2 * gather_el,
         }
         comm = per_element[stage] * wire
         in_node = 0.0
         if stage == 3 and secondary_shard_size is not None:
             # Backward's gathers run over the secondary groups instead of over all n ranks.
             s = secondary_shard_size
-            in_node = sizes["param"] * (s - 1) / s * spec.num_params
-            comm += in_node - sizes["param"] * wire
-        # The reduced gradient shard, all-reduced across the groups (a ring: 2 (R - 1) / R).
+            in_node = gather_el * (s - 1) / s * spec.num_params
+            comm += in_node - gather_el * wire
+        # The reduced gradient shard, all-reduced across the groups (a ring: 2 (R - 1) / R);
+        # quantized, a reduce-scatter of records and an all-gather of the exact sums.
         across = 0.0
         if stage > 0 and replicas > 1:
-            across = 2 * (replicas - 1) / replicas * sizes["reduce"] * psi_padded / n
+            if reduce_q is None:
+                across = 2 * (replicas - 1) / replicas * sizes["reduce"] * psi_padded / n
+            else:
+                records = _sent_per_element(reduce_q, psi_padded // n, replicas, sizes["reduce"])
+                across = (replicas - 1) / replicas * (records + sizes["reduce"]) * psi_padded / n
         comm += across
         offloaded = (host.total + disk.total) / max(state.total, 1)
         moved = offloaded * (2 * sizes["param"] + 4) * psi_padded / n if stage == 3 else 0.0
@@ -396,6 +453,7 @@ def plan(
         )  # fmt: skip
     recommended = next((option for option in options if option.fits), None)
     gathered = 2 * chunk * (sizes["param"] + sizes["compute"] + sizes["reduce"])
+    gathered += _wire_buffer_bytes(3, chunk, psi_padded, shards, gather_q, reduce_q)
     return Plan(
         spec=spec,
         world_size=world_size,
@@ -408,7 +466,43 @@ def plan(
         shard_size=shard_size if replicas > 1 else None,
         secondary_shard_size=secondary_shard_size,
         chunk_size_reason=chunk_reason,
+        gather_format=gather_format,
+        reduce_format=reduce_format,
+        quant_block_numel=quant_block_numel,
     )
+
+
+def _sent_per_element(
+    quantizer: BlockQuantizer | None, numel: int, ranks: int, dtype_bytes: int
+) -> float:
+    """Bytes per element of a collective over `ranks` of `numel` elements: the dtype's, or its
+    shard's record over the shard (values padded to 4 bytes, and the scales)."""
+    if quantizer is None:
+        return float(dtype_bytes)
+    shard = max(1, -(-numel // ranks))
+    return quantizer.record_nbytes(shard) / shard
+
+
+def _wire_buffer_bytes(
+    stage: int,
+    chunk: int,
+    psi_padded: int,
+    n: int,
+    gather: BlockQuantizer | None,
+    reduce: BlockQuantizer | None,
+) -> int:
+    """The quantized formats' own buffers a rank holds at once (see [Note: wire buffers in
+    the plan])."""
+    shard = -(-chunk // n)
+    nbytes = 0
+    if gather is not None:
+        per_gather = (n + 1) * gather.record_nbytes(shard)
+        # Stages 1-2: every chunk's, as many as psi_padded / chunk of them (rounded up).
+        nbytes += per_gather if stage == 3 else -(-per_gather * psi_padded // chunk)
+    if reduce is not None:
+        in_flight = 1 if stage == 3 else 2
+        nbytes += in_flight * (2 * (n - 1) * reduce.record_nbytes(shard) + 2 * 4 * shard)
+    return nbytes
 
 
 def _check_secondary_shard_size(size: int | None, world_size: int, shard_size: int | None) -> None:

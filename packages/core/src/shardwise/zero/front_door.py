@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.config import (
-    DEFAULT_QUANT_BLOCK_NUMEL,
     DEFAULT_REDUCE_BUCKET_NUMEL,
     Chunking,
     Communication,

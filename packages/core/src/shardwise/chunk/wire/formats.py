@@ -49,7 +49,9 @@ ZeRO++'s qgZ: a reduce-scatter becomes one all-to-all of records: each rank enco
 of its gradient buffer every other rank owns, sends each its record, and keeps its own slice as
 it is; the owner adds the decoded records to its own slice in fp32, in rank order. Rounding
 therefore happens once per contribution, on the way, and never accumulates across ranks in a
-narrow dtype; the sum is fp32 whatever the reduce dtype (the reduced slice reaches the fp32
+narrow dtype (which is what lets int4, ZeRO++'s gradient format, serve here at half a byte a
+value: see [Note: int4 is for gradients] in comm/quantize.py); the sum is fp32 whatever the
+reduce dtype (the reduced slice reaches the fp32
 gradient shard as it would). A non-finite gradient decodes to nan on its owner (see [Note:
 blockwise quantization]), whose step then finds the overflow. Where every rank must hold the
 whole sum (stage 1 for `.grad`, the replicas of hybrid sharding, once per level), the summed
@@ -68,7 +70,7 @@ from shardwise.chunk.states import ChunkDtypes
 from shardwise.chunk.wire.gather import GatherWire, PayloadGather, QuantizedGather
 from shardwise.chunk.wire.reduce import PayloadReduce, QuantizedReduce, ReduceWire
 from shardwise.comm import CommStats, ReduceScatterMethod
-from shardwise.comm.quantize import BlockQuantizer
+from shardwise.comm.quantize import GATHER_KINDS, BlockQuantizer
 from shardwise.comm.topology import Topology
 
 
@@ -95,8 +97,10 @@ class WireFormats:
     """How a manager's chunks communicate (see [Note: wire formats]).
 
     Attributes:
-        gather: the parameter gathers' quantization, or None to send the payload dtype.
-        reduce: the gradient reductions' quantization, or None to send the reduce dtype.
+        gather: the parameter gathers' quantization (int8 or fp8), or None to send the
+            payload dtype.
+        reduce: the gradient reductions' quantization (int8, fp8 or int4), or None to send
+            the reduce dtype.
         reduce_method: how an unquantized reduce-scatter runs (see [Note: reduce-scatter
             methods] in comm/collectives.py).
     """
@@ -110,6 +114,11 @@ class WireFormats:
             value = getattr(self, side)
             if value is not None and not isinstance(value, BlockQuantizer):
                 raise TypeError(f"{side} must be a BlockQuantizer or None, got {value!r}")
+        if self.gather is not None and self.gather.kind not in GATHER_KINDS:
+            raise ValueError(
+                f"gather must quantize to one of {GATHER_KINDS}, got {self.gather.kind!r} "
+                f"(see [Note: int4 is for gradients] in comm/quantize.py)"
+            )
         if not isinstance(self.reduce_method, ReduceScatterMethod):
             raise TypeError(
                 f"reduce_method must be a ReduceScatterMethod, got {self.reduce_method!r}"
