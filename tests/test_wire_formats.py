@@ -31,6 +31,7 @@ What is exact, and what is compared with a tolerance:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -160,12 +161,14 @@ def _train(
         op.value: (stats.calls(op), stats.payload_bytes(op))
         for op in (CommOp.ALL_GATHER, CommOp.REDUCE_SCATTER, CommOp.ALL_REDUCE)
     }
+    totals = {op.value: (stats.sent_bytes(op), stats.unquantized_sent_bytes(op)) for op in CommOp}
     checks = _gather_round(list(wrapped.chunk_manager.trainable_chunks()), stats)
     return {
         "losses": losses,
         "skipped": skipped,
         "state": wrapped.state_dict(only_rank_0=False),
         "sent": sent,
+        "totals": totals,
         "checks": checks,
     }
 
@@ -311,10 +314,120 @@ def _plugin_runs() -> dict[str, Any]:
     return seen
 
 
+WIRE = {"gather_format": "int8", "reduce_format": "int8", "quant_block_numel": 64}
+
+
+def _front_door_runs() -> dict[str, Any]:
+    """Every front door with int8 gathers and reductions in blocks of 64 (fp32 storage), 2
+    steps on helpers' GPT and batches: the losses (averaged over the ranks), the engine's
+    wire settings and the wires its chunks got."""
+    from shardwise import GeminiDDP, ShardedModelV2, ShardedOptimizerV2, TensorShardStrategy
+    from shardwise.booster import Booster
+    from shardwise.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
+    from shardwise.zero.low_level import LowLevelZeroOptimizer
+
+    rank = dist.get_rank()
+
+    def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def run(name: str, engine: Any, step: Any) -> None:
+        losses = []
+        for index in range(2):
+            total = step(batch_slice(index, 0, rank, 2)).detach().float().clone()
+            dist.all_reduce(total)
+            losses.append(float(total / 2))
+        wire = engine.config.communication
+        seen[name] = {
+            "losses": losses,
+            "communication": (wire.gather, wire.reduce, wire.block_numel),
+            "wires": {
+                (type(c.wire.gather).__name__, type(c.wire.reduce).__name__)
+                for c in engine.chunk_manager.chunks
+            },
+        }
+
+    def stepper(model: Any, optimizer: Any, backward: Any = None) -> Any:
+        def step(batch: Any) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(*batch)
+            (backward or optimizer.backward)(loss)
+            optimizer.step()
+            return loss
+
+        return step
+
+    seen: dict[str, Any] = {}
+    chunks = {"chunk_config_dict": {2: {"chunk_size": CHUNK_NUMEL}}}
+    model = make_model()
+    gemini = GeminiDDP(model, **chunks, mixed_precision=torch.float32, **WIRE)
+    run("GeminiDDP", gemini, stepper(gemini, zero_optim_wrapper(gemini, adamw(model))))
+    model = make_model()
+    sharded = ShardedModelV2(model, TensorShardStrategy(), **WIRE)
+    run("ShardedModelV2", sharded, stepper(sharded, ShardedOptimizerV2(sharded, adamw(model))))
+    model = make_model()
+    low_level = LowLevelZeroOptimizer(
+        adamw(model), reduce_bucket_size=CHUNK_NUMEL, partition_grad=True, **WIRE
+    )
+    run("LowLevelZeroOptimizer", low_level.model, stepper(model, low_level))
+    plugins = {
+        "GeminiPlugin": GeminiPlugin(precision="fp32", **chunks, **WIRE),
+        "LowLevelZeroPlugin": LowLevelZeroPlugin(stage=1, precision="fp32", **WIRE),
+    }
+    for name, plugin in plugins.items():
+        booster = Booster(plugin=plugin)
+        model = make_model()
+        boosted, optimizer, *_ = booster.boost(model, adamw(model))
+        backward = lambda loss, optimizer=optimizer, booster=booster: booster.backward(  # noqa: E731
+            loss, optimizer
+        )
+        run(name, boosted, stepper(boosted, optimizer, backward))
+    return seen
+
+
+def _front_door_refusals() -> list[tuple[str, str]]:
+    """Bad wire settings at every front door: (error type, message)."""
+    from shardwise import GeminiDDP, ShardedModelV2, TensorShardStrategy
+    from shardwise.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
+    from shardwise.chunk import ChunkManager
+    from shardwise.gemini import GeminiManager, placement_policy
+    from shardwise.zero.low_level import LowLevelZeroOptimizer
+
+    cpu = torch.device("cpu")
+    manager = GeminiManager(
+        placement_policy("cuda"), ChunkManager(chunk_size_numel=CHUNK_NUMEL, device=cpu)
+    )
+    attempts = [
+        lambda: zero_model_wrapper(make_model(), 3, {"device": cpu, "reduce_format": "int4"}),
+        lambda: zero_model_wrapper(
+            make_model(), 2, {"device": cpu, "fp8_communication": True, "gather_format": "int8"}
+        ),
+        lambda: GeminiDDP(make_model(), gather_format="fp16"),
+        lambda: GeminiDDP(make_model(), manager, gather_format="int8"),
+        lambda: GeminiPlugin(reduce_format=1),
+        lambda: LowLevelZeroPlugin(fp8_communication=True, reduce_format="int8"),
+        lambda: LowLevelZeroOptimizer(
+            torch.optim.SGD(make_model().parameters(), lr=0.1), quant_block_numel=0
+        ),
+        lambda: ShardedModelV2(make_model(), TensorShardStrategy(), quant_block_numel=2.5),
+    ]
+    seen = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except (TypeError, ValueError) as error:
+            seen.append((type(error).__name__, str(error)))
+        else:
+            seen.append(("accepted", ""))
+    return seen
+
+
 def _two_rank_cases() -> dict[str, Any]:
     results: dict[str, Any] = {f"reduce_wire {kind}": _reduce_wire_checks(kind) for kind in KINDS}
     results["budget_checks"] = _budget_checks_count_the_wire()
     results["plugins"] = _plugin_runs()
+    results["front doors"] = _front_door_runs()
+    results["refusals"] = _front_door_refusals()
     for stage in (1, 2, 3):
         results[f"{stage}/dtype"] = _train(stage)
         results[f"{stage}/int8"] = _train(stage, gather="int8")
@@ -427,6 +540,36 @@ def test_bytes_on_the_wire_drop_as_the_format_says(
     assert bytes_q / bytes_p == pytest.approx(ratio, abs=0.002)
 
 
+@pytest.mark.parametrize(
+    ("quantized", "plain"),
+    [
+        ("1/int8", "1/dtype"),
+        ("2/int8", "2/dtype"),
+        ("3/int8", "3/dtype"),
+        ("3/fp8", "3/dtype"),
+        ("2/int8+int8", "2/dtype"),
+        ("3/fp8+fp8", "3/dtype"),
+        ("1/dtype+fp8", "1/dtype"),
+        ("3/bf16 int8", "3/bf16 dtype"),
+    ],
+)
+def test_the_unquantized_figure_is_what_the_formats_off_send(
+    two_ranks: list[dict[str, Any]], quantized: str, plain: str
+) -> None:
+    """What the counters say a quantized run would have sent unquantized (see [Note:
+    unquantized bytes] in comm/stats.py) is what the same run sends with the formats off,
+    byte for byte: kind by kind where the same collectives run, in total at stage 1, whose
+    fp32 `.grad` average is one all-reduce off and a quantized reduce-scatter with an
+    all-gather on. Off, the figure is the bytes sent."""
+    for rank_result in two_ranks:
+        ours, off = rank_result[quantized]["totals"], rank_result[plain]["totals"]
+        assert all(sent == unquantized for sent, unquantized in off.values())
+        assert sum(u for _, u in ours.values()) == sum(s for s, _ in off.values())
+        assert sum(s for s, _ in ours.values()) < sum(s for s, _ in off.values())
+        if quantized != "1/dtype+fp8":
+            assert {op: u for op, (_, u) in ours.items()} == {op: s for op, (s, _) in off.items()}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_quantized_reduce_scatter_sums_exactly_and_carries_an_overflow(
     two_ranks: list[dict[str, Any]], kind: str
@@ -464,6 +607,58 @@ def test_colossalai_fp8_communication_gathers_and_reduces_in_fp8(
             assert fp8["losses"] != plain["losses"]
             for a, b in zip(fp8["losses"], plain["losses"], strict=True):
                 assert abs(a - b) / b <= LOSS_RTOL
+
+
+FRONT_DOORS = (
+    "GeminiDDP",
+    "ShardedModelV2",
+    "LowLevelZeroOptimizer",
+    "GeminiPlugin",
+    "LowLevelZeroPlugin",
+)
+
+
+def test_every_front_door_takes_the_wire_formats(
+    two_ranks: list[dict[str, Any]], plain_loop: Any
+) -> None:
+    """GeminiDDP, ShardedModelV2, LowLevelZeroOptimizer and both plugins with
+    gather_format / reduce_format / quant_block_numel by keyword (zero_model_wrapper's
+    gemini_config is `_train`'s): the engine's config holds them, every chunk's wire is the
+    quantized one, and 2 steps train within LOSS_RTOL of the plain loop, not equal to it."""
+    losses, _ = plain_loop
+    for rank_result in two_ranks:
+        runs = rank_result["front doors"]
+        assert sorted(runs) == sorted(FRONT_DOORS)
+        for name, run in runs.items():
+            assert run["communication"] == ("int8", "int8", 64), name
+            assert run["wires"] == {("QuantizedGather", "QuantizedReduce")}, name
+            assert run["losses"] != losses[:2], name
+            for mine, plain in zip(run["losses"], losses[:2], strict=True):
+                assert abs(mine - plain) / plain <= LOSS_RTOL, (name, run["losses"])
+
+
+def test_bad_wire_settings_are_refused_by_every_front_door(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    expected = [
+        ("ValueError", r"^reduce_format must be one of \('dtype', 'int8', 'fp8'\), got 'int4'$"),
+        ("ValueError", r"fp8_communication=True means .* cannot be combined with gather_format"),
+        ("ValueError", r"^GeminiDDP: gather_format must be one of .* got 'fp16'$"),
+        ("ValueError", r"GeminiManager .* Got \['gather_format'\]: .* ChunkManager\(wire=...\)"),
+        ("TypeError", r"^GeminiPlugin: reduce_format must be a str, .* got int 1$"),
+        (
+            "ValueError",
+            r"^LowLevelZeroPlugin: fp8_communication=True means .* reduce_format='int8'",
+        ),
+        ("ValueError", r"^LowLevelZeroOptimizer: quant_block_numel must be a positive int, got 0$"),
+        ("TypeError", r"^ShardedModelV2: quant_block_numel must be a positive int .* float 2.5$"),
+    ]
+    for rank_result in two_ranks:
+        seen = rank_result["refusals"]
+        assert len(seen) == len(expected)
+        for (kind, message), (want_kind, pattern) in zip(seen, expected, strict=True):
+            assert kind == want_kind, (message, pattern)
+            assert re.search(pattern, message), (message, pattern)
 
 
 def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(
@@ -516,6 +711,9 @@ def _branch_run(**formats: Any) -> dict[str, Any]:
             op.value: (stats.calls(op), stats.payload_bytes(op), stats.sent_bytes(op))
             for op in CommOp
         },
+        "totals": {
+            op.value: (stats.sent_bytes(op), stats.unquantized_sent_bytes(op)) for op in CommOp
+        },
         "replicas_agree": replicas_agree,
         "checks": _gather_round(chunks, stats),
     }
@@ -565,6 +763,10 @@ def test_hybrid_sharding_quantizes_each_level_and_keeps_replicas_alike(
         for op in ("all_gather", "reduce_scatter"):
             assert quantized["sent"][op][0] == plain["sent"][op][0]
             assert quantized["sent"][op][1] / plain["sent"][op][1] <= 0.35
+        # What the quantized run would have sent unquantized is what the plain one sent.
+        assert sum(u for _, u in quantized["totals"].values()) == sum(
+            s for s, _ in plain["totals"].values()
+        )
         # Across the replicas a rank sends, of its fp32 gradient shard's bytes, a quarter
         # (the quantized reduce-scatter) and one (the exact all-gather of the sums), where the
         # plain all-reduce sends two: 1.254 / 2.
