@@ -237,3 +237,24 @@ def branch_net_ddp(
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
     return model.state_dict()
+
+
+# Relative slack for fp32's rounding of x / scale and q * scale in the blockwise formats.
+FP32_SLACK = 1e-6
+# Half a step of the integer formats, as a fraction of the block's absmax.
+HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14}
+
+
+def round_trip_bound(kind: str, x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per value, the largest round-trip error the blockwise format `kind` ("int8", "int4"
+    or "fp8") allows for `x` (flat, fp32) in blocks of `block` values: [Note: blockwise
+    quantization] in shardwise/comm/quantize.py."""
+    padded = torch.zeros(-(-x.numel() // block) * block)
+    padded[: x.numel()] = x.abs()
+    absmax = padded.view(-1, block).amax(dim=1).repeat_interleave(block)[: x.numel()]
+    if kind in HALF_STEP:
+        bound = absmax * HALF_STEP[kind]
+    else:
+        scale = absmax / 448
+        bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)
+    return bound + absmax * FP32_SLACK

@@ -297,3 +297,67 @@ def test_the_run_header_names_the_shard_groups(tmp_path: Path) -> None:
         step = next(e for e in events if e["type"] == "step")
         # The only bytes crossing the groups, counted apart (see tests/test_hybrid_sharding.py).
         assert step["comm_bytes"]["replicate_all_reduce"] > 0
+
+
+def _off_and_quantized(path: str) -> dict[str, Any]:
+    """The same 3 stage-3 steps, off and with int8 gathers and reductions (blocks of 64),
+    each streaming to its own JSON-lines file; what the counters said per step."""
+    rank = dist.get_rank()
+    per_step: dict[str, Any] = {}
+    for name, wire in (("off", {}), ("int8", {"gather_format": "int8", "reduce_format": "int8"})):
+        model = make_model()
+        config = {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL, **wire}
+        wrapped = zero_model_wrapper(model, 3, {**config, "quant_block_numel": 64})
+        optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        recorder = telemetry.enable(wrapped, optimizer, run_id=name, path=f"{path}.{name}")
+        assert recorder is not None
+        stats = wrapped.comm_stats
+        totals = []
+        for step in range(3):
+            before = (stats.sent_bytes(), stats.unquantized_sent_bytes())
+            optimizer.zero_grad()
+            optimizer.backward(wrapped(*batch_slice(step, 0, rank, 2)))
+            optimizer.step()
+            after = (stats.sent_bytes(), stats.unquantized_sent_bytes())
+            totals.append([after[0] - before[0], after[1] - before[1]])
+        recorder.finish()
+        per_step[name] = totals
+    return per_step
+
+
+def test_a_step_reports_its_bytes_against_the_unquantized_figure(tmp_path: Path) -> None:
+    """`comm_bytes_unquantized` is what the same step sends with the formats off: the
+    quantized run's figure equals the off run's bytes sent, kind by kind and step by step (the
+    engine computes it from chunk sizes and dtypes, it does not estimate it); off, it is
+    `comm_bytes` itself. The run header names the formats."""
+    path = str(tmp_path / "telemetry")
+    results = run_ranks(_off_and_quantized, 2, path)
+    for rank, counted in enumerate(results):
+        runs = {}
+        for name in ("off", "int8"):
+            lines = (tmp_path / f"telemetry.{name}.rank{rank}.jsonl").read_text().splitlines()
+            events = [json.loads(line) for line in lines]
+            runs[name] = [e for e in events if e["type"] == "step"]
+            header = events[0]["config"]
+            if name == "int8":
+                assert (
+                    header["gather_format"],
+                    header["reduce_format"],
+                    header["quant_block_numel"],
+                ) == ("int8", "int8", 64)
+            else:
+                assert "gather_format" not in header
+        off, quantized = runs["off"], runs["int8"]
+        assert len(off) == len(quantized) == 3
+        for step, (plain, ours) in enumerate(zip(off, quantized, strict=True)):
+            assert plain["comm_bytes_unquantized"] == plain["comm_bytes"]
+            assert ours["comm_bytes_unquantized"] == plain["comm_bytes"], step
+            # What the counters said around the step (the events' intervals are the steps).
+            sent, unquantized = counted["int8"][step]
+            assert sum(ours["comm_bytes"].values()) == sent
+            assert sum(ours["comm_bytes_unquantized"].values()) == unquantized
+            # One byte a value and an fp32 scale per 64 against fp32's four bytes.
+            for op in ("all_gather", "reduce_scatter"):
+                ratio = ours["comm_bytes"][op] / ours["comm_bytes_unquantized"][op]
+                assert ratio == pytest.approx((1 + 4 / 64) / 4, abs=0.01), (op, ratio)
+        assert counted["off"][0][0] == counted["off"][0][1]

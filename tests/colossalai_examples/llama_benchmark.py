@@ -24,8 +24,8 @@ What differs, and why:
   modules beside it) are written here, the evaluator reduced to the step time it reports; the
   profiler context is left out.
 - `--tp` above 1 and `--use_fp8` are refused by GeminiPlugin, each with what to use
-  instead; `--use_fp8_comm` gathers parameters in fp8 (where torch casts to fp8 on the
-  device).
+  instead; `--use_fp8_comm` gathers parameters and reduces gradients in fp8 (where torch
+  casts to fp8 on the device).
 """
 
 import argparse

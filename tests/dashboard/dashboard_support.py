@@ -32,6 +32,7 @@ def step_event(
         "grad_norm": 0.75,
         "step_time_s": 0.125,
         "comm_bytes": {"all_gather": 4096, "reduce_scatter": 2048},
+        "comm_bytes_unquantized": {"all_gather": 4096, "reduce_scatter": 2048},
         "moved_bytes": {"to_device": 0, "to_host": 0, "to_disk": 0, "from_disk": 0},
         "memory": {"device": 1 << 20, "host": 0, "disk": 0},
         "skipped_in_a_row": 0,

@@ -48,18 +48,26 @@ def _evaluate(wrapped: torch.nn.Module, step: int) -> float:
 
 
 def train(
-    url: str | None, steps: int, kill_at: int = -1, server_pid: int = 0, eval_every: int = 0
+    url: str | None,
+    steps: int,
+    kill_at: int = -1,
+    server_pid: int = 0,
+    eval_every: int = 0,
+    wire: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train `steps` steps on this rank, streaming telemetry to `url` when given. With
     `kill_at`, rank 0 SIGKILLs the dashboard (`server_pid`) before that step, once the
     dashboard holds some of this run's events. With `eval_every`, every rank evaluates after
-    every that many steps and reports it (`recorder.evaluated`)."""
+    every that many steps and reports it (`recorder.evaluated`). `wire`: gemini_config's wire
+    formats (`gather_format`, ...). Per step, the bytes the engine counted as sent and as
+    what it would have sent unquantized, between the ends of consecutive steps, as the step
+    events count them."""
     rank = dist.get_rank()
     warnings = _Collect()
     logging.getLogger("shardwise.telemetry").addHandler(warnings)
     model = make_model()
     wrapped = zero_model_wrapper(
-        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL}
+        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL, **(wire or {})}
     )
     optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
     recorder = None
@@ -69,7 +77,9 @@ def train(
         recorder = telemetry.enable(wrapped, optimizer, chunk_every=CHUNK_EVERY)
         assert recorder is not None
         del os.environ["SHARDWISE_DASHBOARD_URL"]
-    losses, evals = [], []
+    stats = wrapped.comm_stats
+    losses, evals, wire_bytes = [], [], []
+    last = (stats.sent_bytes(), stats.unquantized_sent_bytes())
     for step in range(steps):
         if rank == 0 and step == kill_at:
             assert url is not None
@@ -80,6 +90,9 @@ def train(
         optimizer.backward(loss)
         optimizer.step()
         losses.append(float(loss.detach()))
+        now = (stats.sent_bytes(), stats.unquantized_sent_bytes())
+        wire_bytes.append([now[0] - last[0], now[1] - last[1]])
+        last = now
         if eval_every and (step + 1) % eval_every == 0:
             evals.append([step, _evaluate(wrapped, step)])
             if recorder is not None:
@@ -87,6 +100,7 @@ def train(
     result: dict[str, Any] = {
         "losses": losses,
         "evals": evals,
+        "wire_bytes": wire_bytes,
         "chunk_ids": [chunk.chunk_id for chunk in wrapped.chunk_manager.chunks],
     }
     if recorder is not None:

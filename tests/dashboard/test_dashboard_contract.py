@@ -8,8 +8,10 @@ import inspect
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from shardwise.telemetry import SCHEMA_VERSION as CORE_SCHEMA_VERSION
 from shardwise.telemetry import events as core_events
@@ -67,6 +69,7 @@ def test_every_event_core_builds_is_accepted() -> None:
             comm_bytes={"all_gather": 10, "reduce_scatter": 5},
             moved_bytes={"to_device": 1, "to_host": 2, "to_disk": 3, "from_disk": 4},
             memory={"device": 100, "host": 50, "disk": 60},
+            comm_bytes_unquantized={"all_gather": 40, "reduce_scatter": 20},
         ),
         core_events.chunks("r", 0, step_index=0, report=report),
         core_events.evaluation("r", 0, step_index=49, loss=2.25),
@@ -131,6 +134,40 @@ def test_a_step_without_the_disk_tier_s_fields_reads_them_as_zero() -> None:
     dumped = event.model_dump(mode="json", by_alias=True)
     assert dumped["moved_bytes"] == {"to_device": 5, "to_host": 6, "to_disk": 0, "from_disk": 0}
     assert dumped["memory"] == {"device": 7, "host": 8, "disk": 0}
+
+
+def test_the_unquantized_bytes_travel_beside_the_bytes_sent() -> None:
+    """A step's comm_bytes_unquantized (what its collectives would have sent unquantized) is
+    stored as core sent it; core fills it with comm_bytes when nothing was quantized; a step
+    from a core before it reads it as unknown (null), never as comm_bytes; bad values are
+    refused as comm_bytes' are."""
+    common: dict[str, Any] = {
+        "step_index": 2,
+        "loss": 1.0,
+        "loss_scale": 1.0,
+        "overflow": False,
+        "grad_norm": 1.0,
+        "step_time_s": 0.01,
+        "moved_bytes": {"to_device": 0, "to_host": 0, "to_disk": 0, "from_disk": 0},
+        "memory": {"device": 0, "host": 0, "disk": 0},
+    }
+    sent = {"all_gather": 2_130, "reduce_scatter": 1_065, "all_reduce": 8}
+    unquantized = {"all_gather": 8_000, "reduce_scatter": 4_000, "all_reduce": 8}
+    quantized = core_events.step(
+        "r", 0, comm_bytes=sent, comm_bytes_unquantized=unquantized, **common
+    )
+    plain = core_events.step("r", 0, comm_bytes=sent, **common)
+    assert plain["comm_bytes_unquantized"] == sent
+    assert plain["comm_bytes_unquantized"] is not sent  # a copy, not an alias
+    older = dict(plain)
+    del older["comm_bytes_unquantized"]
+    batch = EventBatch.model_validate({"events": [quantized, plain, older]})
+    dumped = [e.model_dump(mode="json", by_alias=True) for e in batch.events]
+    assert dumped[0] == quantized and dumped[1] == plain
+    assert dumped[2]["comm_bytes_unquantized"] is None
+    for bad in ({"all_gather": -1}, {"all_gather": 1.5}, {"": 3}, [1, 2]):
+        with pytest.raises(ValidationError, match="comm_bytes_unquantized"):
+            EventBatch.model_validate({"events": [dict(plain, comm_bytes_unquantized=bad)]})
 
 
 def test_the_dashboard_never_imports_torch_or_shardwise() -> None:

@@ -1,5 +1,6 @@
 """End to end: a 2-rank training run streams into a real dashboard server, and headless
-Chromium, which loaded the page before the run began, shows it live, evaluations included."""
+Chromium, which loaded the page before the run began, shows it live, evaluations included, and
+the bytes on the wire of its int8 gathers and reductions against the unquantized figure."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ ARTIFACT = ROOT / "runs" / "test-artifacts" / "dashboard-e2e.png"  # runs/ is gi
 STEPS = 12
 EVAL_EVERY = 4  # evaluations after steps 3, 7 and 11
 WORLD = 2
+WIRE = {"gather_format": "int8", "reduce_format": "int8"}
 
 
 def _page_state(page: Any, run_id: str) -> dict[str, Any]:
@@ -56,6 +58,15 @@ def _page_state(page: Any, run_id: str) -> dict[str, Any]:
                 evalText: card.querySelector('.latest-eval').textContent,
                 evalShown: !card.querySelector('.latest-eval').hidden,
                 evalPixels: orangePixels(card.querySelector('canvas[data-chart="loss"]')),
+                commValues: Number(card.querySelector('canvas[data-chart="comm"]').dataset.values),
+                wireText: card.querySelector('canvas[data-chart="comm"]')
+                    .parentElement.querySelector('.latest').textContent,
+                wireBytes: card.querySelector('canvas[data-chart="comm"]')
+                    .parentElement.querySelector('.latest').dataset.wireBytes,
+                unquantizedBytes: card.querySelector('canvas[data-chart="comm"]')
+                    .parentElement.querySelector('.latest').dataset.unquantizedBytes,
+                wireRatio: card.querySelector('canvas[data-chart="comm"]')
+                    .parentElement.querySelector('.latest').dataset.wireRatio,
             })),
             reloaded: window.__sameDocument !== true,
           };
@@ -84,7 +95,7 @@ def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
             page.evaluate("window.__sameDocument = true")
 
             results = run_ranks(
-                train, WORLD, server.url, STEPS, eval_every=EVAL_EVERY, timeout_s=120
+                train, WORLD, server.url, STEPS, eval_every=EVAL_EVERY, wire=WIRE, timeout_s=120
             )
 
             run_id = results[0]["run_id"]
@@ -135,6 +146,13 @@ def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
         shown_loss, at = shown["evalText"].removeprefix("eval ").split(" @ ")
         assert abs(float(shown_loss) - last_loss) < 0.01 and at == str(last_step)
         assert shown["evalPixels"] > 20
+        # The latest step's bytes on the wire and their share of the unquantized figure, as
+        # the rank's counters said: two series of a value per step.
+        sent, unquantized = result["wire_bytes"][-1]
+        assert shown["commValues"] == 2 * STEPS
+        assert (shown["wireBytes"], shown["unquantizedBytes"]) == (str(sent), str(unquantized))
+        assert float(shown["wireRatio"]) == sent / unquantized < 0.5
+        assert shown["wireText"].endswith(f" ({sent / unquantized:.2f} of unquantized)")
     assert screenshot.stat().st_size > 10_000
 
     # What the server kept is exactly what the ranks computed.
@@ -147,6 +165,10 @@ def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
     assert detail["status"] == "finished" and detail["world_size"] == WORLD
     for rank_detail, result in zip(detail["ranks"], results, strict=True):
         assert [e["loss"] for e in rank_detail["steps"]] == result["losses"]
+        assert [
+            [sum(e["comm_bytes"].values()), sum(e["comm_bytes_unquantized"].values())]
+            for e in rank_detail["steps"]
+        ] == result["wire_bytes"]
         assert [[e["step"], e["loss"]] for e in rank_detail["evals"]] == result["evals"]
         assert rank_detail["chunks"]["step"] == (STEPS - 1) // CHUNK_EVERY * CHUNK_EVERY
         assert rank_detail["dropped"] == 0 and result["dropped"] == 0

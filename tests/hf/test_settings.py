@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardwise import Placement
-from shardwise_hf import check_transformers_version
+from shardwise import Communication, Placement
+from shardwise_hf import ShardwiseCallback, check_transformers_version
 from shardwise_hf.settings import CallbackOptions, resolve
 
 
@@ -118,3 +118,36 @@ def test_secondary_shard_size_reaches_the_engine_at_stage_3_only() -> None:
     assert resolve(CallbackOptions(), _args()).config.topology.secondary_shard_size is None
     with pytest.raises(ValueError, match="only stage 3 does"):
         resolve(CallbackOptions(zero_stage=2, secondary_shard_size=2), _args())
+
+
+def test_wire_formats_reach_the_engine_at_every_stage() -> None:
+    assert resolve(CallbackOptions(), _args()).config.communication == Communication()
+    for stage in (1, 2, 3):
+        callback = ShardwiseCallback(
+            zero_stage=stage, gather_format="int8", reduce_format="fp8", quant_block_numel=128
+        )
+        settings = resolve(callback.options, _args())
+        assert settings.config.communication == Communication(
+            gather="int8", reduce="fp8", block_numel=128
+        )
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "match"),
+    [
+        (
+            {"gather_format": "bf16"},
+            ValueError,
+            r"^ShardwiseCallback: gather_format must be one of \('dtype', 'int8', 'fp8'\), "
+            r"got 'bf16'$",
+        ),
+        ({"reduce_format": None}, TypeError, "reduce_format must be a str, .* got NoneType"),
+        ({"quant_block_numel": 0}, ValueError, "quant_block_numel must be a positive int, got 0"),
+        ({"quant_block_numel": "256"}, TypeError, "quant_block_numel must be a positive int"),
+    ],
+)
+def test_bad_wire_formats_are_refused_when_the_callback_is_built(
+    settings: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        ShardwiseCallback(**settings)

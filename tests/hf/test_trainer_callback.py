@@ -4,7 +4,8 @@ One torchrun launch (tests/hf/trainer_run.py) trains tiny Llama and GPT-2 models
 with a plain Trainer and with the callback (stage 3, and Llama at stages 1 and 2), evaluating
 during and after training, saves, resumes, loads the best checkpoint, trains with activation
 checkpointing (reentrant and not, plain and at stages 1-3), trains a Switch Transformers model
-whose ranks route tokens to different experts, trains with hybrid sharding, accumulates 3
+whose ranks route tokens to different experts, trains with hybrid sharding and with int8
+wire formats, accumulates 3
 micro-batches per step unclipped at stages 1-3, and builds a
 conflicting set-up and a Trainer that does not run distributed; the tests below assert on what
 it wrote. Loading the saved models happens in a plain process without shardwise
@@ -312,6 +313,29 @@ def test_hybrid_sharding_through_the_callback_matches_the_plain_trainer(
     for stage in ("stage2", "stage3"):
         assert runs[stage]["replicas"] == 2
         assert runs[stage]["loss"] == runs["plain"]["loss"], (stage, runs)
+
+
+def test_quantized_wire_formats_through_the_callback_train_close_to_the_plain_trainer(
+    seen: dict[str, Any],
+) -> None:
+    # int8 moves each value another rank sends by at most 1/254 of its block's largest
+    # magnitude (tests/test_wire_formats.py states the bound): 6 steps stay within 1% of the
+    # plain Trainer's losses, and differ from them (the formats were in use).
+    plain = seen["hybrid"]["plain"]["loss"]  # the same arguments, unclipped
+    for stage in ("stage2", "stage3"):
+        run = seen["wire"][stage]
+        assert run["communication"] == ["int8", "int8", 64], stage
+        assert run["wires"] == ["QuantizedGather+QuantizedReduce"], stage
+        assert len(run["loss"]) == len(plain) == 6
+        for mine, theirs in zip(run["loss"], plain, strict=True):
+            assert math.isclose(mine, theirs, rel_tol=1e-2), (stage, run["loss"], plain)
+        assert run["loss"] != plain, stage
+        # One byte a value and an fp32 scale per 64 against fp32's 4 bytes a value (what the
+        # engine says the same collectives would have sent unquantized).
+        for op in ("all_gather", "reduce_scatter"):
+            count = run["comm"][op]
+            ratio = count["sent_bytes"] / count["unquantized_sent_bytes"]
+            assert ratio == pytest.approx((1 + 4 / 64) / 4, abs=0.01), (stage, op, ratio)
 
 
 def test_torch_compile_through_the_callback_matches_the_compiled_plain_trainer(

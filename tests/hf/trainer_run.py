@@ -461,6 +461,52 @@ def hybrid_runs(out: Path) -> dict[str, Any]:
     return seen
 
 
+def wire_runs(out: Path) -> dict[str, Any]:
+    """The Llama model under ShardwiseCallback with int8 gathers and reductions at stages 2 and
+    3, with hybrid_runs' arguments (unclipped), whose plain run is the reference: the losses,
+    the engine's wire settings and wires, and its collective counters."""
+    seen: dict[str, Any] = {}
+    for stage in (2, 3):
+        callback = ShardwiseCallback(
+            zero_stage=stage, gather_format="int8", reduce_format="int8", quant_block_numel=64
+        )
+        counted = _TrainingBytes(callback)
+        trainer = Trainer(
+            model=build("llama"),
+            args=arguments(out / f"wire_stage{stage}", max_grad_norm=0.0),
+            train_dataset=dataset(),
+            callbacks=[callback, counted],
+        )
+        trainer.train()
+        engine = callback.model
+        assert engine is not None
+        wire = engine.config.communication
+        chunks = engine.chunk_manager.chunks
+        seen[f"stage{stage}"] = {
+            "loss": history(trainer, "loss"),
+            "communication": [wire.gather, wire.reduce, wire.block_numel],
+            "wires": sorted(
+                {f"{type(c.wire.gather).__name__}+{type(c.wire.reduce).__name__}" for c in chunks}
+            ),
+            "comm": counted.snapshot,
+        }
+    return seen
+
+
+class _TrainingBytes(TrainerCallback):
+    """The engine's collective counters after each step: the last is the training's, before
+    the callback gathers the whole weights at the end of training (exactly, not on the
+    wire)."""
+
+    def __init__(self, engine: ShardwiseCallback) -> None:
+        self.engine = engine
+        self.snapshot: dict[str, dict[str, int]] = {}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.engine.model is not None
+        self.snapshot = self.engine.model.comm_stats.snapshot()
+
+
 def accumulation_runs(out: Path) -> dict[str, Any]:
     """The Llama model under the plain Trainer and under ShardwiseCallback at stages 1-3 with
     3 micro-batches per step (an epoch is 4 per rank: every other step ends it early, on its
@@ -573,6 +619,7 @@ def main() -> None:
         "checkpointing": checkpointing_runs(out),
         "switch": switch_runs(out),
         "hybrid": hybrid_runs(out),
+        "wire": wire_runs(out),
         "accumulation": accumulation_runs(out),
         "compiled": compiled_runs(out),
         # Last: TrainingArguments without use_cpu change accelerate's shared state.

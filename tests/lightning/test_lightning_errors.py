@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_cases import Net, trainer
 
+from shardwise import Communication
 from shardwise.testing import run_ranks
 from shardwise_lightning import (
     STRATEGY_NAMES,
@@ -75,6 +76,34 @@ from shardwise_lightning import (
             TypeError,
             "HalfPrecision",
         ),
+        # The wire formats: each setting named with the value seen and the strategy.
+        (
+            lambda: GeminiStrategy(gather_format="int4"),
+            ValueError,
+            r"^GeminiStrategy: gather_format='int4' is not offered: int4 quantizes gradient "
+            r"reductions only .* gather parameters in 'int8'",
+        ),
+        (
+            lambda: GeminiStrategy(reduce_format="int16"),
+            ValueError,
+            r"^GeminiStrategy: reduce_format must be one of \('dtype', 'int8', 'fp8', 'int4'\), "
+            r"got 'int16'$",
+        ),
+        (
+            lambda: FullyShardedStrategy(reduce_format=8),
+            TypeError,
+            r"^FullyShardedStrategy: reduce_format must be a str, .* got int 8$",
+        ),
+        (
+            lambda: FullyShardedStrategy(quant_block_numel=0),
+            ValueError,
+            "quant_block_numel must be a positive int, got 0",
+        ),
+        (
+            lambda: GeminiStrategy(quant_block_numel=True),
+            TypeError,
+            "quant_block_numel must be a positive int .* got bool True",
+        ),
     ],
 )
 def test_construction_refuses(make: Any, error: type[Exception], match: str) -> None:
@@ -97,6 +126,18 @@ def test_auto_placement_without_cuda_keeps_chunks_on_the_compute_device() -> Non
     # A budget given is honoured: "auto" then moves chunks under it.
     budgeted = GeminiStrategy(device_budget_bytes=2**20).engine_config(cpu).placement
     assert (budgeted.policy.name, budgeted.device_budget_bytes) == ("auto", 2**20)
+
+
+def test_wire_formats_reach_the_engine_config() -> None:
+    cpu = torch.device("cpu")
+    assert GeminiStrategy().engine_config(cpu).communication == Communication()
+    for strategy in (
+        GeminiStrategy(gather_format="int8", reduce_format="fp8", quant_block_numel=64),
+        FullyShardedStrategy(gather_format="int8", reduce_format="fp8", quant_block_numel=64),
+    ):
+        assert strategy.engine_config(cpu).communication == Communication(
+            gather="int8", reduce="fp8", block_numel=64
+        )
 
 
 def test_registered_names_build_their_strategies() -> None:

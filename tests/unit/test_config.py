@@ -104,5 +104,41 @@ def test_wire_formats_are_checked_and_refused_where_they_cannot_run(
         )
     with pytest.raises(ValueError, match=r"stage 0 .* gathers nothing"):
         EngineConfig(stage=0, device=cpu, communication=Communication(reduce="int4"))
-    with pytest.raises(ValueError, match="gather_format must be one of"):
+    with pytest.raises(TypeError, match=r"gather_format must be a str, one of .* got bool True"):
         engine_config(1, {"device": cpu, "gather_format": True})
+    with pytest.raises(TypeError, match=r"quant_block_numel must be a positive int .* got float"):
+        engine_config(3, {"device": cpu, "quant_block_numel": 256.0})
+
+
+def test_communication_settings_are_one_check_for_every_front_door() -> None:
+    """`communication_settings` is what the wrappers, plugins and adapters call: the formats
+    and block size as given, ColossalAI's fp8_communication as both formats in fp8, and bad
+    values refused with the setting, the value and the caller named."""
+    from shardwise.engine import Communication
+    from shardwise.engine.config import communication_settings
+    from shardwise.zero.front_door import engine_config
+
+    assert communication_settings() == Communication()
+    assert communication_settings(
+        gather_format="int8", reduce_format="fp8", quant_block_numel=64
+    ) == Communication(gather="int8", reduce="fp8", block_numel=64)
+    assert communication_settings(fp8_communication=True, quant_block_numel=32) == (
+        Communication(gather="fp8", reduce="fp8", block_numel=32)
+    )
+    with pytest.raises(TypeError, match=r"^Plugin: fp8_communication must be a bool, got 1$"):
+        communication_settings(fp8_communication=1, caller="Plugin")
+    with pytest.raises(
+        ValueError,
+        match=r"fp8_communication=True means gather_format='fp8' and reduce_format='fp8'; "
+        r"it cannot be combined with reduce_format='int8'",
+    ):
+        communication_settings(fp8_communication=True, reduce_format="int8")
+    with pytest.raises(ValueError, match=r"^X: gather_format must be one of .* got 'off'$"):
+        communication_settings(gather_format="off", caller="X")
+    with pytest.raises(TypeError, match=r"^X: reduce_format must be a str, .* got NoneType None"):
+        communication_settings(reduce_format=None, caller="X")
+    with pytest.raises(ValueError, match="quant_block_numel must be a positive int, got -1"):
+        communication_settings(quant_block_numel=-1)
+    # ColossalAI's fp8_communication, which its gemini_config passes on to GeminiDDP.
+    fp8 = engine_config(2, {"device": torch.device("cpu"), "fp8_communication": True})
+    assert (fp8.communication.gather, fp8.communication.reduce) == ("fp8", "fp8")

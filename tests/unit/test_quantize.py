@@ -15,27 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import FP32_SLACK, HALF_STEP, round_trip_bound
 
 from shardwise.comm.quantize import BlockQuantizer, fp8_casts_work, pack_int4, unpack_int4
 
 KINDS = ("int8", "fp8", "int4")
-# Half a step of the integer formats, as a fraction of the block's absmax.
-HALF_STEP = {"int8": 1 / 254, "int4": 1 / 14}
-# Relative slack for fp32's rounding of x / scale and q * scale.
-FP32_SLACK = 1e-6
-
-
-def _bound(kind: str, x: torch.Tensor, block: int) -> torch.Tensor:
-    """Per value, the largest round-trip error the format allows for `x` (flat, fp32)."""
-    padded = torch.zeros(-(-x.numel() // block) * block)
-    padded[: x.numel()] = x.abs()
-    absmax = padded.view(-1, block).amax(dim=1).repeat_interleave(block)[: x.numel()]
-    if kind in HALF_STEP:
-        bound = absmax * HALF_STEP[kind]
-    else:
-        scale = absmax / 448
-        bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)
-    return bound + absmax * FP32_SLACK
 
 
 def _values(numel: int, seed: int = 0) -> torch.Tensor:
@@ -52,8 +36,8 @@ def test_round_trip_stays_within_the_bound(kind: str, block: int) -> None:
     x = _values(1000)  # 1000 is no multiple of 7, 64 or 256: a shorter last block
     decoded = quantizer.round_trip(x)
     error = (decoded - x).abs()
-    assert bool((error <= _bound(kind, x, block)).all()), float(
-        (error / _bound(kind, x, block)).max()
+    assert bool((error <= round_trip_bound(kind, x, block)).all()), float(
+        (error / round_trip_bound(kind, x, block)).max()
     )
     # Not a copy: most values moved (a format that sent fp32 would pass the bound too);
     # blocks of one value are their own absmax, a level of the format.
@@ -72,7 +56,7 @@ def test_the_bound_is_tight_enough_to_fail(kind: str) -> None:
     quantizer = BlockQuantizer(kind, 64)
     x = _values(1000, seed=1)
     error = (quantizer.round_trip(x) - x).abs()
-    assert bool((error > _bound(kind, x, 64) / 2).any())
+    assert bool((error > round_trip_bound(kind, x, 64) / 2).any())
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -100,7 +84,12 @@ def test_a_non_finite_value_makes_its_whole_block_nan_and_no_other(kind: str, ba
     finite = torch.cat([x[:4], x[8:]]).float()
     error = (torch.cat([decoded[:4], decoded[8:]]) - finite).abs()
     assert bool(
-        (error <= torch.cat([_bound(kind, x[:4].float(), 4), _bound(kind, x[8:].float(), 4)])).all()
+        (
+            error
+            <= torch.cat(
+                [round_trip_bound(kind, x[:4].float(), 4), round_trip_bound(kind, x[8:].float(), 4)]
+            )
+        ).all()
     )
 
 
@@ -112,9 +101,11 @@ def test_fp16_extremes_round_trip_within_the_bound(kind: str) -> None:
     x = torch.tensor([65504.0, -60000.0, 1.0, 3e-5, 6e-8, -6e-8, 1e-7, 0.0], dtype=torch.float16)
     decoded = quantizer.round_trip(x)
     assert bool(decoded.isfinite().all())
-    assert bool(((decoded - x.float()).abs() <= _bound(kind, x.float(), 4)).all())
+    assert bool(((decoded - x.float()).abs() <= round_trip_bound(kind, x.float(), 4)).all())
     tiny = torch.tensor([1e-30, -3e-31, 2e-32, 0.0])
-    assert bool(((quantizer.round_trip(tiny) - tiny).abs() <= _bound(kind, tiny, 4)).all())
+    assert bool(
+        ((quantizer.round_trip(tiny) - tiny).abs() <= round_trip_bound(kind, tiny, 4)).all()
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -127,12 +118,43 @@ def test_blocks_straddling_two_parameters(kind: str) -> None:
     small = torch.linspace(-1e-3, 1e-3, 19)
     flat = torch.cat([large, small])  # elements 13-15 share block 1 with the large tensor
     decoded = quantizer.round_trip(flat)
-    assert bool(((decoded - flat).abs() <= _bound(kind, flat, 8)).all())
+    assert bool(((decoded - flat).abs() <= round_trip_bound(kind, flat, 8)).all())
     own_blocks = slice(16, 32)  # blocks 2 and 3: small values only
     relative = (decoded[own_blocks] - flat[own_blocks]).abs().max() / small.abs().max()
     assert float(relative) <= HALF_STEP.get(kind, 2.0**-4) + FP32_SLACK
     shared = (decoded[13:16] - flat[13:16]).abs().max()
     assert float(shared) > float(small.abs().max()) / 2 or kind == "fp8"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_quantized_sum_stays_within_its_contributions_bounds(kind: str) -> None:
+    """What the owner of a slice computes in a quantized reduction (see [Note: quantized
+    reductions] in chunk/wire/formats.py): its own contribution as it is plus the other
+    ranks' records decoded, added in fp32 in rank order. Against the exact sum (fp64) it is
+    off by at most the sum of the others' round-trip bounds and fp32's rounding of the
+    additions; the rounding happens once per contribution, never on a partial sum. Halving
+    the bound fails, so the check can."""
+    quantizer = BlockQuantizer(kind, 64)
+    world, me, numel = 4, 1, 1000
+    contributions = [_values(numel, seed=10 + rank) for rank in range(world)]
+    records = torch.stack(
+        [
+            quantizer.encode(x, torch.empty(quantizer.record_nbytes(numel), dtype=torch.uint8))
+            for rank, x in enumerate(contributions)
+            if rank != me
+        ]
+    )
+    decoded = torch.empty(world - 1, numel)
+    quantizer.decode(records, decoded)
+    reduced = contributions[me].clone()
+    for row in decoded:
+        reduced.add_(row)
+    exact = sum(x.double() for x in contributions)
+    error = (reduced.double() - exact).abs()
+    bound = sum(round_trip_bound(kind, x, 64) for r, x in enumerate(contributions) if r != me)
+    additions = (world - 1) * 2.0**-24 * sum(x.double().abs() for x in contributions)
+    assert bool((error <= bound.double() + additions).all())
+    assert bool((error > bound.double() / 2).any())
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -233,7 +255,7 @@ def test_int4_blocks_starting_mid_byte_decode_as_on_their_own(block: int, numel:
     for begin in range(0, numel, block):
         alone = int4.round_trip(x[begin : begin + block])
         assert torch.equal(decoded[begin : begin + block], alone), begin
-    assert bool(((decoded - x).abs() <= _bound("int4", x, block)).all())
+    assert bool(((decoded - x).abs() <= round_trip_bound("int4", x, block)).all())
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -246,7 +268,8 @@ def test_16_bit_inputs_round_trip_within_the_bound(kind: str, dtype: torch.dtype
         x = (_values(numel, seed=numel) / 10).to(dtype)  # within fp16's range
         decoded = quantizer.round_trip(x)
         assert decoded.dtype == torch.float32
-        assert bool(((decoded - x.float()).abs() <= _bound(kind, x.float(), 64)).all()), numel
+        bound = round_trip_bound(kind, x.float(), 64)
+        assert bool(((decoded - x.float()).abs() <= bound).all()), numel
         assert torch.equal(decoded, quantizer.round_trip(x.float()))
 
 

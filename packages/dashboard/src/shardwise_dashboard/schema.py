@@ -114,6 +114,14 @@ class Step(_Base):
     comm_bytes: dict[Name, NonNegativeInt] = Field(
         max_length=64, description="bytes sent this step per collective kind"
     )
+    # Optional: ranks of a shardwise from before quantized communication never send it.
+    comm_bytes_unquantized: dict[Name, NonNegativeInt] | None = Field(
+        default=None,
+        max_length=64,
+        description="per collective kind, what this step's collectives would have sent in the "
+        "unquantized wire formats (computed by the engine from chunk sizes and dtypes; equal "
+        "to comm_bytes when nothing is quantized; null: not reported)",
+    )
     moved_bytes: MovedBytes
     memory: MemoryByPool
     # Optional, so that ranks of an older shardwise (which never send them) still validate.

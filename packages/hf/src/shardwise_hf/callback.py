@@ -14,6 +14,7 @@ from transformers.trainer_callback import ExportableState
 
 from shardwise import ZeroModel, ZeroOptimizer, telemetry
 from shardwise.amp import LossScaleConfig
+from shardwise.engine.config import DEFAULT_QUANT_BLOCK_NUMEL, communication_settings
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.telemetry import TelemetryRecorder
 from shardwise_hf import engine_state
@@ -63,6 +64,13 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             groups of this many consecutive ranks from forward to backward, whose gathers then
             stay inside a group; 1 keeps each rank's whole copy (no gather in backward); None:
             backward gathers over every rank.
+        gather_format: parameter all-gathers (stage 3 before each module, stages 1-2 after
+            the step): "dtype" (the precision's, default), "int8" or "fp8" (ZeRO++'s qwZ: one
+            byte per value with an fp32 scale per block; each rank keeps its own slice and its
+            fp32 masters exact).
+        reduce_format: gradient reductions: "dtype" (default), "int8" or "fp8" (ZeRO++'s qgZ:
+            an all-to-all of quantized slices, summed in fp32 by their owner).
+        quant_block_numel: values per quantization block, each with one fp32 scale.
         initial_scale, growth_interval, hysteresis, min_scale, max_scale: the dynamic loss
             scale used with fp16.
     """
@@ -77,6 +85,9 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         device_budget_bytes: int | None = None,
         shard_size: int | None = None,
         secondary_shard_size: int | None = None,
+        gather_format: str = "dtype",
+        reduce_format: str = "dtype",
+        quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
         initial_scale: float = 2**16,
         growth_interval: int = 1000,
         hysteresis: int = 2,
@@ -91,6 +102,13 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             device_budget_bytes=device_budget_bytes,
             shard_size=shard_size,
             secondary_shard_size=secondary_shard_size,
+            # Checked now, each bad value with its setting named (a TypeError or ValueError).
+            communication=communication_settings(
+                gather_format=gather_format,
+                reduce_format=reduce_format,
+                quant_block_numel=quant_block_numel,
+                caller=type(self).__name__,
+            ),
             loss_scale=LossScaleConfig(
                 initial_scale=initial_scale,
                 growth_interval=growth_interval,

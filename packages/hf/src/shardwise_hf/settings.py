@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise import Chunking, EngineConfig, MixedPrecision, Placement, Topology
+from shardwise import Chunking, Communication, EngineConfig, MixedPrecision, Placement, Topology
 from shardwise.amp import LossScaleConfig
 from shardwise.gemini import placement_policy
 from shardwise.gemini.manager import placement_on
@@ -33,6 +33,8 @@ class CallbackOptions:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     shard_size: int | None = None
     secondary_shard_size: int | None = None
+    # The wire formats, checked when the callback is built (`communication_settings`).
+    communication: Communication = field(default_factory=Communication)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,6 +170,7 @@ def resolve(options: CallbackOptions, args: Any, trainer: Any = None) -> EngineS
         topology=Topology(
             shard_size=options.shard_size, secondary_shard_size=options.secondary_shard_size
         ),
+        communication=options.communication,
     )
     return EngineSettings(
         zero_stage=stage,

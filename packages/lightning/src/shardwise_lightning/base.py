@@ -46,6 +46,7 @@ from shardwise.checkpoint.consolidate import (
     WholeCheckpoint,
     lightning_checkpoint,
 )
+from shardwise.engine.config import DEFAULT_QUANT_BLOCK_NUMEL, communication_settings
 from shardwise.engine.module_at_rest import (
     ModuleState,
     agree_to_gather,
@@ -76,6 +77,10 @@ class ShardwiseStrategyBase(DDPStrategy):
             Processes come from torchrun (or another external launcher) or from Lightning
             relaunching the script; spawn/fork launchers are not offered, since they
             copy weights back through the module's own, sharded, state_dict.
+        shard_size, secondary_shard_size: hybrid sharding and ZeRO++ hpZ (see the
+            subclasses).
+        gather_format, reduce_format, quant_block_numel: the wire formats (see the
+            subclasses and `shardwise.Communication`).
     """
 
     def __init__(
@@ -92,6 +97,9 @@ class ShardwiseStrategyBase(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         shard_size: int | None = None,
         secondary_shard_size: int | None = None,
+        gather_format: str = "dtype",
+        reduce_format: str = "dtype",
+        quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(
@@ -115,6 +123,14 @@ class ShardwiseStrategyBase(DDPStrategy):
         # ZeRO++ hpZ (see [Note: secondary shards] in shardwise/chunk/chunk.py); the engine
         # checks the sizes against the world size when it wraps the module.
         self.topology = Topology(shard_size=shard_size, secondary_shard_size=secondary_shard_size)
+        # Wire formats (see [Note: wire formats] in shardwise/chunk/wire/formats.py), checked
+        # now; the engine refuses fp8 where torch cannot cast to it on the device it wraps on.
+        self.communication = communication_settings(
+            gather_format=gather_format,
+            reduce_format=reduce_format,
+            quant_block_numel=quant_block_numel,
+            caller=type(self).__name__,
+        )
         self.state_dict_type = cast(StateDictType, state_dict_type)
         # Per optimizer parameter group, its parameters' names in group order: how torch
         # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
@@ -129,7 +145,8 @@ class ShardwiseStrategyBase(DDPStrategy):
     # ---- what a subclass provides -------------------------------------------------------------
 
     def engine_config(self, device: torch.device) -> EngineConfig:
-        """The engine's configuration on `device` (stage 3, with `self.topology`)."""
+        """The engine's configuration on `device` (stage 3, with `self.topology` and
+        `self.communication`)."""
         raise NotImplementedError
 
     def state_dict_device(self) -> torch.device:

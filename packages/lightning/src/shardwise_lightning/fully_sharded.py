@@ -14,6 +14,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from shardwise import Chunking, EngineConfig, MixedPrecision, Placement, Reduction
 from shardwise.amp import LossScaleConfig
+from shardwise.engine.config import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.gemini import placement_policy
 from shardwise_lightning.base import ShardwiseStrategyBase
 
@@ -63,6 +64,12 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             groups of this many consecutive ranks from forward to backward, whose gathers then
             stay inside a group; 1 keeps each rank's whole copy (no gather in backward); None:
             backward gathers over every rank.
+        gather_format: parameter all-gathers: "dtype" (the precision's, default), "int8" or
+            "fp8" (ZeRO++'s qwZ: one byte per value with an fp32 scale per block; each rank
+            keeps its own slice and its fp32 masters exact).
+        reduce_format: gradient reductions: "dtype" (default), "int8" or "fp8" (ZeRO++'s qgZ:
+            an all-to-all of quantized slices, summed in fp32 by their owner).
+        quant_block_numel: values per quantization block, each with one fp32 scale.
     """
 
     def __init__(
@@ -94,6 +101,9 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         state_dict_type: str = "full",
         shard_size: int | None = None,
         secondary_shard_size: int | None = None,
+        gather_format: str = "dtype",
+        reduce_format: str = "dtype",
+        quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
         for name, value in (
             ("cpu_offload", cpu_offload),
@@ -155,6 +165,9 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             state_dict_type=state_dict_type,
             shard_size=shard_size,
             secondary_shard_size=secondary_shard_size,
+            gather_format=gather_format,
+            reduce_format=reduce_format,
+            quant_block_numel=quant_block_numel,
         )
         self.cpu_offload = cpu_offload
         self.fp32_reduce_scatter = fp32_reduce_scatter
@@ -180,6 +193,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             ),
             reduction=Reduction(bucket_bytes=max(0, int(self.bucket_cap_mb * 2**20))),
             topology=self.topology,
+            communication=self.communication,
         )
 
     def state_dict_device(self) -> torch.device:

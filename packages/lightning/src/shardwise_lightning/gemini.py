@@ -14,6 +14,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from shardwise import Chunking, EngineConfig, Placement
 from shardwise.amp import LossScaleConfig
+from shardwise.engine.config import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.gemini import placement_policy as placement_policy_object
 from shardwise.gemini.manager import placement_on
 from shardwise_lightning.base import ShardwiseStrategyBase
@@ -66,6 +67,12 @@ class GeminiStrategy(ShardwiseStrategyBase):
             groups of this many consecutive ranks from forward to backward, whose gathers then
             stay inside a group; 1 keeps each rank's whole copy (no gather in backward); None:
             backward gathers over every rank.
+        gather_format: parameter all-gathers: "dtype" (the precision's, default), "int8" or
+            "fp8" (ZeRO++'s qwZ: one byte per value with an fp32 scale per block; each rank
+            keeps its own slice and its fp32 masters exact).
+        reduce_format: gradient reductions: "dtype" (default), "int8" or "fp8" (ZeRO++'s qgZ:
+            an all-to-all of quantized slices, summed in fp32 by their owner).
+        quant_block_numel: values per quantization block, each with one fp32 scale.
     """
 
     def __init__(
@@ -101,6 +108,9 @@ class GeminiStrategy(ShardwiseStrategyBase):
         state_dict_type: str = "full",
         shard_size: int | None = None,
         secondary_shard_size: int | None = None,
+        gather_format: str = "dtype",
+        reduce_format: str = "dtype",
+        quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
         for name, value in (
             ("use_chunk", use_chunk),
@@ -164,6 +174,9 @@ class GeminiStrategy(ShardwiseStrategyBase):
             state_dict_type=state_dict_type,
             shard_size=shard_size,
             secondary_shard_size=secondary_shard_size,
+            gather_format=gather_format,
+            reduce_format=reduce_format,
+            quant_block_numel=quant_block_numel,
         )
         self._placement = placement
         self._chunking = chunking
@@ -188,6 +201,7 @@ class GeminiStrategy(ShardwiseStrategyBase):
                 pin_memory=device.type == "cuda",
             ),
             topology=self.topology,
+            communication=self.communication,
             force_outputs_fp32=self._force_outputs_fp32,
         )
 

@@ -42,12 +42,14 @@ def all_gather(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     kind: CommOp = CommOp.ALL_GATHER,
+    unquantized_payload_bytes: int | None = None,
 ) -> dist.Work | None:
     """Gather every rank's `shard` into `output` (shard numel x world size), in rank order,
-    counted as `kind`."""
+    counted as `kind`; a quantized gather names the payload the unquantized one would gather
+    (see [Note: unquantized bytes] in comm/stats.py)."""
     n = world_size(group)
     payload = _nbytes(output)
-    stats.record(kind, payload, payload * (n - 1) // n)
+    stats.record(kind, payload, payload * (n - 1) // n, _unquantized(unquantized_payload_bytes, n))
     if n == 1:
         output.copy_(shard)
         return None
@@ -257,13 +259,21 @@ def all_to_all(
     logical_bytes: int,
     kind: CommOp = CommOp.REDUCE_SCATTER,
     async_op: bool = False,
+    unquantized_payload_bytes: int | None = None,
 ) -> dist.Work | None:
     """Send rank d the d-th split of `input` and receive rank r's split for this rank as the
     r-th split of `output` (equal splits unless given), counted as `kind` with
     `logical_bytes` as its payload: the whole buffer the exchange stands for (a
-    reduce-scatter's input), of which a rank sends (N-1)/N."""
+    reduce-scatter's input), of which a rank sends (N-1)/N; a quantized exchange names the
+    buffer the unquantized reduce-scatter would reduce (see [Note: unquantized bytes] in
+    comm/stats.py)."""
     n = world_size(group)
-    stats.record(kind, logical_bytes, logical_bytes * (n - 1) // n)
+    stats.record(
+        kind,
+        logical_bytes,
+        logical_bytes * (n - 1) // n,
+        _unquantized(unquantized_payload_bytes, n),
+    )
     if n == 1:
         output.copy_(input)
         return None
@@ -276,6 +286,11 @@ def all_to_all(
         async_op=async_op,
     )
     return work
+
+
+def _unquantized(payload_bytes: int | None, n: int) -> int | None:
+    """What a rank sends of an unquantized all-gather or reduce-scatter of `payload_bytes`."""
+    return None if payload_bytes is None else payload_bytes * (n - 1) // n
 
 
 def _allocator(device: torch.device) -> Allocate:

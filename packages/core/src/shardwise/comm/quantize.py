@@ -101,9 +101,18 @@ def check_wire_formats(gather: object, reduce: object, block_numel: object) -> N
         ("gather_format", gather, GATHER_FORMATS),
         ("reduce_format", reduce, REDUCE_FORMATS),
     ):
+        if not isinstance(value, str):
+            raise TypeError(
+                f"{key} must be a str, one of {formats}, got {type(value).__name__} {value!r}"
+            )
         if value not in formats:
             raise ValueError(f"{key} must be one of {formats}, got {value!r}")
-    if isinstance(block_numel, bool) or not isinstance(block_numel, int) or block_numel < 1:
+    if isinstance(block_numel, bool) or not isinstance(block_numel, int):
+        raise TypeError(
+            "quant_block_numel must be a positive int (values per fp32 scale), got "
+            f"{type(block_numel).__name__} {block_numel!r}"
+        )
+    if block_numel < 1:
         raise ValueError(f"quant_block_numel must be a positive int, got {block_numel!r}")
 
 

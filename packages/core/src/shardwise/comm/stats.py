@@ -37,11 +37,22 @@ class OpCount:
     bandwidth-optimal ring algorithm: (N-1)/N of the payload for all-gather and reduce-scatter,
     twice that for all-reduce, and the payload itself for the source of a broadcast. The ZeRO
     analysis (2 psi for stages 1 and 2, 3 psi for stage 3) is stated in these terms.
+
+    [Note: unquantized bytes]
+    `unquantized_sent_bytes` is what the same collectives would have sent in the unquantized
+    ("dtype") wire formats: `sent_bytes` itself for every collective but those of a quantized
+    wire, which compute it from the chunk's sizes and the payload or reduce dtype, by the
+    formula the unquantized wire's collective is counted by (chunk/wire/gather.py,
+    chunk/wire/reduce.py). Per step the two totals compare what quantization saved; per kind
+    they compare too, except where the unquantized format would have run another collective
+    (stage 1's in-backward average is an all-reduce unquantized, a reduce-scatter and an
+    all-gather quantized: the same bytes under other kinds).
     """
 
     calls: int = 0
     payload_bytes: int = 0
     sent_bytes: int = 0
+    unquantized_sent_bytes: int = 0
 
 
 @dataclass
@@ -54,11 +65,22 @@ class CommStats:
 
     ops: dict[CommOp, OpCount] = field(default_factory=lambda: {op: OpCount() for op in CommOp})
 
-    def record(self, op: CommOp, payload_bytes: int, sent_bytes: int) -> None:
+    def record(
+        self,
+        op: CommOp,
+        payload_bytes: int,
+        sent_bytes: int,
+        unquantized_sent_bytes: int | None = None,
+    ) -> None:
+        """Count one call of `op`; `unquantized_sent_bytes` (None: `sent_bytes`) is what it
+        would have sent unquantized (see [Note: unquantized bytes])."""
         count = self.ops[op]
         count.calls += 1
         count.payload_bytes += payload_bytes
         count.sent_bytes += sent_bytes
+        count.unquantized_sent_bytes += (
+            sent_bytes if unquantized_sent_bytes is None else unquantized_sent_bytes
+        )
 
     def calls(self, op: CommOp) -> int:
         return self.ops[op].calls
@@ -72,6 +94,13 @@ class CommStats:
     def payload_bytes(self, op: CommOp) -> int:
         return self.ops[op].payload_bytes
 
+    def unquantized_sent_bytes(self, op: CommOp | None = None) -> int:
+        """What one rank would have sent for `op` (all ops when None) in the unquantized wire
+        formats (see [Note: unquantized bytes])."""
+        if op is not None:
+            return self.ops[op].unquantized_sent_bytes
+        return sum(count.unquantized_sent_bytes for count in self.ops.values())
+
     def reset(self) -> None:
         for op in CommOp:
             self.ops[op] = OpCount()
@@ -83,6 +112,7 @@ class CommStats:
                 "calls": count.calls,
                 "payload_bytes": count.payload_bytes,
                 "sent_bytes": count.sent_bytes,
+                "unquantized_sent_bytes": count.unquantized_sent_bytes,
             }
             for op, count in self.ops.items()
         }

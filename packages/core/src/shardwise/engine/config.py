@@ -18,7 +18,9 @@ from shardwise.chunk.search import (
 from shardwise.chunk.wire import WireFormats
 from shardwise.comm import ReduceScatterMethod
 from shardwise.comm.quantize import (
-    DEFAULT_QUANT_BLOCK_NUMEL,
+    DEFAULT_QUANT_BLOCK_NUMEL as DEFAULT_QUANT_BLOCK_NUMEL,  # re-exported for the front doors
+)
+from shardwise.comm.quantize import (
     BlockQuantizer,
     check_wire_formats,
     fp8_casts_work,
@@ -356,6 +358,57 @@ class Communication:
 
     def _quantizer(self, name: str) -> BlockQuantizer | None:
         return None if name == "dtype" else BlockQuantizer(name, self.block_numel)
+
+
+def communication_settings(
+    *,
+    gather_format: object = "dtype",
+    reduce_format: object = "dtype",
+    quant_block_numel: object = DEFAULT_QUANT_BLOCK_NUMEL,
+    fp8_communication: object = False,
+    caller: str = "",
+) -> Communication:
+    """The wire formats as every front door names them, validated once: the `gemini_config`
+    keys, the keyword arguments of the wrappers, plugins and adapters.
+
+    ColossalAI's `fp8_communication=True` is both sides in fp8: `gather_format="fp8"` and
+    `reduce_format="fp8"` (ColossalAI's plugins gather and reduce in fp8 under it); naming a
+    format as well is refused, so one setting says what is sent.
+
+    Args:
+        gather_format: parameter all-gathers: "dtype", "int8" or "fp8" (see `Communication`).
+        reduce_format: gradient reductions: "dtype", "int8" or "fp8".
+        quant_block_numel: values per quantization block, each with one fp32 scale.
+        fp8_communication: ColossalAI's flag (a bool): both formats "fp8".
+        caller: the class or function named at the start of messages ("" for none).
+    """
+    prefix = f"{caller}: " if caller else ""
+    if not isinstance(fp8_communication, bool):
+        raise TypeError(f"{prefix}fp8_communication must be a bool, got {fp8_communication!r}")
+    if fp8_communication:
+        named = {
+            key: value
+            for key, value in (("gather_format", gather_format), ("reduce_format", reduce_format))
+            if value != "dtype"
+        }
+        if named:
+            given = ", ".join(f"{key}={value!r}" for key, value in named.items())
+            raise ValueError(
+                f"{prefix}fp8_communication=True means gather_format='fp8' and "
+                f"reduce_format='fp8'; it cannot be combined with {given}: leave "
+                f"fp8_communication=False and set both formats, or drop {', '.join(named)}"
+            )
+        gather_format = reduce_format = "fp8"
+    try:
+        return Communication(
+            gather=gather_format,  # type: ignore[arg-type]  # checked by Communication
+            reduce=reduce_format,  # type: ignore[arg-type]
+            block_numel=quant_block_numel,  # type: ignore[arg-type]
+        )
+    except (TypeError, ValueError) as error:
+        if not prefix:
+            raise
+        raise type(error)(f"{prefix}{error}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

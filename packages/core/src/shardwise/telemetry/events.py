@@ -4,7 +4,10 @@ Every event: {"schema": 1, "type": str, "run_id": str, "rank": int, "time": unix
 by type:
 - "run_started": world_size, config (any JSON), num_params, host
 - "step": step, loss (null if not finite or unknown), loss_scale, overflow, grad_norm (null if
-  not finite), step_time_s, comm_bytes {collective kind: bytes sent this step}, moved_bytes
+  not finite), step_time_s, comm_bytes {collective kind: bytes sent this step},
+  comm_bytes_unquantized {collective kind: what those collectives would have sent in the
+  unquantized wire formats: comm_bytes itself where nothing is quantized; see [Note:
+  unquantized bytes] in comm/stats.py}, moved_bytes
   {"to_device", "to_host", "to_disk", "from_disk"} (the last two: written to and read from the
   disk tier this step), memory {"device", "host", "disk"} (model-state bytes per pool; "disk":
   the disk tier's files),
@@ -21,7 +24,8 @@ The dashboard validates every field; it never imports torch. "eval" came later t
 within version 1, a type added beside them rather than a change to one: a dashboard from before
 it refuses a batch holding one (it names the type), and `HttpSink` then stops sending it there.
 The disk tier's fields ("to_disk", "from_disk", memory "disk", optim "disk") came later too; the
-dashboard reads events without them as zero.
+dashboard reads events without them as zero. So did comm_bytes_unquantized, which it reads as
+unknown (null) when absent.
 """
 
 from __future__ import annotations
@@ -76,7 +80,10 @@ def step(
     memory: dict[str, int],
     skipped_in_a_row: int = 0,
     warning: str | None = None,
+    comm_bytes_unquantized: dict[str, int] | None = None,
 ) -> dict[str, Any]:
+    """One optimizer step on one rank; `comm_bytes_unquantized` None: nothing was quantized,
+    the same as `comm_bytes`."""
     return {
         **_base("step", run_id, rank),
         "step": step_index,
@@ -86,6 +93,9 @@ def step(
         "grad_norm": finite_or_none(grad_norm),
         "step_time_s": max(0.0, step_time_s),
         "comm_bytes": comm_bytes,
+        "comm_bytes_unquantized": dict(
+            comm_bytes if comm_bytes_unquantized is None else comm_bytes_unquantized
+        ),
         "moved_bytes": moved_bytes,
         "memory": memory,
         "skipped_in_a_row": skipped_in_a_row,

@@ -128,9 +128,10 @@ class TelemetryRecorder:
                 overflow=optimizer.last_step_skipped,
                 grad_norm=optimizer.last_grad_norm,
                 step_time_s=now - self._last_time,
-                comm_bytes={
-                    op: sent[op]["sent_bytes"] - self._last_sent[op]["sent_bytes"] for op in sent
-                },
+                comm_bytes=_delta(sent, self._last_sent, "sent_bytes"),
+                # What the same collectives would have sent unquantized (see [Note:
+                # unquantized bytes] in comm/stats.py).
+                comm_bytes_unquantized=_delta(sent, self._last_sent, "unquantized_sent_bytes"),
                 moved_bytes={k: moved[k] - self._last_moved[k] for k in moved},
                 memory=self._memory(),
                 skipped_in_a_row=optimizer.skipped_in_a_row,
@@ -197,10 +198,22 @@ def enable(
         config["replicas"] = topology.replicas
     if topology.secondary is not None:
         config["secondary_shard_size"] = comm.world_size(topology.secondary)
+    wire = model.config.communication
+    if wire.quantizes:
+        config["gather_format"] = wire.gather
+        config["reduce_format"] = wire.reduce
+        config["quant_block_numel"] = wire.block_numel
     recorder.started(config)
     _report_uncaught_exceptions(recorder)
     atexit.register(recorder.finish)
     return recorder
+
+
+def _delta(
+    now: dict[str, dict[str, int]], before: dict[str, dict[str, int]], key: str
+) -> dict[str, int]:
+    """Per collective kind, `key`'s growth between two `CommStats.snapshot()`s."""
+    return {op: now[op][key] - before[op][key] for op in now}
 
 
 def _report_uncaught_exceptions(recorder: TelemetryRecorder) -> None:

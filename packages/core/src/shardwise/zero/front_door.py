@@ -24,13 +24,13 @@ from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.config import (
     DEFAULT_REDUCE_BUCKET_NUMEL,
     Chunking,
-    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,
     Placement,
     Reduction,
     Topology,
+    communication_settings,
     compute_device,
 )
 from shardwise.gemini import DevicePlacement, placement_policy, replicated
@@ -66,6 +66,7 @@ GEMINI_CONFIG_KEYS = (
     "gather_format",
     "reduce_format",
     "quant_block_numel",
+    "fp8_communication",
 )
 # What stages 1 and 2 take from `gemini_config`; their bucket size is `optim_config`'s.
 LOW_LEVEL_KEYS = (
@@ -84,6 +85,7 @@ LOW_LEVEL_KEYS = (
     "gather_format",
     "reduce_format",
     "quant_block_numel",
+    "fp8_communication",
 )
 OPTIM_CONFIG_KEYS = (
     "reduce_bucket_size",
@@ -132,11 +134,13 @@ def engine_config(stage: int, gemini_config: Mapping[str, Any] | None) -> Engine
             shard_size=options.get("shard_size"),
             secondary_shard_size=options.get("secondary_shard_size"),
         ),
-        # Wire formats (see [Note: wire formats] in chunk/wire/formats.py).
-        communication=Communication(
-            gather=options.get("gather_format", "dtype"),
-            reduce=options.get("reduce_format", "dtype"),
-            block_numel=options.get("quant_block_numel", DEFAULT_QUANT_BLOCK_NUMEL),
+        # Wire formats (see [Note: wire formats] in chunk/wire/formats.py); fp8_communication
+        # is GeminiDDP's keyword, which ColossalAI's gemini_config passes on.
+        communication=communication_settings(
+            gather_format=options.get("gather_format", "dtype"),
+            reduce_format=options.get("reduce_format", "dtype"),
+            quant_block_numel=options.get("quant_block_numel", DEFAULT_QUANT_BLOCK_NUMEL),
+            fp8_communication=options.get("fp8_communication", False),
         ),
         gather_units=_gather_units(options.get("gather_units", ())),
         force_outputs_fp32=options.get("force_outputs_fp32", False),

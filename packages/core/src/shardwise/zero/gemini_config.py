@@ -20,12 +20,13 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.engine.config import (
+    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
-    Communication,
     EngineConfig,
     Overlap,
     Placement,
     Topology,
+    communication_settings,
     default_device,
     storage_precision,
 )
@@ -66,6 +67,9 @@ def gemini_engine_config(
     gpu_margin_mem_ratio: float = 0.0,
     shard_size: int | None = None,
     verbose: bool = False,
+    gather_format: str = "dtype",
+    reduce_format: str = "dtype",
+    quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
 ) -> EngineConfig:
     """Stage 3's configuration from ColossalAI's Gemini arguments, in their meaning there.
 
@@ -89,23 +93,31 @@ def gemini_engine_config(
         memstats: refused unless None (the engine records the order in its first iteration).
         master_weights: True only (the engine always steps fp32 masters).
         enable_async_reduce: reduce gradients in the background of backward.
-        fp8_communication: gather parameters in fp8 (e4m3, blockwise scales: ZeRO++'s qwZ
-            with fp8 values; see [Note: quantized gathers] in chunk/wire/formats.py), as
-            ColossalAI's gathers in fp8; reductions stay in the reduce dtype.
+        fp8_communication: gather parameters and reduce gradients in fp8 (e4m3, blockwise
+            scales: ZeRO++'s qwZ and qgZ with fp8 values; see [Note: quantized gathers] and
+            [Note: quantized reductions] in chunk/wire/formats.py), as ColossalAI's sends
+            both in fp8; the same as gather_format="fp8" and reduce_format="fp8".
         use_fp8: refused unless False (the engine computes in the compute dtype).
         gpu_margin_mem_ratio: "auto": the share of the device room left after warm-up that
             optimizer state may use; ignored with a warning under other policies.
         shard_size: hybrid sharding's group size (ColossalAI's `extra_dp_size` replicas).
         verbose: log the configuration.
+        gather_format, reduce_format, quant_block_numel: the wire formats, beyond ColossalAI
+            (see `communication_settings` in engine/config.py).
     """
     if use_fp8:
         raise ValueError(
             f"{caller}(use_fp8={use_fp8!r}) cannot be honoured: shardwise does not compute in "
             f"fp8; leave it False and use precision 'bf16' or 'fp16' (fp8_communication=True "
-            f"gathers parameters in fp8)"
+            f"gathers parameters and reduces gradients in fp8)"
         )
-    if not isinstance(fp8_communication, bool):
-        raise TypeError(f"{caller}: fp8_communication must be a bool, got {fp8_communication!r}")
+    communication = communication_settings(
+        gather_format=gather_format,
+        reduce_format=reduce_format,
+        quant_block_numel=quant_block_numel,
+        fp8_communication=fp8_communication,
+        caller=caller,
+    )
     if memstats is not None:
         raise ValueError(
             f"{caller}: memstats cannot be honoured: the engine records the order chunks are "
@@ -164,7 +176,7 @@ def gemini_engine_config(
         placement=placement,
         overlap=Overlap(communication=enable_async_reduce, prefetch=max_prefetch > 0),
         topology=Topology(process_group=process_group, shard_size=shard_size),
-        communication=Communication(gather="fp8" if fp8_communication else "dtype"),
+        communication=communication,
         force_outputs_fp32=force_outputs_fp32,
     )
     if verbose:

@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.engine.config import (
+    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
     Communication,
     EngineConfig,
@@ -50,8 +51,9 @@ class GeminiDDP(ZeroModel):
       zero/gemini_config.py: `zero_group` is the process group to shard over;
       `mixed_precision` the storage dtype, fp16 by default as there; `max_prefetch` > 0
       prefetches; `enable_gradient_accumulation` and `verbose` are accepted; `extra_dp_group`,
-      `scatter_after_inference=False`, `memstats`, fp8 and `master_weights=False` are
-      refused, with what to use instead);
+      `scatter_after_inference=False`, `memstats`, fp8 compute (`use_fp8`) and
+      `master_weights=False` are refused, with what to use instead; `fp8_communication=True`
+      gathers and reduces in fp8);
     - the seeds', `GeminiDDP(module, gemini_manager, pin_memory=False,
       force_outputs_fp32=False, strict_ddp_mode=False)`, whose managers say everything else.
 
@@ -72,6 +74,17 @@ class GeminiDDP(ZeroModel):
             they reach this many bytes (0: one reduction per chunk).
         param_init_fn: initialises a module of a model built on the meta device (see
             `EngineConfig`).
+        fp8_communication: ColossalAI's: gather parameters and reduce gradients in fp8 with
+            blockwise scales, the same as `gather_format="fp8"` and `reduce_format="fp8"`.
+        gather_format: parameter all-gathers: "dtype" (`mixed_precision`, default), "int8" or
+            "fp8" (one byte per value with an fp32 scale per block; see [Note: quantized
+            gathers] in chunk/wire/formats.py).
+        reduce_format: gradient reductions: "dtype" (default), "int8" or "fp8" (an
+            all-to-all of quantized slices summed in fp32 by their owner; see [Note:
+            quantized reductions]).
+        quant_block_numel: values per quantization block, each with one fp32 scale.
+        The seeds' constructor takes the wire formats from its ChunkManager (`wire=`); the
+        settings above must keep their defaults there.
         The other arguments are ColossalAI 0.5's, described in zero/gemini_config.py.
     """
 
@@ -109,6 +122,9 @@ class GeminiDDP(ZeroModel):
         prefetch: bool | None = None,
         reduce_scatter_bucket_bytes: int = 0,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        gather_format: str = "dtype",
+        reduce_format: str = "dtype",
+        quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
         if isinstance(chunk_config_dict, GeminiManager):
             if gemini_manager is not None:
@@ -138,6 +154,9 @@ class GeminiDDP(ZeroModel):
                 enable_async_reduce=(enable_async_reduce, True),
                 fp8_communication=(fp8_communication, False),
                 use_fp8=(use_fp8, False),
+                gather_format=(gather_format, "dtype"),
+                reduce_format=(reduce_format, "dtype"),
+                quant_block_numel=(quant_block_numel, DEFAULT_QUANT_BLOCK_NUMEL),
             )
             config = _seed_config(
                 gemini_manager,
@@ -198,6 +217,9 @@ class GeminiDDP(ZeroModel):
             fp8_communication=fp8_communication,
             use_fp8=use_fp8,
             verbose=verbose,
+            gather_format=gather_format,
+            reduce_format=reduce_format,
+            quant_block_numel=quant_block_numel,
         )
         config = replace(
             config,
@@ -270,7 +292,8 @@ def _only_seed_arguments(**given: tuple[object, object]) -> None:
         raise ValueError(
             f"GeminiDDP with a GeminiManager takes pin_memory, force_outputs_fp32 and "
             f"strict_ddp_mode (by keyword); the managers decide the rest. Got {changed}: "
-            f"build the GeminiManager / ChunkManager with them, or call ColossalAI's "
+            f"build the GeminiManager / ChunkManager with them (the wire formats: "
+            f"ChunkManager(wire=...)), or call ColossalAI's "
             f"GeminiDDP(module, placement_policy=..., ...) without a manager"
         )
 

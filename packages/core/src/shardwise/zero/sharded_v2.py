@@ -19,12 +19,14 @@ from torch.distributed import ProcessGroup
 from shardwise.amp import LossScaleConfig
 from shardwise.chunk import ChunkManager, Pool
 from shardwise.engine.config import (
+    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
     EngineConfig,
     MixedPrecision,
     Placement,
     Reduction,
     Topology,
+    communication_settings,
     default_device,
 )
 from shardwise.engine.model import ZeroModel
@@ -61,6 +63,14 @@ class ShardedModelV2(ZeroModel):
         reuse_fp16_shard: keep reduced gradients in the 16-bit parameter shard between backward
             and step instead of an fp32 gradient shard (needs 16-bit parameters; gradient
             accumulation is then refused with an error, as the parameters are overwritten).
+        gather_format: (keyword only, shardwise's) parameter all-gathers: "dtype" (the
+            parameters' dtype, default), "int8" or "fp8" (one byte per value with an fp32
+            scale per block; see [Note: quantized gathers] in chunk/wire/formats.py).
+        reduce_format: (keyword only) gradient reduce-scatters: "dtype" (default, or fp32
+            with `fp32_reduce_scatter`), "int8" or "fp8" (an all-to-all of quantized slices
+            summed in fp32 by their owner; see [Note: quantized reductions]).
+        quant_block_numel: (keyword only) values per quantization block, each with one fp32
+            scale.
     """
 
     def __init__(
@@ -75,6 +85,10 @@ class ShardedModelV2(ZeroModel):
         gradient_predivide_factor: float = 1.0,
         use_memory_tracer: bool = False,
         reuse_fp16_shard: bool = False,
+        *,
+        gather_format: str = "dtype",
+        reduce_format: str = "dtype",
+        quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
         if not isinstance(shard_strategy, BaseShardStrategy):
             raise TypeError(
@@ -119,6 +133,12 @@ class ShardedModelV2(ZeroModel):
                 predivide_factor=gradient_predivide_factor,
             ),
             topology=Topology(process_group=process_group),
+            communication=communication_settings(
+                gather_format=gather_format,
+                reduce_format=reduce_format,
+                quant_block_numel=quant_block_numel,
+                caller=type(self).__name__,
+            ),
         )
         self.shard_strategy = shard_strategy
         super().__init__(module, *model_parts(module, config))

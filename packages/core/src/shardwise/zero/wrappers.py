@@ -25,9 +25,16 @@ def zero_model_wrapper(
     chunk_size_numel, mixed_precision, shard_size, ...: `front_door.GEMINI_CONFIG_KEYS`, each
     a field of `EngineConfig`). Stages 1 and 2 take `device`, `placement_policy` ("cuda", or
     "cpu" for the optimizer side in host memory), `pin_memory`, `mixed_precision`,
-    `process_group`, `force_outputs_fp32`, `gradient_reduction`, `param_init_fn` and
-    `shard_size` from it; their bucket size comes from `zero_optim_wrapper`'s
-    `optim_config["reduce_bucket_size"]`, and they pack the parameters once it is known.
+    `process_group`, `force_outputs_fp32`, `gradient_reduction`, `param_init_fn`,
+    `shard_size` and the disk tier's keys from it; their bucket size comes from
+    `zero_optim_wrapper`'s `optim_config["reduce_bucket_size"]`, and they pack the parameters
+    once it is known.
+
+    Every stage takes the wire formats (see `Communication`): `gather_format` and
+    `reduce_format` ("dtype", the default, "int8" or "fp8": one byte per value with an fp32
+    scale per `quant_block_numel` values, the gathers' decoded by the other ranks, the
+    reductions' summed in fp32 by their owner), and ColossalAI's `fp8_communication=True`
+    (both in fp8).
 
     Args:
         model: the module to wrap.

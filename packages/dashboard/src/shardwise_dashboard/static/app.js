@@ -79,7 +79,9 @@ const CHARTS = [
   { key: "loss", title: "loss: train / eval", series: [["loss", "#2f6fd6"], ["eval", "#e08a1e"]], format: formatNumber, marks: true },
   { key: "loss-scale", title: "loss scale (log2)", series: [["scale", "#7a3fd6"]], format: formatNumber, log2: true, marks: true },
   { key: "memory", title: "memory: device / host / disk tier", series: [["device", "#2f6fd6"], ["host", "#e08a1e"], ["disk", "#6a3d9a"]], format: formatBytes },
-  { key: "comm", title: "bytes sent per step", series: [["sent", "#2e9d4f"]], format: formatBytes },
+  // Bytes on the wire against what the same collectives would have sent unquantized (the
+  // engine computes it from chunk sizes and dtypes; see comm_bytes_unquantized).
+  { key: "comm", title: "wire bytes per step: sent / unquantized", series: [["sent", "#2e9d4f"], ["unquantized", "#9aa0a6"]], format: formatBytes },
   { key: "moved", title: "bytes moved per step: to device / to host / to disk / from disk", series: [["to_device", "#2f6fd6"], ["to_host", "#e08a1e"], ["to_disk", "#6a3d9a"], ["from_disk", "#b69ad6"]], format: formatBytes },
   { key: "step-time", title: "step time", series: [["ms", "#444448"]], format: (v) => `${formatNumber(v)} ms` },
   { key: "grad-norm", title: "grad norm", series: [["norm", "#8a520d"]], format: formatNumber },
@@ -90,7 +92,7 @@ class RankView {
     this.rank = rank;
     this.steps = []; // sorted step numbers; every series below is aligned with it
     this.seen = new Set();
-    this.series = { loss: [], scale: [], device: [], host: [], disk: [], sent: [], to_device: [], to_host: [], to_disk: [], from_disk: [], ms: [], norm: [] };
+    this.series = { loss: [], scale: [], device: [], host: [], disk: [], sent: [], unquantized: [], to_device: [], to_host: [], to_disk: [], from_disk: [], ms: [], norm: [] };
     this.overflows = [];
     // Evaluations, sorted by step: every rank reports the same (all-reduced) loss.
     this.evals = { steps: [], loss: [] };
@@ -169,12 +171,15 @@ class RankView {
   addStep(e) {
     if (this.seen.has(e.step)) return;
     this.seen.add(e.step);
-    const sent = Object.values(e.comm_bytes).reduce((a, b) => a + b, 0);
+    const total = (bytes) => Object.values(bytes).reduce((a, b) => a + b, 0);
+    const sent = total(e.comm_bytes);
+    // Unknown (null) from ranks of a shardwise from before it.
+    const unquantized = e.comm_bytes_unquantized ? total(e.comm_bytes_unquantized) : null;
     const values = {
       loss: e.loss, scale: e.loss_scale, device: e.memory.device, host: e.memory.host,
       // The disk tier's (absent from events of runs from before it: zero).
       disk: e.memory.disk ?? 0,
-      sent, to_device: e.moved_bytes.to_device, to_host: e.moved_bytes.to_host,
+      sent, unquantized, to_device: e.moved_bytes.to_device, to_host: e.moved_bytes.to_host,
       to_disk: e.moved_bytes.to_disk ?? 0, from_disk: e.moved_bytes.from_disk ?? 0,
       ms: e.step_time_s * 1000, norm: e.grad_norm,
     };
@@ -291,7 +296,7 @@ class RankView {
     const s = this.series;
     const data = {
       loss: [s.loss, { xs: this.evals.steps, ys: this.evals.loss }], "loss-scale": [s.scale], memory: [s.device, s.host, s.disk],
-      comm: [s.sent], moved: [s.to_device, s.to_host, s.to_disk, s.from_disk], "step-time": [s.ms], "grad-norm": [s.norm],
+      comm: [s.sent, s.unquantized], moved: [s.to_device, s.to_host, s.to_disk, s.from_disk], "step-time": [s.ms], "grad-norm": [s.norm],
     };
     for (const { spec, chart, latest, latestEval } of this.charts) {
       const ys = data[spec.key];
@@ -299,9 +304,24 @@ class RankView {
       chart.draw();
       const value = ys[0].length ? ys[0][ys[0].length - 1] : null;
       latest.textContent = value === null ? "" : spec.format(value);
+      if (spec.key === "comm") this.renderWire(latest, ys);
       if (latestEval) this.renderLatestEval(latestEval, spec.format);
     }
     return { drewCharts: true, chartsPending: false };
+  }
+
+  /** "1.2 MiB (0.27 of unquantized)": the latest step's bytes on the wire and their share of
+   * what it would have sent unquantized; both exact in data attributes (data-unquantized-bytes
+   * and data-wire-ratio are empty when the rank did not report the unquantized figure). */
+  renderWire(element, [sent, unquantized]) {
+    const last = sent.length - 1;
+    const bytes = last >= 0 ? sent[last] : null;
+    const whole = last >= 0 ? unquantized[last] : null;
+    element.dataset.wireBytes = bytes === null ? "" : String(bytes);
+    element.dataset.unquantizedBytes = whole === null ? "" : String(whole);
+    const ratio = bytes !== null && whole ? bytes / whole : null;
+    element.dataset.wireRatio = ratio === null ? "" : String(ratio);
+    if (ratio !== null) element.textContent += ` (${ratio.toFixed(2)} of unquantized)`;
   }
 
   /** "eval 2.88 @ 249": the latest evaluation; its exact loss and step in data attributes

@@ -11,7 +11,7 @@ from shardwise.amp import LossScaleConfig
 from shardwise.booster.plugin.refusals import PRECISIONS, shard_size_for
 from shardwise.booster.plugin.shardformer_flags import accept_shardformer_flags
 from shardwise.booster.plugin.zero_plugin_base import ZeroPluginBase
-from shardwise.engine.config import EngineConfig
+from shardwise.engine.config import DEFAULT_QUANT_BLOCK_NUMEL, EngineConfig
 from shardwise.engine.model import ZeroModel
 from shardwise.gemini import AutoPlacement
 from shardwise.zero import GeminiOptimizer
@@ -24,12 +24,13 @@ class GeminiPlugin(ZeroPluginBase):
 
     Beyond ColossalAI: `precision="fp32"`; the legacy placements "cuda" (every chunk on the
     compute device) and "cpu" (shards and optimizer state in host memory); `no_sync` at stage
-    3; any elementwise torch optimizer (not only HybridAdam); `clip_grad_by_norm` clips.
+    3; any elementwise torch optimizer (not only HybridAdam); `clip_grad_by_norm` clips; the
+    wire formats by keyword (`gather_format`, `reduce_format`, `quant_block_numel`).
     "auto" sizes its budget as `steady_cuda_cap_ratio` of the CUDA device; on a host without
     one it keeps every chunk on the compute device. Arguments ColossalAI ignores at the
     configuration given are accepted and named in a warning or a log line (see
     zero/gemini_config.py); tensor parallelism, fp8 compute and NVMe offload are refused;
-    `fp8_communication=True` gathers parameters in fp8, as ColossalAI's.
+    `fp8_communication=True` gathers parameters and reduces gradients in fp8, as ColossalAI's.
 
     Args (ColossalAI's):
         chunk_config_dict: `{group size: {"chunk_size": n, "keep_gathered": b}}`
@@ -67,12 +68,20 @@ class GeminiPlugin(ZeroPluginBase):
             ColossalAI applies only with tp_size > 1: accepted, logged once as changing
             nothing.
         use_fp8: refused unless False (no fp8 compute).
-        fp8_communication: gather parameters in fp8 with blockwise scales (see [Note:
-            quantized gathers] in chunk/wire/formats.py); refused where torch cannot cast to
-            fp8 on the device.
+        fp8_communication: gather parameters and reduce gradients in fp8 with blockwise
+            scales (see [Note: quantized gathers] and [Note: quantized reductions] in
+            chunk/wire/formats.py): `gather_format="fp8"` and `reduce_format="fp8"`; refused
+            where torch cannot cast to fp8 on the device, and beside another format.
         extra_dp_size: replicate the sharded model this many times (hybrid sharding).
         enable_async_reduce: reduce gradients in the background of backward.
         verbose: log the engine configuration.
+
+    Args (beyond ColossalAI, by keyword):
+        gather_format: parameter all-gathers: "dtype" (the precision's, default), "int8" or
+            "fp8" (one byte per value with an fp32 scale per block; ZeRO++'s qwZ).
+        reduce_format: gradient reductions: "dtype" (default), "int8" or "fp8" (an
+            all-to-all of quantized slices summed in fp32 by their owner; ZeRO++'s qgZ).
+        quant_block_numel: values per quantization block, each with one fp32 scale.
     """
 
     def __init__(
@@ -117,6 +126,10 @@ class GeminiPlugin(ZeroPluginBase):
         use_fp8: bool = False,
         verbose: bool = False,
         fp8_communication: bool = False,
+        *,
+        gather_format: str = "dtype",
+        reduce_format: str = "dtype",
+        quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -162,6 +175,9 @@ class GeminiPlugin(ZeroPluginBase):
             gpu_margin_mem_ratio=gpu_margin_mem_ratio,
             shard_size=shard_size_for(name, extra_dp_size, self.world_size),
             verbose=verbose,
+            gather_format=gather_format,
+            reduce_format=reduce_format,
+            quant_block_numel=quant_block_numel,
         )
         self.device = self.config.device
         self.loss_scale = LossScaleConfig(

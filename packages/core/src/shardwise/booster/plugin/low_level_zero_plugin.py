@@ -9,13 +9,14 @@ from shardwise.amp import LossScaleConfig
 from shardwise.booster.plugin.refusals import precision_of, refuse_model_parallel, shard_size_for
 from shardwise.booster.plugin.zero_plugin_base import ZeroPluginBase
 from shardwise.engine.config import (
+    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
-    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,
     Placement,
     Topology,
+    communication_settings,
     default_device,
 )
 from shardwise.gemini import placement_policy
@@ -25,8 +26,10 @@ class LowLevelZeroPlugin(ZeroPluginBase):
     """ZeRO stage 1 (optimizer state sharded) or 2 (gradients too), with ColossalAI 0.5's
     `LowLevelZeroPlugin` arguments, defaults and order.
 
-    Beyond ColossalAI: `no_sync` at stage 2 too; any `norm_type`. fp8 compute and
-    `master_weights=False` are refused; `fp8_communication=True` gathers parameters in fp8.
+    Beyond ColossalAI: `no_sync` at stage 2 too; any `norm_type`; the wire formats by keyword
+    (`gather_format`, `reduce_format`, `quant_block_numel`). fp8 compute and
+    `master_weights=False` are refused; `fp8_communication=True` gathers parameters and
+    reduces gradients in fp8, as ColossalAI's.
 
     Args (ColossalAI's):
         stage: 1 or 2.
@@ -42,12 +45,21 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         cpu_offload: fp32 masters, reduced gradients and optimizer state in host memory, the
             step on the host (see [Note: offload at stages 1 and 2] in engine/model.py).
         master_weights, use_fp8: refused unless at their defaults.
-        fp8_communication: gather updated parameters in fp8 with blockwise scales after the
-            step (see [Note: quantized gathers] in chunk/wire/formats.py); refused where
-            torch cannot cast to fp8 on the device.
+        fp8_communication: reduce gradients in fp8 with blockwise scales, and gather the
+            updated parameters in fp8 after the step (see [Note: quantized gathers] and
+            [Note: quantized reductions] in chunk/wire/formats.py): `gather_format="fp8"`
+            and `reduce_format="fp8"`; refused where torch cannot cast to fp8 on the device,
+            and beside another format.
         verbose: accepted (overflows are reported by a warning when steps keep being skipped).
         cast_inputs: floating inputs are cast to the compute dtype; False is refused.
         extra_dp_size: replicate the sharded state this many times (hybrid sharding).
+
+    Args (beyond ColossalAI, by keyword):
+        gather_format: the parameter all-gathers after the step: "dtype" (the precision's,
+            default), "int8" or "fp8" (one byte per value with an fp32 scale per block).
+        reduce_format: gradient reductions: "dtype" (`communication_dtype`, default), "int8"
+            or "fp8" (an all-to-all of quantized slices summed in fp32 by their owner).
+        quant_block_numel: values per quantization block, each with one fp32 scale.
     """
 
     def __init__(
@@ -74,12 +86,21 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         fp8_communication: bool = False,
         use_fp8: bool = False,
         extra_dp_size: int = 1,
+        *,
+        gather_format: str = "dtype",
+        reduce_format: str = "dtype",
+        quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
         super().__init__()
         name = type(self).__name__
         refuse_model_parallel(name, use_fp8=use_fp8)
-        if not isinstance(fp8_communication, bool):
-            raise TypeError(f"{name}: fp8_communication must be a bool, got {fp8_communication!r}")
+        self.communication = communication_settings(
+            gather_format=gather_format,
+            reduce_format=reduce_format,
+            quant_block_numel=quant_block_numel,
+            fp8_communication=fp8_communication,
+            caller=name,
+        )
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(
                 f"{name}: stage must be 1 or 2 (GeminiPlugin is stage 3), got {stage!r}"
@@ -112,7 +133,6 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         self.chunking = Chunking(size_numel=round(reduce_bucket_size_in_m * 2**20))
         self.overlap = Overlap(communication=overlap_communication, param_gather=overlap_allgather)
         self.topology = Topology(shard_size=shard_size_for(name, extra_dp_size, self.world_size))
-        self.communication = Communication(gather="fp8" if fp8_communication else "dtype")
         self.loss_scale = LossScaleConfig(
             initial_scale=initial_scale,
             min_scale=min_scale,

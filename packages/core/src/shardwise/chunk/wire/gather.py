@@ -222,7 +222,14 @@ class QuantizedGather:
         self.sent = self.quantizer.encode(shard, self.allocate(record_nbytes, shard.device))
         self.received = self.allocate(self._world * record_nbytes, shard.device)
         self._own = shard
-        return comm.all_gather(self.received, self.sent, self._stats, group, async_op=async_op)
+        return comm.all_gather(
+            self.received,
+            self.sent,
+            self._stats,
+            group,
+            async_op=async_op,
+            unquantized_payload_bytes=self._unquantized_nbytes(shard.numel()),
+        )
 
     def start_from_secondary(
         self,
@@ -245,7 +252,13 @@ class QuantizedGather:
             group,
             async_op=async_op,
             kind=CommOp.SECONDARY_ALL_GATHER,
+            unquantized_payload_bytes=self._unquantized_nbytes(own.numel()),
         )
+
+    def _unquantized_nbytes(self, shard_numel: int) -> int:
+        """The gathered buffer `PayloadGather` would receive: every rank's shard in the
+        payload dtype (see [Note: unquantized bytes] in comm/stats.py)."""
+        return self._world * shard_numel * _element_size(self._dtypes.payload)
 
     def finish(self, full: torch.Tensor, compute: torch.Tensor) -> None:
         received, own = self.received, self._own

@@ -156,16 +156,36 @@ class QuantizedReduce:
         if padded != buffer.numel():
             full = torch.zeros(padded, dtype=buffer.dtype, device=buffer.device)
             full[: buffer.numel()].copy_(buffer)
-        work, summed = self._reduce_scatter(full, group, kind, async_op=False)
+        # Unquantized, one all-reduce of `buffer`: counted as its two halves, each over the
+        # buffer as it is (see [Note: unquantized bytes] in comm/stats.py).
+        unpadded_nbytes = buffer.numel() * buffer.element_size()
+        work, summed = self._reduce_scatter(
+            full, group, kind, async_op=False, unquantized_nbytes=unpadded_nbytes
+        )
         assert work is None
         gathered = self.allocate(padded, buffer.dtype)
-        comm.all_gather(gathered, summed.to(buffer.dtype), self._stats, group, kind=kind)
+        comm.all_gather(
+            gathered,
+            summed.to(buffer.dtype),
+            self._stats,
+            group,
+            kind=kind,
+            unquantized_payload_bytes=unpadded_nbytes,
+        )
         buffer.copy_(gathered[: buffer.numel()])
         return None
 
     def _reduce_scatter(
-        self, full: torch.Tensor, group: ProcessGroup | None, kind: CommOp, *, async_op: bool
+        self,
+        full: torch.Tensor,
+        group: ProcessGroup | None,
+        kind: CommOp,
+        *,
+        async_op: bool,
+        unquantized_nbytes: int | None = None,
     ) -> tuple[comm.Waitable | None, torch.Tensor]:
+        """The all-to-all of records standing for a reduce-scatter of `full`, counted against
+        `full` in its dtype unquantized (or `unquantized_nbytes`)."""
         world, me = comm.world_size(group), comm.rank(group)
         if full.numel() % world:
             raise ValueError(f"a buffer of {full.numel()} elements does not split over {world}")
@@ -193,6 +213,11 @@ class QuantizedReduce:
             logical_bytes=world * record_nbytes,
             kind=kind,
             async_op=async_op,
+            unquantized_payload_bytes=(
+                full.numel() * full.element_size()
+                if unquantized_nbytes is None
+                else unquantized_nbytes
+            ),
         )
         pending = _SumDecoded(work, self.quantizer, received.view(len(others), -1), reduced, sent)
         if async_op:

@@ -25,13 +25,14 @@ from torch.distributed import ProcessGroup
 
 from shardwise.amp import LossScaleConfig
 from shardwise.engine.config import (
+    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
-    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,
     Placement,
     Topology,
+    communication_settings,
 )
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
@@ -75,9 +76,19 @@ class LowLevelZeroOptimizer(ZeroOptimizerWrapper):
         forced_dtype: the dtype the parameters are cast to and computed in (None: theirs).
         master_weights: True only (fp32 masters are always kept).
         overlap_allgather: refused unless False (see the module note).
-        fp8_communication: gather updated parameters in fp8 with blockwise scales after the
-            step (see [Note: quantized gathers] in chunk/wire/formats.py).
+        fp8_communication: reduce gradients in fp8 with blockwise scales, and gather the
+            updated parameters in fp8 after the step (see [Note: quantized gathers] and [Note:
+            quantized reductions] in chunk/wire/formats.py), as ColossalAI's: the same as
+            `gather_format="fp8"` and `reduce_format="fp8"`, with which it is not combined.
         backward_context: refused unless None.
+        gather_format: beyond ColossalAI, by keyword: the parameter all-gathers after the
+            step, "dtype" (the parameters' dtype, default), "int8" or "fp8" (one byte per
+            value with an fp32 scale per block).
+        reduce_format: beyond ColossalAI, by keyword: gradient reductions, "dtype"
+            (`communication_dtype`, default), "int8" or "fp8" (an all-to-all of quantized
+            slices summed in fp32 by their owner).
+        quant_block_numel: beyond ColossalAI, by keyword: values per quantization block,
+            each with one fp32 scale.
     """
 
     def __init__(
@@ -105,6 +116,10 @@ class LowLevelZeroOptimizer(ZeroOptimizerWrapper):
         overlap_allgather: bool = False,
         fp8_communication: bool = False,
         backward_context: Any = None,
+        *,
+        gather_format: str = "dtype",
+        reduce_format: str = "dtype",
+        quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -117,8 +132,13 @@ class LowLevelZeroOptimizer(ZeroOptimizerWrapper):
             overlap_allgather=overlap_allgather,
             backward_context=backward_context is not None,
         )
-        if not isinstance(fp8_communication, bool):
-            raise TypeError(f"fp8_communication must be a bool, got {fp8_communication!r}")
+        communication = communication_settings(
+            gather_format=gather_format,
+            reduce_format=reduce_format,
+            quant_block_numel=quant_block_numel,
+            fp8_communication=fp8_communication,
+            caller=type(self).__name__,
+        )
         if not isinstance(partition_grad, bool):
             raise TypeError(f"partition_grad must be a bool, got {partition_grad!r}")
         params = list(dict.fromkeys(p for group in optimizer.param_groups for p in group["params"]))
@@ -140,7 +160,7 @@ class LowLevelZeroOptimizer(ZeroOptimizerWrapper):
             placement=Placement(policy=placement_policy("cpu" if cpu_offload else "cuda")),
             overlap=Overlap(communication=overlap_communication, param_gather=False),
             topology=Topology(process_group=dp_process_group),
-            communication=Communication(gather="fp8" if fp8_communication else "dtype"),
+            communication=communication,
         )
         self.model: ZeroModel = wrap_model(_ParameterHolder(params), config)
         engine = wrap_optimizer(
