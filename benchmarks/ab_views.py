@@ -5,8 +5,9 @@
 Reads a `bench_ab.py` result written with `--timing outside` (every step kept, with its round
 and its place in the turn) and prints each pair's ratio of medians and of means over: every
 step; every step but each turn's first (the turn timing's rule); every step of the rounds
-after the first; the turns' first steps alone. Where two benchmarks disagree about the same
-engines, the view that moves the ratio names the cause.
+after the first; the turns' first steps alone; then each engine's median step and the part of
+it spent in the barrier after the step (what the turn timing leaves out). Where two benchmarks
+disagree about the same engines, the view that moves the ratio names the cause.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import statistics
 from collections.abc import Callable
 
-Step = list[float]  # [round, place in the turn, ms]
+Step = list[float]  # [round, place in the turn, ms, ms of it in the barrier after the step]
 
 VIEWS: dict[str, Callable[[Step], bool]] = {
     "every step": lambda step: True,
@@ -58,6 +59,14 @@ def main() -> None:
     for pair in args.pairs.split(","):
         for view, (median, mean) in ratios(summary, pair).items():
             print(f"| {pair} | {view} | {median:.3f} | {mean:.3f} |")
+    print()
+    print("| engine | median ms | median ms in the barrier after the step |")
+    print("| --- | ---: | ---: |")
+    for name, run in summary["engines"].items():
+        steps = run["every_step"]
+        total = statistics.median(step[2] for step in steps)
+        tail = statistics.median(step[3] for step in steps)
+        print(f"| {name} | {total:.1f} | {tail:.1f} |")
 
 
 if __name__ == "__main__":

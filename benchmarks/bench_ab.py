@@ -8,8 +8,10 @@ of every engine, round after round each engine runs `--block` steps in turn, the
 every round; the first step of each turn is left out of the figures (it pays for the cache the
 previous engine evicted). `--timing outside` times as a user's script does from outside
 instead: every step counted (none left out, no warm-up unless asked), each from a barrier to
-a barrier after the step, so a rank waiting for the other counts. Every step's time is written
-with its round and its place in the turn, so the two ways can be compared on one run. Separate
+a barrier after the step, so a rank waiting for the other counts, and so do collectives a step
+leaves running on the group (the barrier queues behind them). Every step's time is written
+with its round, its place in the turn and the part spent in the barrier after it, so the two
+ways can be compared on one run. Separate
 runs of one engine drift by several percent on these
 machines; figures interleaved this finely share the drift, so their ratios hold. Rank 0 writes
 per-engine medians and every measured step time. Every engine must reach the same losses: the
@@ -72,7 +74,7 @@ def main() -> None:
     losses: dict[str, float] = {}
 
     warmup: dict[str, list[float]] = {name: [] for name in engines}
-    # Every measured step as [round, place in its turn, ms].
+    # Every measured step as [round, place in its turn, ms, ms of it in the barrier after].
     every_step: dict[str, list[list[float]]] = {name: [] for name in engines}
     outside = args.timing == "outside"
 
@@ -83,13 +85,17 @@ def main() -> None:
             dist.barrier()
             start = time.perf_counter()
             loss = step(idx.chunk(world)[rank], targets.chunk(world)[rank])
+            returned = time.perf_counter()
             if outside:
                 dist.barrier()
             elapsed = (time.perf_counter() - start) * 1000
+            # What the barrier after the step waited for: the other rank, and the collectives
+            # the step left running on the group (stages 1-2's deferred parameter gathers).
+            tail = elapsed - (returned - start) * 1000
             steps_done[name] += 1
             losses[name] = float(loss.detach())
             if record:
-                every_step[name].append([round_index, turn_step, elapsed])
+                every_step[name].append([round_index, turn_step, elapsed, tail])
             if record and (turn_step > 0 or outside):
                 times[name].append(elapsed)
             if not record:
