@@ -6,13 +6,18 @@
 Each engine trains its own copy of the same model (same seed, same batches). After a warm-up
 of every engine, round after round each engine runs `--block` steps in turn, the order rotating
 every round; the first step of each turn is left out of the figures (it pays for the cache the
-previous engine evicted). `--timing outside` times as a user's script does from outside
+previous engine evicted). By default (`--timing loop`) a turn runs as a training loop does,
+steps back to back without barriers between them, and is timed from its first step's return to
+a barrier after its last: collectives a step leaves running overlap the next step, as in
+training, and are paid inside the turn; one figure per turn, ms per step. `--timing turn`
+times each step from a barrier before it to its return: what a step leaves running (stages
+1-2's deferred parameter gathers) then finishes in the untimed barrier before the next step
+and is not counted. `--timing outside` times as a user's script does from outside
 instead: every step counted (none left out, no warm-up unless asked), each from a barrier to
 a barrier after the step, so a rank waiting for the other counts, and so do collectives a step
 leaves running on the group (the barrier queues behind them). Every step's time is written
 with its round, its place in the turn and the part spent in the barrier after it, so the two
-ways can be compared on one run. Separate
-runs of one engine drift by several percent on these
+ways can be compared on one run. Separate runs of one engine drift by several percent on these
 machines; figures interleaved this finely share the drift, so their ratios hold. Rank 0 writes
 per-engine medians and every measured step time. Every engine must reach the same losses: the
 final loss of each is reported.
@@ -43,13 +48,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--timing",
-        choices=("turn", "outside"),
-        default="turn",
-        help="turn: leave out each turn's first step; outside: every step, barrier to barrier",
+        choices=("loop", "turn", "outside"),
+        default="loop",
+        help="turn: leave out each turn's first step; outside: every step, barrier to barrier; "
+        "loop: a turn's steps back to back, timed after its first",
     )
     add_model_arguments(parser)
     args = parser.parse_args()
-    if args.block < 2 and args.timing == "turn":
+    if args.block < 2 and args.timing in ("turn", "loop"):
         parser.error("--block must be at least 2 (a turn's first step is not measured)")
     return args
 
@@ -78,7 +84,28 @@ def main() -> None:
     every_step: dict[str, list[list[float]]] = {name: [] for name in engines}
     outside = args.timing == "outside"
 
+    def run_loop(name: str, count: int) -> None:
+        """A turn as a training loop runs it: steps back to back, no barrier between them; the
+        clock starts when the first step returns and stops after the barrier behind the last,
+        so whatever a step leaves running (deferred gathers) is paid inside the turn, overlapped
+        with the next step as it would be in training. One figure per turn: ms per step."""
+        step, _ = engines[name]
+        dist.barrier()
+        start = 0.0
+        for turn_step in range(count):
+            idx, targets = gpt_batch(config, args.batch, args.seq, steps_done[name])
+            loss = step(idx.chunk(world)[rank], targets.chunk(world)[rank])
+            if turn_step == 0:
+                start = time.perf_counter()
+            steps_done[name] += 1
+            losses[name] = float(loss.detach())
+        dist.barrier()
+        times[name].append((time.perf_counter() - start) * 1000 / (count - 1))
+
     def run(name: str, count: int, record: bool, round_index: int = -1) -> None:
+        if record and args.timing == "loop":
+            run_loop(name, count)
+            return
         step, _ = engines[name]
         for turn_step in range(count):
             idx, targets = gpt_batch(config, args.batch, args.seq, steps_done[name])

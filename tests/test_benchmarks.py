@@ -27,10 +27,11 @@ def test_interleaved_engines_reach_identical_losses(tmp_path: Path) -> None:
     summary = json.loads(out.read_text())
     runs = summary["engines"]
     assert list(runs) == engines.split(",")
-    # 1 warm-up step, then 2 rounds of 3-step turns, the first of each turn not timed.
-    assert summary["steps_per_engine"] == 7
+    # 1 warm-up step, then 2 rounds of 3-step turns, each timed after its first step as a
+    # loop runs them: one figure (ms per step) per turn.
+    assert summary["steps_per_engine"] == 7 and summary["timing"] == "loop"
     assert all(
-        len(run["step_ms"]) == 4 and len(run["round_median_ms"]) == 2 for run in runs.values()
+        len(run["step_ms"]) == 2 and len(run["round_median_ms"]) == 2 for run in runs.values()
     )
     losses = {name: run["final_loss"] for name, run in runs.items()}
     assert len(set(losses.values())) == 1, losses

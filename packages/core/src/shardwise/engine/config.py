@@ -421,9 +421,11 @@ class Overlap:
     param_gather: bool | None = None
     """Stages 1-2: let the all-gather of updated parameters run into the next forward, any read
     of a parameter before it waiting for its chunk (see [Note: deferred parameter gathers] in
-    runtime/param_gather.py); False waits for it in the step. None: on at stages 1-2 (it is
-    the one collective there nothing else overlaps: 2-5% of DDP's step time here when waited
-    in the step); stage 3 has none to defer."""
+    runtime/param_gather.py); False waits for it in the step. None: on at stages 1-2 where
+    the device is a GPU (the all-gather runs on its own stream beside the forward), off on a
+    CPU, where gloo's all-gather runs on the cores the forward computes on and overlapping it
+    made the step slower, not faster (benchmarks/RESULTS.md, "Wire formats"); stage 3 has
+    none to defer."""
     prefetch: bool = True
     """Stage 3: gather the next chunk of the recorded order while the current one computes."""
 
@@ -563,7 +565,7 @@ class EngineConfig:
     def defers_param_gather(self) -> bool:
         """Whether the step leaves its parameter all-gathers running (see `Overlap`)."""
         if self.overlap.param_gather is None:
-            return self.stage in (1, 2)
+            return self.stage in (1, 2) and self.device.type == "cuda"
         return self.overlap.param_gather
 
     @property

@@ -83,9 +83,10 @@ def zero_optim_wrapper(
             default 12M)
             and `overlap_communication` (bool, default True: stage 2 reduces each bucket
             while backward goes on, as DDP does; stage 1 reduces at the step either way) and
-            `overlap_param_gather` (bool, default True: let the all-gather of updated
-            parameters run into the next forward, any read of a parameter before it waiting
-            for its chunk; False waits for it in `step()`; see `Overlap`) and `cpu_offload`
+            `overlap_param_gather` (bool, default True on a GPU and False on a CPU: let the
+            all-gather of updated parameters run into the next forward, any read of a
+            parameter before it waiting for its chunk; False waits for it in `step()`; see
+            `Overlap`) and `cpu_offload`
             (bool, default False: fp32 masters, reduced gradients and optimizer state in host
             memory, the step on the host; see [Note: offload at stages 1 and 2] in
             engine/model.py).
