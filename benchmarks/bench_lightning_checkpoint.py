@@ -160,7 +160,14 @@ def _run_one(strategy: str, smoke: bool, directory: Path) -> dict[str, Any]:
     return result
 
 
+BLOCK = "bench_lightning_checkpoint"
+
+
 def write_results(results: dict[str, Any], path: Path, command: str) -> None:
+    """Replace the table of RESULTS.md's block (between its begin and end markers), keeping
+    the notes written below the table."""
+    from bench_memory import _write_block
+
     params = next(iter(results.values()))["params"]
     lines = [
         "## Lightning `trainer.save_checkpoint` of GPT-2 124M, one whole file (2 ranks)",
@@ -184,16 +191,18 @@ def write_results(results: dict[str, Any], path: Path, command: str) -> None:
             f"{figures['step_seconds']:.2f} | {chunks} | "
             f"{f'{largest:,}' if largest else ''} |"
         )
-    block = "\n".join(lines) + "\n<!-- bench_lightning_checkpoint: end -->\n"
     text = path.read_text() if path.exists() else ""
-    begin = text.find(lines[0])
-    if begin >= 0:
-        end_marker = "<!-- bench_lightning_checkpoint: end -->\n"
-        end = text.index(end_marker, begin) + len(end_marker)
-        text = text[:begin] + block + text[end:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+    _write_block(path, BLOCK, lines + _notes(text))
+
+
+def _notes(text: str) -> list[str]:
+    """The lines below the table in the block as it stands (the explanation of the figures)."""
+    begin, end = text.find(f"<!-- {BLOCK}: begin -->"), text.find(f"<!-- {BLOCK}: end -->")
+    if begin < 0 or end < begin:
+        return []
+    block = text[begin:end].splitlines()
+    rows = [i for i, line in enumerate(block) if line.startswith("|")]
+    return block[rows[-1] + 1 :] if rows else []
 
 
 def main() -> None:

@@ -171,7 +171,7 @@ def full_state(trainer_: pl.Trainer, module: pl.LightningModule) -> dict[str, to
     """The whole model state on every rank, whichever strategy trained it."""
     strategy = trainer_.strategy
     if isinstance(strategy, ShardwiseStrategyBase):
-        return strategy.lightning_module_state_dict()
+        return strategy.lightning_module_state_dict(rank_zero_only=False)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 

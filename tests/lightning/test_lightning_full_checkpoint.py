@@ -7,10 +7,14 @@ Two ranks train 8 steps and save both forms; a 2-epoch run resumed from the full
 torch-format optimizer state sliced into the shards) continues exactly as the uninterrupted
 run, and Lightning's plain `ddp` resumes from it too. The weights in both files are the fp32
 masters, equal bit for bit to the state the ranks hold; the two files' optimizer states are
-equal bit for bit as well. A module whose on_load_checkpoint rebuilds a layer resumes from the
-full file exactly as the uninterrupted run continues (the optimizer rebuilt over the new layer,
-its state sliced into the new shards), and tests from the sharded directory with the losses of
-Lightning's plain `ddp` testing the same weights.
+equal bit for bit as well. The full file holds, to the bit, the weights, optimizer state,
+schedulers and loops of the file Lightning's `ddp` saves after the same epoch (fp32 trains
+alike), plus the loss scaler; `lightning_module_state_dict()`, as Lightning calls it, gives the
+whole state on rank 0 and an empty dict on rank 1 (every rank with `rank_zero_only=False`).
+A module whose on_load_checkpoint rebuilds a layer resumes from the full file exactly as the
+uninterrupted run continues (the optimizer rebuilt over the new layer, its state sliced into
+the new shards), and tests from the sharded directory with the losses of Lightning's plain
+`ddp` testing the same weights.
 """
 
 from __future__ import annotations
@@ -59,6 +63,16 @@ def _save_and_resume(directory: Path) -> dict[str, Any]:
             run.fit(module)
         run.save_checkpoint(directory / f"{name}.ckpt")
         out[f"{name}_state"] = full_state(run, module)
+        # Lightning's own call, without arguments: the whole state on rank 0 alone.
+        out[f"{name}_default_state"] = run.strategy.lightning_module_state_dict()
+    # Lightning's ddp trains the same epoch and saves its own file.
+    torch.manual_seed(0)
+    module = Net()
+    run = trainer("ddp", max_epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run.fit(module)
+    run.save_checkpoint(directory / "ddp.ckpt")
     # Resumed from the one file, by this strategy and by Lightning's plain ddp.
     out["resumed"] = fit(_full(), max_epochs=2, ckpt_path=directory / "full.ckpt")
     out["resumed_ddp"] = fit("ddp", max_epochs=2, ckpt_path=directory / "full.ckpt")
@@ -118,6 +132,42 @@ def test_full_checkpoint_loads_with_load_from_checkpoint(
     first = saved_optimizer["state"][0]
     assert first["exp_avg"].shape == (32, 16)  # whole and in the parameter's shape
     assert float(first["step"]) == STEPS_PER_EPOCH
+
+
+def test_full_checkpoint_holds_what_ddp_saves(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    # fp32 on 2 ranks trains bit for bit as Lightning's ddp: its file's weights, optimizer
+    # state (whole tensors in each parameter's shape, numbered alike), hyper-parameters,
+    # schedulers and loops are ddp's, to the bit; only the loss scaler's state is added.
+    directory, _ = saved
+    ours = torch.load(directory / "full.ckpt", weights_only=False)
+    ddp = torch.load(directory / "ddp.ckpt", weights_only=False)
+    assert set(ours) - set(ddp) == {"shardwise"}, sorted(set(ours) ^ set(ddp))
+    _assert_same(ours["state_dict"], ddp["state_dict"])
+    assert list(ours["state_dict"]) == list(ddp["state_dict"])
+    (mine,), (theirs,) = ours["optimizer_states"], ddp["optimizer_states"]
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert mine["state"].keys() == theirs["state"].keys()
+    for number, fields in theirs["state"].items():
+        assert mine["state"][number].keys() == fields.keys(), number
+        for field, value in fields.items():
+            assert torch.equal(mine["state"][number][field], value), (number, field)
+            assert mine["state"][number][field].shape == value.shape, (number, field)
+    for key in ("epoch", "global_step", "loops", "lr_schedulers"):
+        assert ours[key] == ddp[key], key
+    assert not list(directory.glob(".*.partial"))  # written beside the file, renamed over it
+
+
+def test_lightning_module_state_dict_is_whole_on_rank_0_only(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for name in ("full", "sharded"):
+        first, second = (result[f"{name}_default_state"] for result in saved[1])
+        _assert_same(first, saved[1][0][f"{name}_state"])
+        assert second == {}, name
+        # With rank_zero_only=False (as full_state asks) every rank gets the same whole state.
+        _assert_same(saved[1][1][f"{name}_state"], saved[1][0][f"{name}_state"])
 
 
 def test_resume_from_the_full_checkpoint_continues_exactly(

@@ -5,6 +5,7 @@ Importing this package registers the strategy names "shardwise_gemini",
 "shardwise_fsdp_offload" in Lightning's strategy registry.
 """
 
+from shardwise_lightning.checkpoint_io import StreamingCheckpointIO
 from shardwise_lightning.fully_sharded import FullyShardedStrategy
 from shardwise_lightning.gemini import GeminiStrategy
 from shardwise_lightning.precision import ShardwisePrecision
@@ -19,5 +20,6 @@ __all__ = [
     "FullyShardedStrategy",
     "GeminiStrategy",
     "ShardwisePrecision",
+    "StreamingCheckpointIO",
     "register_strategies",
 ]

@@ -55,6 +55,7 @@ from shardwise.engine.module_at_rest import (
 from shardwise.engine.optimizer import optimizer_of
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.prepare.ignore import is_ignored
+from shardwise_lightning.checkpoint_io import StreamingCheckpointIO
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
 
 StateDictType = Literal["sharded", "full"]
@@ -73,7 +74,8 @@ class ShardwiseStrategyBase(DDPStrategy):
             world-size independent, no rank holding the whole state).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's `DDPStrategy` (`checkpoint_io`
-            reads and writes single-file checkpoints; sharded ones are the engine's).
+            reads and writes single-file checkpoints, by default a `StreamingCheckpointIO`;
+            sharded ones are the engine's).
             Processes come from torchrun (or another external launcher) or from Lightning
             relaunching the script; spawn/fork launchers are not offered, since they
             copy weights back through the module's own, sharded, state_dict.
@@ -110,7 +112,8 @@ class ShardwiseStrategyBase(DDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            # See [Note: one write of a checkpoint file] in checkpoint_io.py.
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else StreamingCheckpointIO(),
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -287,10 +290,12 @@ class ShardwiseStrategyBase(DDPStrategy):
 
     # ---- state dicts and checkpoints -------------------------------------------------------------
 
-    def lightning_module_state_dict(self, rank_zero_only: bool = False) -> dict[str, Any]:
+    def lightning_module_state_dict(self, rank_zero_only: bool = True) -> dict[str, Any]:
         """The whole module state (fp32 master weights, buffers) with the LightningModule's
-        names, detached, on CPU (or the compute device with `state_dict_to_cpu=False`). A
-        collective; with `rank_zero_only` ranks other than 0 get an empty dict."""
+        names, detached, on CPU (or the compute device with `state_dict_to_cpu=False`), on
+        rank 0: the other ranks send it their shards and get an empty dict, as Lightning's
+        FSDPStrategy gives a full state dict (see [Note: full checkpoints]). With
+        `rank_zero_only=False` every rank gets it. A collective: call it on every rank."""
         if self._zero_model is None:
             assert self.lightning_module is not None
             return self.lightning_module.state_dict()
@@ -354,14 +359,18 @@ class ShardwiseStrategyBase(DDPStrategy):
     # [Note: full checkpoints]
     # Lightning builds the checkpoint dict before it asks the strategy to save it: the module's
     # state through `lightning_module_state_dict` (the whole fp32 masters with the module's
-    # keys, gathered one chunk at a time) and each optimizer's through `optimizer_state`,
-    # which under "full" gathers the whole optimizer state in torch's format onto rank 0
-    # (numbered by the parameter groups of configure_optimizers, the loss scaler's state
-    # beside it). Rank 0 writes that dict as `shardwise consolidate` lays out a sharded
-    # checkpoint (`lightning_checkpoint`: the scaler under "shardwise") through the
-    # CheckpointIO: one gather and one write, as Lightning's own full-state strategies do, where
-    # staging the shards on disk and reading them back cost a write and a read of the whole
-    # state more. Rank 0 holds the whole state for the write, as any full-state save does.
+    # keys) and each optimizer's through `optimizer_state`, which under "full" gives the whole
+    # optimizer state in torch's format (numbered by the parameter groups of
+    # configure_optimizers, the loss scaler's state beside it). Both are built on rank 0 alone,
+    # as Lightning's FSDPStrategy and ModelParallelStrategy build theirs: in host memory every
+    # rank sends rank 0 the parts of each tensor its shard holds, received there straight into
+    # the tensors of the dict, while the other ranks allocate nothing and get empty dicts (see
+    # [Note: gathering to one rank] in shardwise/chunk/whole_tensors.py). Rank 0 writes that
+    # dict as `shardwise consolidate` lays out a sharded checkpoint (`lightning_checkpoint`:
+    # the scaler under "shardwise") through the CheckpointIO, whose default writes the file
+    # as torch.save serializes it (see [Note: one write of a checkpoint file] in
+    # checkpoint_io.py): every byte of the file is written once into the dict and once into
+    # the file. Rank 0 holds the whole state for the write, as any full-state save does.
 
     def _save_full_checkpoint(
         self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None
@@ -575,8 +584,8 @@ class ShardwiseStrategyBase(DDPStrategy):
                     f"the LightningModule keeps its parameters sharded after this run (empty "
                     f"outside the engine): a whole fp32 copy, {gib:.1f} GiB per rank, would not "
                     f"fit in this host's memory. Take its weights with "
-                    f"trainer.strategy.lightning_module_state_dict() on every rank, or "
-                    f"trainer.save_checkpoint(path)"
+                    f"trainer.strategy.lightning_module_state_dict(), called on every rank (rank "
+                    f"0 gets them), or trainer.save_checkpoint(path)"
                 )
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

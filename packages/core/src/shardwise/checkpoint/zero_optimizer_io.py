@@ -2,7 +2,9 @@
 
 Each rank steps only its shard of every parameter, so whole moments exist nowhere: for every
 chunk, each per-element state (Adam's `exp_avg`, `exp_avg_sq`) is laid out over the rank's
-shard and all-gathered, one chunk at a time, as the chunk's values are for a forward pass.
+shard and all-gathered, one chunk at a time, as the chunk's values are for a forward pass; a
+state dict kept on rank 0 alone, in host memory, is instead sent to rank 0 in parts, straight
+into its whole tensors (see [Note: gathering to one rank] in chunk/whole_tensors.py).
 Which parameters have state at all, and their per-parameter values (`step`), are agreed once
 with one all-reduce. Loading takes back from each whole tensor the elements the rank owns.
 """
@@ -26,6 +28,8 @@ from shardwise.checkpoint.optimizer_checkpoint import (
 )
 from shardwise.checkpoint.zero_model_io import ranks_of
 from shardwise.chunk import Chunk
+from shardwise.chunk.whole_tensors import WholeTensorsGather
+from shardwise.comm.topology import replica_index
 from shardwise.engine.optimizer import ZeroOptimizer
 
 
@@ -144,6 +148,81 @@ def _whole_states(optimizer: ZeroOptimizer, layout: _Layout, sink: StateSink) ->
         in_flight.finish(layout, sink)
 
 
+def _whole_states_to_first(optimizer: ZeroOptimizer, layout: _Layout, sink: StateSink) -> None:
+    """As `_whole_states` for a sink on data-parallel rank 0 alone, where the chunks live in
+    host memory: each state key of each chunk is sent to rank 0 in parts, received there
+    straight into the whole tensors the sink gets (see [Note: gathering to one rank] in
+    chunk/whole_tensors.py), one key's messages in flight while the next is posted. The other
+    ranks only send the state they hold. A collective over the first shard group."""
+    manager = optimizer.model.chunk_manager
+    if replica_index(manager.topology) != 0:
+        return  # another shard group holds the same shards
+    pending: _StateToFirst | None = None
+    try:
+        for chunk in manager.trainable_chunks():
+            saved = [
+                index
+                for index, info in enumerate(chunk.tensors)
+                if info.name in layout.number_of and info.name in layout.scalar_values
+            ]
+            states: dict[str, dict[str, Any]] = {}
+            if chunk.rank == 0:
+                for index in saved:
+                    name = chunk.tensors[index].name
+                    states[str(layout.number_of[name])] = {
+                        key: torch.tensor(value, dtype=dtype)
+                        for (key, dtype), value in zip(
+                            layout.scalars.items(), layout.scalar_values[name], strict=True
+                        )
+                    }
+            keys = list(layout.elementwise.items())
+            for position, (key, dtype) in enumerate(keys):
+                started = _StateToFirst(optimizer, chunk, saved, key, dtype, states)
+                if pending is not None:
+                    ready, pending = pending, None
+                    ready.finish(layout, sink)
+                pending = started
+                pending.hand_over = position == len(keys) - 1
+            if not keys:
+                _hand_over(states, sink)
+        if pending is not None:
+            ready, pending = pending, None
+            ready.finish(layout, sink)
+    finally:
+        if pending is not None:  # raised: the messages still read the state
+            pending.gather.wait()
+
+
+class _StateToFirst:
+    """State `key` of the tensors `saved` of a chunk, being sent to rank 0 in parts; `finish`
+    waits and, there, puts each whole tensor into `states`."""
+
+    def __init__(
+        self,
+        optimizer: ZeroOptimizer,
+        chunk: Chunk,
+        saved: list[int],
+        key: str,
+        dtype: torch.dtype,
+        states: dict[str, dict[str, Any]],
+    ) -> None:
+        self.chunk, self.key, self.states = chunk, key, states
+        self.hand_over = False  # whether `finish` hands the chunk's states to the sink
+
+        def part_of(index: int) -> torch.Tensor | None:
+            value = _local_state(optimizer, chunk.tensors[index].name).get(key)
+            return value if isinstance(value, torch.Tensor) else None
+
+        self.gather = WholeTensorsGather(chunk, saved, part_of, dtype)
+
+    def finish(self, layout: _Layout, sink: StateSink) -> None:
+        for index, whole in self.gather.wait().items():
+            info = self.chunk.tensors[index]
+            self.states[str(layout.number_of[info.name])][self.key] = whole.view(info.shape)
+        if self.hand_over:
+            _hand_over(self.states, sink)
+
+
 def _hand_over(states: dict[str, dict[str, Any]], sink: StateSink) -> None:
     for key_of_param, state in states.items():
         sink.add(key_of_param, state)
@@ -221,8 +300,13 @@ def zero_optimizer_state_dict(optimizer: ZeroOptimizer, *, only_rank_0: bool) ->
     ranks = ranks_of(optimizer.model)
     layout = _layout(optimizer, ranks)
     sink = _Collected(keep=not only_rank_0 or ranks.rank == 0)
+    chunks = optimizer.model.chunk_manager.trainable_chunks()
+    to_first = only_rank_0 and all(chunk.device.type == "cpu" for chunk in chunks)
     with optimizer.optim_sides_in_memory():
-        _whole_states(optimizer, layout, sink)
+        if to_first:
+            _whole_states_to_first(optimizer, layout, sink)
+        else:
+            _whole_states(optimizer, layout, sink)
     if not sink.keep:
         return {}
     return {"state": dict(sorted(sink.states.items())), "param_groups": _param_groups(optimizer)}

@@ -6,7 +6,7 @@ the torch `Work` handle when `async_op=True`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Protocol
 
@@ -116,6 +116,57 @@ class Waitable(Protocol):
     """What an asynchronous collective returns: `wait()` blocks until its output is valid."""
 
     def wait(self) -> bool: ...
+
+
+class _Messages:
+    """The point-to-point messages of one `gather_pieces`, with the tensors they read and
+    write kept alive until `wait()`."""
+
+    def __init__(self, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
+        self._works = works
+        self._tensors = tensors
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        self._works, self._tensors = [], []
+        return True
+
+
+def gather_pieces(
+    receives: Sequence[tuple[int, torch.Tensor]],
+    sends: Sequence[torch.Tensor],
+    dst_rank: int,
+    stats: CommStats,
+    group: ProcessGroup | None = None,
+    *,
+    logical_bytes: int,
+) -> Waitable:
+    """Gather to group rank `dst_rank` by point-to-point messages: there, each buffer of
+    `receives` (source rank, buffer) is filled with the next tensor that source sends; every
+    other rank sends `sends` to `dst_rank`, in order. Messages between two ranks are matched
+    in the order they are posted, so both sides list the pieces in the same order. Tensors
+    and buffers are contiguous and of any sizes: the receiver names where each piece lands
+    (views into tensors of its own), so nothing is gathered into one buffer to be copied out.
+    Counted as GATHER with `logical_bytes` as its payload (the whole that `dst_rank` holds
+    after) and the bytes this rank sent. Returns the handle of the posted messages: call
+    `wait()` before reading the buffers or reusing the tensors sent."""
+    me = rank(group)
+    if me == dst_rank and sends:
+        raise ValueError(f"rank {me} receives this gather: it has nothing to send")
+    if me != dst_rank and receives:
+        raise ValueError(f"rank {me} sends in this gather to rank {dst_rank}: it receives nothing")
+    stats.record(CommOp.GATHER, logical_bytes, sum(_nbytes(t) for t in sends))
+    works: list[dist.Work] = []
+    for source, buffer in receives:
+        work = dist.irecv(buffer, group=group, group_src=source)
+        assert work is not None
+        works.append(work)
+    for tensor in sends:
+        work = dist.isend(tensor, group=group, group_dst=dst_rank)
+        assert work is not None
+        works.append(work)
+    return _Messages(works, [*sends, *(buffer for _, buffer in receives)])
 
 
 class ReduceScatterMethod(str, Enum):

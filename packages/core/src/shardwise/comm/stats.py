@@ -23,6 +23,9 @@ class CommOp(str, Enum):
     SECONDARY_ALL_GATHER = "secondary_all_gather"
     """ZeRO++ hpZ: a chunk gathered from the secondary shards kept inside a group of
     `secondary_shard_size` ranks (one node's fast links), not from the primary shards."""
+    GATHER = "gather"
+    """Each rank sends its parts to one rank, which alone receives the whole (a state dict or
+    checkpoint kept on one rank); bytes sent are each rank's own parts."""
     CONTROL = "control"
     """Agreements between ranks outside the step: barriers and small pickled Python objects
     (checkpoint tokens and file lists, run ids, error reports); bytes are the pickles'."""

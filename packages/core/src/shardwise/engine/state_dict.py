@@ -12,6 +12,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
+from shardwise.chunk.whole_tensors import PartOf, WholeTensorsGather
+from shardwise.comm.topology import replica_index
 
 
 def gathered_chunks(
@@ -80,6 +82,65 @@ def gather_parameters(
     return values
 
 
+def gather_parameters_to_first(
+    chunk_manager: ChunkManager, *, dtype: torch.dtype | None = torch.float32
+) -> dict[int, torch.Tensor]:
+    """Every managed parameter's whole values, as `gather_parameters` gives them, on
+    data-parallel rank 0 only; the other ranks get an empty dict. Chunks in host memory send
+    their parts to rank 0, which receives them straight into the tensors it returns (see
+    [Note: gathering to one rank] in chunk/whole_tensors.py), one chunk's messages in flight
+    while the next is posted; elsewhere every rank all-gathers each chunk and rank 0 copies its
+    tensors out. A collective over the chunks' group (under hybrid sharding, over the first
+    shard group alone: the others hold the same shards)."""
+    topology = chunk_manager.topology
+    keep = comm.rank(topology.data_parallel) == 0
+    if any(chunk.device.type != "cpu" for chunk in chunk_manager.chunks):
+        return gather_parameters(chunk_manager, keep=keep, dtype=dtype)
+    if replica_index(topology) != 0:
+        return {}
+    values: dict[int, torch.Tensor] = {}
+    pending: tuple[Chunk, WholeTensorsGather, bool] | None = None
+    try:
+        for chunk in chunk_manager.chunks:
+            fetched = chunk.requires_grad and _read_in(chunk)
+            source = chunk.master if chunk.requires_grad else chunk.payload.shard
+            gather = WholeTensorsGather(
+                chunk,
+                range(len(chunk.tensors)),
+                _parts_of(chunk, source),
+                dtype or source.dtype,
+            )
+            if pending is not None:
+                ready, pending = pending, None
+                _keep_whole(*ready, values)
+            pending = chunk, gather, fetched
+        if pending is not None:
+            ready, pending = pending, None
+            _keep_whole(*ready, values)
+    finally:
+        if pending is not None:  # raised: the messages still read the chunk's shard
+            pending[1].wait()
+    return values
+
+
+def _parts_of(chunk: Chunk, source: torch.Tensor) -> PartOf:
+    def part_of(index: int) -> torch.Tensor | None:
+        owned = chunk.tensor_shard_range(index)
+        return None if owned is None else source[owned[0] : owned[1]]
+
+    return part_of
+
+
+def _keep_whole(
+    chunk: Chunk, gather: WholeTensorsGather, fetched: bool, values: dict[int, torch.Tensor]
+) -> None:
+    for index, whole in gather.wait().items():
+        info = chunk.tensors[index]
+        values[id(info.param)] = whole.view(info.shape)
+    if fetched:  # sent: its disk copy is the current one still
+        chunk.drop_fetched()
+
+
 def gather_full_grads(chunk_manager: ChunkManager, *, keep: bool) -> dict[str, torch.Tensor | None]:
     """Every trainable parameter's reduced (averaged) fp32 gradient, whole, on CPU, by name;
     None where no rank's gradient reached it since zero_grad(), as torch leaves `.grad`. One
@@ -114,7 +175,10 @@ def gather_full_state_dict(
     """The module's state dict, whole, on CPU with original names and shapes (parameters in
     fp32). A collective over the chunks' group."""
     keep = not only_rank_0 or comm.rank(chunk_manager.topology.data_parallel) == 0
-    values = gather_parameters(chunk_manager, keep=keep)
+    if only_rank_0:
+        values = gather_parameters_to_first(chunk_manager)
+    else:
+        values = gather_parameters(chunk_manager, keep=True)
     if not keep:
         return {}
     state: dict[str, Any] = {}
