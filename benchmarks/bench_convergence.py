@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,9 @@ import torch.distributed as dist
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import GPT, GPTConfig
 
-TEXT = Path(__file__).resolve().parents[1] / "examples" / "data" / "shakespeare.txt"
-VOCAB = 256  # one token per byte
-HELD_OUT = 0.1
+# The demo's data and batches, so these runs train on exactly what the demo trains on.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_gpt import TEXT, VOCAB, load_text, text_batch
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,20 +57,6 @@ def parse_args() -> argparse.Namespace:
         if pair.count("/") != 1:
             parser.error(f"--formats takes GATHER/REDUCE pairs, got {pair!r}")
     return args
-
-
-def load_text() -> tuple[torch.Tensor, torch.Tensor]:
-    data = torch.frombuffer(bytearray(TEXT.read_bytes()), dtype=torch.uint8).long()
-    split = int(len(data) * (1 - HELD_OUT))
-    return data[:split], data[split:]
-
-
-def text_batch(
-    data: torch.Tensor, batch: int, seq: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=generator)
-    windows = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
-    return windows[:, :-1], windows[:, 1:]
 
 
 def build_model(kind: str, seq: int) -> tuple[torch.nn.Module, MixedPrecision | None]:
@@ -101,7 +88,7 @@ def loss_of(kind: str, model: torch.nn.Module, idx: torch.Tensor, targets: torch
 
 def train(args: argparse.Namespace, gather: str, reduce: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    train_data, held_out = load_text()
+    train_data, held_out = load_text(TEXT)
     torch.manual_seed(0)
     model, precision = build_model(args.model, args.seq + (1 if args.model == "llama" else 0))
     gemini_config: dict[str, Any] = {
