@@ -73,6 +73,26 @@ def test_outside_timing_counts_every_step_with_its_place(tmp_path: Path) -> None
     assert every[1] == round(sum(zero2) / sum(ddp), 3)
 
 
+def test_convergence_benchmark_trains_each_format_on_the_demo_text(tmp_path: Path) -> None:
+    out = tmp_path / "conv.json"
+    options = [
+        "--formats", "dtype/dtype,int8/int8", "--steps", "4", "--eval-every", "2",
+        "--eval-batches", "2", "--out", str(out),
+    ]  # fmt: skip
+    result = torchrun(ROOT / "benchmarks" / "bench_convergence.py", *options, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    runs = summary["runs"]
+    assert list(runs) == ["dtype/dtype", "int8/int8"]
+    for run in runs.values():
+        assert [step for step, _ in run["eval_loss"]] == [2, 4]
+        assert len(run["train_loss"]) == 4 and all(loss > 0 for loss in run["train_loss"])
+    # fp16 payloads: int8 records and scales against 2 bytes a value, both ways (0.51 over
+    # 1,000 steps); over 4 steps the exact broadcast at wrap weighs more.
+    assert runs["dtype/dtype"]["sent_vs_first"] == 1.0
+    assert 0.5 < runs["int8/int8"]["sent_vs_first"] < 0.7
+
+
 def test_gpu_benchmark_runs_its_smoke_configuration(tmp_path: Path) -> None:
     """The GPU half of the suite on a tiny model, on whatever device there is (the CPU in
     CI): every engine trains, and "largest" stops at the first size that trains."""
