@@ -36,6 +36,10 @@ Edge values:
 - A scale that underflows fp32 (absmax below about 1e-43) decodes its block to values within
   absmax of x, which is below fp32's smallest normal: nothing a gradient or weight carries.
 
+The elementwise work (the per-block absmax, the division, rounding and narrowing, and the
+product decoding) runs in comm/codec_kernels.py, compiled for large tensors (see [Note:
+compiled codecs] there).
+
 A record is what one rank sends for n values, a byte (uint8) tensor: the n one-byte values
 (int4: the n values packed two to a byte, see [Note: int4 packing]), padded to a multiple of 4
 bytes, then the ceil(n / block_numel) scales, so the scales are read in place as fp32 and the
@@ -60,9 +64,12 @@ offered for `reduce_format` and refused for `gather_format`, naming int8
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from shardwise.comm import codec_kernels
 
 QUANTIZED_KINDS = ("int8", "fp8", "int4")
 GATHER_KINDS = ("int8", "fp8")
@@ -151,17 +158,8 @@ class BlockQuantizer:
         `record_nbytes(values.numel())` bytes) and return `out`."""
         numel = values.numel()
         assert out.dtype == torch.uint8 and out.numel() == self.record_nbytes(numel), out.shape
-        block, full = self.block_numel, numel // self.block_numel
-        x = values.reshape(-1).to(torch.float32)
-        absmax = torch.empty(self.num_blocks(numel), dtype=torch.float32, device=values.device)
-        if full:
-            torch.amax(x[: full * block].view(full, block).abs(), dim=1, out=absmax[:full])
-        if full * block < numel:
-            absmax[full] = x[full * block :].abs().amax()
-        scales = absmax / _LARGEST[self.kind]
-        finite = torch.isfinite(scales)
-        # Zero blocks divide by 1 (they stay zero); non-finite ones are zeroed below.
-        divisor = torch.where(finite & (scales > 0), scales, torch.ones_like(scales))
+        x = values.reshape(-1)
+        scales = torch.empty(self.num_blocks(numel), dtype=torch.float32, device=values.device)
         values_nbytes = self._values_nbytes(numel)
         if self.kind == "int4":
             # Levels first, packed below; the ones past the values are zeros.
@@ -169,22 +167,44 @@ class BlockQuantizer:
             narrow = levels[:numel]
         else:
             narrow = out[:numel].view(_WIRE_DTYPE[self.kind])
+        largest, rounded = _LARGEST[self.kind], self.kind in _ROUNDED
         for begin, end, rows in self._spans(numel):
-            y = x[begin:end].view(rows, -1) / divisor[_blocks(begin, block, rows)].unsqueeze(1)
-            y.masked_fill_(~finite[_blocks(begin, block, rows)].unsqueeze(1), 0.0)
-            if self.kind in _ROUNDED:
-                y.round_()
-            y.clamp_(-_LARGEST[self.kind], _LARGEST[self.kind])
-            narrow[begin:end].view(rows, -1).copy_(y)
+            blocks = _blocks(begin, self.block_numel, rows)
+            codec_kernels.run(
+                codec_kernels.encode_blocks,
+                x[begin:end].view(rows, -1),
+                narrow[begin:end].view(rows, -1),
+                scales[blocks],
+                largest,
+                rounded,
+            )
         if self.kind == "int4":
             pack_int4(levels, out[:values_nbytes])
-        scales.masked_fill_(~finite, float("nan"))
+        else:
+            out[numel:values_nbytes].zero_()  # the padding: a record is a function of its values
         self._scales(out.view(1, -1), numel)[0].copy_(scales)
         return out
 
     def decode(self, records: torch.Tensor, out: torch.Tensor) -> None:
         """Fill `out` (R rows of n values, any float dtype) from `records` (R rows of
         `record_nbytes(n)` bytes): row r of `out` from record r."""
+        self._each_block_span(records, out, codec_kernels.decode_blocks)
+
+    def add_decoded(self, records: torch.Tensor, total: torch.Tensor) -> None:
+        """Add to `total` (n values, fp32) each of `records` (R rows of `record_nbytes(n)`
+        bytes) decoded, in row order: each decoded value rounded to fp32 as `decode` gives
+        it, then the sum."""
+        assert total.dtype == torch.float32, total.dtype
+        for row in range(records.shape[0]):
+            self._each_block_span(
+                records[row : row + 1], total.view(1, -1), codec_kernels.add_decoded_blocks
+            )
+
+    def _each_block_span(
+        self, records: torch.Tensor, out: torch.Tensor, kernel: Callable[..., None]
+    ) -> None:
+        """Run `kernel(narrow, scales, target)` over the whole blocks and the shorter last one
+        of each record and its row of `out` (R rows of n values)."""
         rows_out, numel = out.shape
         assert records.dtype == torch.uint8, records.dtype
         assert records.shape == (rows_out, self.record_nbytes(numel)), records.shape
@@ -193,12 +213,14 @@ class BlockQuantizer:
         else:
             narrow = records[:, :numel].view(_WIRE_DTYPE[self.kind])
         scales = self._scales(records, numel)
-        block = self.block_numel
-        for begin, end, rows in self._spans(numel):
-            target = out[:, begin:end].unflatten(-1, (rows, -1))
-            # Narrow values are exact in every float dtype; one rounding in the product.
-            target.copy_(narrow[:, begin:end].unflatten(-1, (rows, -1)))
-            target.mul_(scales[:, _blocks(begin, block, rows)].unsqueeze(-1))
+        for row in range(rows_out):
+            for begin, end, rows in self._spans(numel):
+                codec_kernels.run(
+                    kernel,
+                    narrow[row, begin:end].view(rows, -1),
+                    scales[row, _blocks(begin, self.block_numel, rows)],
+                    out[row, begin:end].view(rows, -1),
+                )
 
     def round_trip(self, values: torch.Tensor) -> torch.Tensor:
         """`values` encoded and decoded, in fp32: what a rank receiving them computes with."""

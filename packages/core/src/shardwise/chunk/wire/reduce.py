@@ -247,10 +247,7 @@ class _SumDecoded:
     def wait(self) -> bool:
         if self._work is not None:
             self._work.wait()
-        decoded = torch.empty_like(self._reduced).view(1, -1)
-        for row in range(self._received.shape[0]):
-            self._quantizer.decode(self._received[row : row + 1], decoded)
-            self._reduced.add_(decoded[0])
+        self._quantizer.add_decoded(self._received, self._reduced)
         self._work = None
         return True
 
