@@ -7,8 +7,8 @@ engine calls it; and a failed compile falls back to eager with a warning.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -66,12 +66,13 @@ def test_compiled_records_and_decoding_are_the_eager_bits(
     compiled = _records(kind, x)
     assert codec_kernels.encode_blocks in codec_kernels._compiled  # the compiled path ran
     # Each output dtype is a kernel of its own: the 16-bit ones once, with int8.
-    out_dtypes = (torch.float32, torch.bfloat16, torch.float16) if kind == "int8" else (torch.float32,)
-    decoded = {dtype: torch.empty(1, numel, dtype=dtype) for dtype in out_dtypes}
-    for dtype, out in decoded.items():
+    sixteen_bit = (torch.bfloat16, torch.float16) if kind == "int8" else ()
+    decoded = {dtype: torch.empty(1, numel, dtype=dtype) for dtype in (torch.float32, *sixteen_bit)}
+    for out in decoded.values():
         quantizer.decode(compiled.view(1, -1), out)
     total = torch.randn(numel)
-    quantizer.add_decoded(torch.stack([compiled, compiled]), total_compiled := total.clone())
+    total_compiled = total.clone()
+    quantizer.add_decoded(torch.stack([compiled, compiled]), total_compiled)
 
     monkeypatch.setattr(codec_kernels, "COMPILE_MIN_NUMEL", numel + 1)  # eager from here
     eager = _records(kind, x)

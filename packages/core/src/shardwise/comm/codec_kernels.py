@@ -97,7 +97,7 @@ def run(kernel: Callable[..., None], *args: Any) -> None:
         # than dynamo's default of 8 per function where a run mixes formats and dtypes.
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             compiled(*args)
-    except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
+    except Exception as error:  # any compiler failure falls back to eager
         _eager_only.add(kernel)
         warnings.warn(
             f"compiling the wire codec's {kernel.__name__} failed ({type(error).__name__}: "
