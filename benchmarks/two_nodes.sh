@@ -37,6 +37,7 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
+echo "two_nodes: nodes ${prefix}0 and ${prefix}1, link $rate" >&2
 for node in 0 1; do
   ip netns add "$prefix$node"
   ip -n "$prefix$node" link set lo up
@@ -60,7 +61,7 @@ for node in 0 1; do
     GLOO_SOCKET_IFNAME="$prefix"v"$node" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
     "$venv/bin/torchrun" --nnodes=2 --nproc-per-node=1 --node-rank="$node" \
     --master-addr="${addresses[0]}" --master-port="$port" "$@" \
-    > >(sed "s/^/[node $node] /") 2>&1 &
+    > >(sed -u "s/^/[node $node] /") 2>&1 &
   pids+=($!)
 done
 # The first node to fail stops the other, which would otherwise wait for it in a collective.
