@@ -1,5 +1,11 @@
 """The interleaved benchmark trains every engine alike: torch's and shardwise's engines, each on
-its own copy of the model in one process group, reach bit-identical losses (2 ranks, fp32)."""
+its own copy of the model in one process group, reach bit-identical losses (2 ranks, fp32).
+
+bench_ab and bench_convergence run here on 2 ranks forked from this process with torchrun's
+environment (tests/forked_script.py): the same script, without torchrun's start-up (a fresh
+interpreter importing torch per rank, several seconds each). bench_checkpoint stays under
+torchrun: it measures each rank's peak resident set, which a rank forked from this large
+process would inherit. How torchrun itself starts a script is tested by the examples' tests."""
 
 from __future__ import annotations
 
@@ -10,9 +16,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked_script import run_script
 from launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _on_two_ranks(script: str, *options: str, logs: Path) -> None:
+    """benchmarks/`script` with `options` on 2 forked ranks, one thread each (as
+    tests/launch.py's torchrun); every rank must exit 0."""
+    outputs = run_script(
+        ROOT / "benchmarks" / script, *options, out=logs, timeout_s=300,
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    failed = [(rank, o.exit_code, o.stderr[-4000:]) for rank, o in enumerate(outputs)]
+    assert all(code == 0 for _, code, _ in failed), failed
 
 
 def test_interleaved_engines_reach_identical_losses(tmp_path: Path) -> None:
@@ -22,8 +40,7 @@ def test_interleaved_engines_reach_identical_losses(tmp_path: Path) -> None:
         "--engines", engines, "--out", str(out), "--rounds", "2", "--warmup", "1",
         "--n-layer", "2", "--n-embd", "64", "--vocab", "512", "--seq", "32", "--chunk-mib", "0.1",
     ]  # fmt: skip
-    result = torchrun(ROOT / "benchmarks" / "bench_ab.py", *options, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    _on_two_ranks("bench_ab.py", *options, logs=tmp_path / "ranks")
     summary = json.loads(out.read_text())
     runs = summary["engines"]
     assert list(runs) == engines.split(",")
@@ -45,8 +62,7 @@ def test_outside_timing_counts_every_step_with_its_place(tmp_path: Path) -> None
         "--block", "2", "--timing", "outside",
         "--n-layer", "2", "--n-embd", "64", "--vocab", "512", "--seq", "32", "--chunk-mib", "0.1",
     ]  # fmt: skip
-    result = torchrun(ROOT / "benchmarks" / "bench_ab.py", *options, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    _on_two_ranks("bench_ab.py", *options, logs=tmp_path / "ranks")
     summary = json.loads(out.read_text())
     runs = summary["engines"]
     assert summary["timing"] == "outside" and summary["steps_per_engine"] == 4
@@ -79,8 +95,7 @@ def test_convergence_benchmark_trains_each_format_on_the_demo_text(tmp_path: Pat
         "--formats", "dtype/dtype,int8/int8", "--steps", "4", "--eval-every", "2",
         "--eval-batches", "2", "--out", str(out),
     ]  # fmt: skip
-    result = torchrun(ROOT / "benchmarks" / "bench_convergence.py", *options, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    _on_two_ranks("bench_convergence.py", *options, logs=tmp_path / "ranks")
     summary = json.loads(out.read_text())
     runs = summary["runs"]
     assert list(runs) == ["dtype/dtype", "int8/int8"]

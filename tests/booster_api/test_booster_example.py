@@ -1,13 +1,18 @@
-"""examples/booster_gpt.py, a script written as ColossalAI's GPT example is, under torchrun."""
+"""examples/booster_gpt.py, a script written as ColossalAI's GPT example is: under torchrun, as a
+user launches it, and, for the save and the resume, on 2 ranks forked from this process with
+torchrun's environment (tests/forked_script.py), which spares torchrun's start-up (a fresh
+interpreter importing torch per rank) on the two runs that test the checkpoint."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from forked_script import run_script
 from launch import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+EXAMPLE = ROOT / "examples" / "booster_gpt.py"
 
 
 def _check_it_learns(stdout: str) -> float:
@@ -21,9 +26,7 @@ def _check_it_learns(stdout: str) -> float:
 
 
 def test_the_booster_example_trains_with_low_level_zero() -> None:
-    done = torchrun(
-        ROOT / "examples" / "booster_gpt.py", "--plugin", "low_level_zero", "--steps", "12"
-    )
+    done = torchrun(EXAMPLE, "--plugin", "low_level_zero", "--steps", "12")
     assert done.returncode == 0, done.stderr[-3000:]
     _check_it_learns(done.stdout)
 
@@ -31,28 +34,19 @@ def test_the_booster_example_trains_with_low_level_zero() -> None:
 def test_the_booster_example_trains_with_gemini_and_resumes_with_low_level_zero(
     tmp_path: Path,
 ) -> None:
-    saved = torchrun(
-        ROOT / "examples" / "booster_gpt.py",
-        "--plugin",
-        "gemini",
-        "--steps",
-        "12",
-        "--save-dir",
-        str(tmp_path),
-    )
-    assert saved.returncode == 0, saved.stderr[-3000:]
-    last = _check_it_learns(saved.stdout)
-    resumed = torchrun(
-        ROOT / "examples" / "booster_gpt.py",
-        "--plugin",
-        "low_level_zero",
-        "--steps",
-        "4",
-        "--load-dir",
-        str(tmp_path),
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = re.search(r"first loss ([\d.]+)", resumed.stdout)
-    assert after is not None, resumed.stdout[-2000:]
+    checkpoint = str(tmp_path / "saved")
+    saved = run_script(
+        EXAMPLE, "--plugin", "gemini", "--steps", "12", "--save-dir", checkpoint,
+        out=tmp_path / "save_logs", env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert [rank.exit_code for rank in saved] == [0, 0], saved[0].stderr[-3000:]
+    last = _check_it_learns(saved[0].stdout)
+    resumed = run_script(
+        EXAMPLE, "--plugin", "low_level_zero", "--steps", "4", "--load-dir", checkpoint,
+        out=tmp_path / "resume_logs", env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert [rank.exit_code for rank in resumed] == [0, 0], resumed[0].stderr[-3000:]
+    after = re.search(r"first loss ([\d.]+)", resumed[0].stdout)
+    assert after is not None, resumed[0].stdout[-2000:]
     # The resumed run starts where the saved one ended, far below a fresh model's ln 128.
     assert float(after[1]) < last + 0.3 < 4.5

@@ -1,15 +1,19 @@
-"""ShardwiseCallback in a real transformers.Trainer under torchrun (2 CPU ranks, gloo).
+"""ShardwiseCallback in a real transformers.Trainer on 2 CPU ranks (gloo), started as torchrun
+starts them.
 
-One torchrun launch (tests/hf/trainer_run.py) trains tiny Llama and GPT-2 models from configs
-with a plain Trainer and with the callback (stage 3, and Llama at stages 1 and 2), evaluating
-during and after training, saves, resumes, loads the best checkpoint, trains with activation
-checkpointing (reentrant and not, plain and at stages 1-3), trains a Switch Transformers model
-whose ranks route tokens to different experts, trains with hybrid sharding and with int8
-wire formats, accumulates 3
-micro-batches per step unclipped at stages 1-3, and builds a
-conflicting set-up and a Trainer that does not run distributed; the tests below assert on what
-it wrote. Loading the saved models happens in a plain process without shardwise
-(tests/hf/load_plain.py).
+One run of tests/hf/trainer_run.py trains tiny Llama and GPT-2 models from configs with a plain
+Trainer and with the callback (stage 3, and Llama at stages 1 and 2), evaluating during and
+after training, saves, resumes, loads the best checkpoint, trains with activation checkpointing
+(reentrant and not, plain and at stages 1-3), trains a Switch Transformers model whose ranks
+route tokens to different experts, trains with hybrid sharding and with int8 wire formats,
+accumulates 3 micro-batches per step unclipped at stages 1-3, and builds a conflicting set-up
+and a Trainer that does not run distributed; the tests below assert on what it wrote. Loading
+the saved models happens in a plain process without shardwise (tests/hf/load_plain.py).
+
+Its ranks are forked from this process, torchrun's environment set (tests/forked_script.py):
+torchrun would start each rank afresh, importing torch and transformers again, which costs
+tens of seconds on a loaded 2-core machine. The example's test (tests/hf/test_example.py)
+still launches the callback under torchrun itself.
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ from typing import Any
 
 import pytest
 import torch
-from launch import torchrun
+import transformers
+from forked_script import run_script
+
+import shardwise_hf  # noqa: F401  (imported before the forks, as the docstring says)
+
+# transformers imports its model classes lazily: once here, not in every rank.
+_ = (transformers.Trainer, transformers.LlamaForCausalLM, transformers.GPT2LMHeadModel)
+_ = transformers.SwitchTransformersForConditionalGeneration
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,8 +47,10 @@ ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "0"}
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf_trainer")
-    result = torchrun(HERE / "trainer_run.py", str(out), timeout=240, env=ENV)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    logs = tmp_path_factory.mktemp("hf_trainer_logs")
+    outputs = run_script(HERE / "trainer_run.py", str(out), out=logs, timeout_s=240, env=ENV)
+    for rank, output in enumerate(outputs):
+        assert output.exit_code == 0, (rank, output.stdout[-2000:] + output.stderr[-4000:])
     return out
 
 

@@ -1,10 +1,11 @@
 """Run a script on N ranks as torchrun would (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT in the environment, `__main__` its name), but forked from the test process, which
-has imported torch and transformers already: torchrun starts each rank afresh in ~5 s, a fork
-in well under one, and the ported examples run a dozen times.
+MASTER_PORT in the environment, `__main__` its name, its directory first on sys.path), but
+forked from the test process, which has imported torch and transformers already: torchrun
+starts each rank afresh in ~5 s (tens of seconds on a loaded machine), a fork in well under
+one. The ported ColossalAI examples run a dozen times; the HF Trainer run once, but long.
 
-Each rank's stdout and stderr go to files; the script calls `launch_from_torch()` itself, as
-under torchrun."""
+Each rank's stdout and stderr go to files; the script calls `launch_from_torch()` or
+`init_process_group()` itself, as under torchrun."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import runpy
 import socket
 import sys
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +36,10 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(script: str, args: list[str], rank: int, world: int, port: int, out: str) -> None:
+def _rank_main(
+    script: str, args: list[str], rank: int, world: int, port: int, out: str, env: dict[str, str]
+) -> None:
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1",
@@ -46,6 +51,7 @@ def _rank_main(script: str, args: list[str], rank: int, world: int, port: int, o
     sys.stdout, sys.stderr = stdout, stderr
     torch.set_num_threads(1)
     sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).parent))  # as `python script` puts it
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -61,16 +67,22 @@ def _rank_main(script: str, args: list[str], rank: int, world: int, port: int, o
 
 
 def run_script(
-    script: Path, *args: str, out: Path, nproc: int = 2, timeout_s: float = 240
+    script: Path,
+    *args: str,
+    out: Path,
+    nproc: int = 2,
+    timeout_s: float = 240,
+    env: Mapping[str, str] | None = None,
 ) -> list[RankOutput]:
-    """Run `script args` on `nproc` forked ranks; each rank's exit code and output (None: it
-    was still running at `timeout_s` and was killed)."""
+    """Run `script args` on `nproc` forked ranks, with `env` added to their environment; each
+    rank's exit code and output (None: it was still running at `timeout_s` and was killed)."""
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     context = mp.get_context("fork")
+    extra = dict(env or {})
     processes = [
         context.Process(
-            target=_rank_main, args=(str(script), list(args), rank, nproc, port, str(out))
+            target=_rank_main, args=(str(script), list(args), rank, nproc, port, str(out), extra)
         )
         for rank in range(nproc)
     ]
