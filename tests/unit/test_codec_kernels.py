@@ -1,7 +1,7 @@
 """The wire codec's compiled kernels (comm/codec_kernels.py) give the eager functions' bits on
 the CPU ([Note: compiled codecs]): every format's records, decoding into each float dtype and
 the fp32 sum of decoded records, on edge values (halfway cases of the rounding, zeros, inf and
-nan blocks, subnormals, 16-bit inputs, a shorter last block), through `BlockQuantizer` as the
+nan blocks, subnormals, 16-bit inputs), through `BlockQuantizer` as the
 engine calls it; and a failed compile falls back to eager with a warning.
 """
 
@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch._inductor import config as inductor_config
 
 from shardwise.comm import codec_kernels
 from shardwise.comm.quantize import BlockQuantizer
@@ -40,9 +41,14 @@ def _edge_values(numel: int) -> torch.Tensor:
 
 @pytest.fixture
 def compiled_everywhere(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every call runs compiled, whatever its size."""
-    monkeypatch.setattr(codec_kernels, "COMPILE_MIN_NUMEL", 0)
-    yield
+    """Every call over whole blocks runs compiled; a short last block runs eagerly, as in the
+    engine, where it is below the threshold (a block count of one would be graphs of its own
+    to compile). Inductor compiles in this process, with no pool of compile workers:
+    multi-rank tests fork their ranks from it, and a forked rank must not inherit a pool
+    (tests/conftest.py)."""
+    monkeypatch.setattr(codec_kernels, "COMPILE_MIN_NUMEL", 2 * BLOCK)
+    with inductor_config.patch(compile_threads=1):
+        yield
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
