@@ -11,11 +11,12 @@ with one all-reduce. Loading takes back from each whole tensor the elements the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.distributed import ReduceOp
@@ -28,7 +29,7 @@ from shardwise.checkpoint.optimizer_checkpoint import (
 )
 from shardwise.checkpoint.zero_model_io import ranks_of
 from shardwise.chunk import Chunk
-from shardwise.chunk.whole_tensors import WholeTensorsGather
+from shardwise.chunk.whole_tensors import WholeTensorsGather, finish_one_behind
 from shardwise.comm.topology import replica_index
 from shardwise.engine.optimizer import ZeroOptimizer
 
@@ -124,28 +125,22 @@ def _whole_states(optimizer: ZeroOptimizer, layout: _Layout, sink: StateSink) ->
     gathered at a time, the next one's gather running while this one's pieces are copied out:
     a rank holds at most two gathered chunk states beside the pieces."""
     manager = optimizer.model.chunk_manager
-    in_flight: _StateGather | None = None
-    for chunk in manager.trainable_chunks():
-        states: dict[str, dict[str, Any]] = {}
-        for info in chunk.tensors:
-            number = layout.number_of.get(info.name)
-            values = layout.scalar_values.get(info.name)
-            if number is not None and values is not None and sink.wants(str(number)):
-                states[str(number)] = {
-                    key: torch.tensor(value, dtype=dtype)
-                    for (key, dtype), value in zip(layout.scalars.items(), values, strict=True)
-                }
-        keys = list(layout.elementwise.items())
-        for position, (key, dtype) in enumerate(keys):
-            started = _StateGather(optimizer, chunk, key, dtype, states)
-            if in_flight is not None:
-                in_flight.finish(layout, sink)
-            in_flight = started
-            in_flight.hand_over = position == len(keys) - 1
-        if not keys:
-            _hand_over(states, sink)
-    if in_flight is not None:
-        in_flight.finish(layout, sink)
+
+    def started() -> Iterator[_StateGather]:
+        for chunk in manager.trainable_chunks():
+            states = {
+                str(layout.number_of[info.name]): _scalar_state(layout, info.name)
+                for info in chunk.tensors
+                if _has_state(layout, info.name) and sink.wants(str(layout.number_of[info.name]))
+            }
+            yield from _each_key(
+                layout,
+                states,
+                sink,
+                partial(_StateGather, optimizer, chunk, states=states),
+            )
+
+    finish_one_behind(started(), lambda ready: ready.finish(layout, sink), _StateGather.abandon)
 
 
 def _whole_states_to_first(optimizer: ZeroOptimizer, layout: _Layout, sink: StateSink) -> None:
@@ -157,40 +152,64 @@ def _whole_states_to_first(optimizer: ZeroOptimizer, layout: _Layout, sink: Stat
     manager = optimizer.model.chunk_manager
     if replica_index(manager.topology) != 0:
         return  # another shard group holds the same shards
-    pending: _StateToFirst | None = None
-    try:
+
+    def started() -> Iterator[_StateToFirst]:
         for chunk in manager.trainable_chunks():
             saved = [
-                index
-                for index, info in enumerate(chunk.tensors)
-                if info.name in layout.number_of and info.name in layout.scalar_values
+                index for index, info in enumerate(chunk.tensors) if _has_state(layout, info.name)
             ]
             states: dict[str, dict[str, Any]] = {}
             if chunk.rank == 0:
                 for index in saved:
                     name = chunk.tensors[index].name
-                    states[str(layout.number_of[name])] = {
-                        key: torch.tensor(value, dtype=dtype)
-                        for (key, dtype), value in zip(
-                            layout.scalars.items(), layout.scalar_values[name], strict=True
-                        )
-                    }
-            keys = list(layout.elementwise.items())
-            for position, (key, dtype) in enumerate(keys):
-                started = _StateToFirst(optimizer, chunk, saved, key, dtype, states)
-                if pending is not None:
-                    ready, pending = pending, None
-                    ready.finish(layout, sink)
-                pending = started
-                pending.hand_over = position == len(keys) - 1
-            if not keys:
-                _hand_over(states, sink)
-        if pending is not None:
-            ready, pending = pending, None
-            ready.finish(layout, sink)
-    finally:
-        if pending is not None:  # raised: the messages still read the state
-            pending.gather.wait()
+                    states[str(layout.number_of[name])] = _scalar_state(layout, name)
+            yield from _each_key(
+                layout,
+                states,
+                sink,
+                partial(_StateToFirst, optimizer, chunk, saved, states=states),
+            )
+
+    finish_one_behind(
+        started(),
+        lambda ready: ready.finish(layout, sink),
+        lambda abandoned: abandoned.gather.wait(),  # the messages still read the state
+    )
+
+
+_KeyGather = TypeVar("_KeyGather", "_StateGather", "_StateToFirst")
+
+
+def _each_key(
+    layout: _Layout,
+    states: dict[str, dict[str, Any]],
+    sink: StateSink,
+    start: Callable[[str, torch.dtype], _KeyGather],
+) -> Iterator[_KeyGather]:
+    """One chunk's gathers, one per elementwise state key, the last of them handing the
+    chunk's `states` to `sink` when finished (at once where there are no such keys)."""
+    keys = list(layout.elementwise.items())
+    for position, (key, dtype) in enumerate(keys):
+        gather = start(key, dtype)
+        gather.hand_over = position == len(keys) - 1
+        yield gather
+    if not keys:
+        _hand_over(states, sink)
+
+
+def _has_state(layout: _Layout, name: str) -> bool:
+    """Whether parameter `name` is in the optimizer's groups and has state on some rank."""
+    return name in layout.number_of and name in layout.scalar_values
+
+
+def _scalar_state(layout: _Layout, name: str) -> dict[str, Any]:
+    """Parameter `name`'s per-parameter state values (`step`), as agreed over the ranks."""
+    return {
+        key: torch.tensor(value, dtype=dtype)
+        for (key, dtype), value in zip(
+            layout.scalars.items(), layout.scalar_values[name], strict=True
+        )
+    }
 
 
 class _StateToFirst:
@@ -255,9 +274,13 @@ class _StateGather:
         self._local = local  # alive until the gather has read it
         self._work = comm.all_gather(self.full, local, manager.stats, manager.group, async_op=True)
 
-    def finish(self, layout: _Layout, sink: StateSink) -> None:
+    def abandon(self) -> None:
+        """Wait for the gather nobody will finish (it still reads this rank's shard)."""
         if self._work is not None:
             self._work.wait()
+
+    def finish(self, layout: _Layout, sink: StateSink) -> None:
+        self.abandon()
         for info in self.chunk.tensors:
             number = layout.number_of.get(info.name)
             if number is not None and str(number) in self.states:

@@ -21,11 +21,14 @@ there the tensors leave the device anyway and that copy is the copy out of the g
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 
 from shardwise import comm
 from shardwise.chunk.chunk import Chunk
+
+Started = TypeVar("Started")
 
 PartOf = Callable[[int], torch.Tensor | None]
 """This rank's part of tensor `index` of the chunk (the elements its shard holds, flat), or
@@ -108,3 +111,26 @@ def _part_to_send(
             f"{chunk.rank} owns {numel}"
         )
     return part.reshape(-1).to(dtype).contiguous()
+
+
+def finish_one_behind(
+    started: Iterable[Started],
+    finish: Callable[[Started], None],
+    abandon: Callable[[Started], object],
+) -> None:
+    """Finish each item of `started` (gathers whose messages are posted as the iterable makes
+    them) once the next one has been started, so that one is in flight while the one before
+    is finished; the last is finished at the end. If anything raises, the item still in flight
+    is `abandon`ed (its messages waited for: they read tensors the caller may free)."""
+    pending: Started | None = None
+    try:
+        for item in started:
+            ready, pending = pending, item
+            if ready is not None:
+                finish(ready)
+        ready, pending = pending, None
+        if ready is not None:
+            finish(ready)
+    finally:
+        if pending is not None:
+            abandon(pending)

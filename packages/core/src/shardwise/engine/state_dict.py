@@ -12,7 +12,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
-from shardwise.chunk.whole_tensors import PartOf, WholeTensorsGather
+from shardwise.chunk.whole_tensors import PartOf, WholeTensorsGather, finish_one_behind
 from shardwise.comm.topology import replica_index
 
 
@@ -99,27 +99,20 @@ def gather_parameters_to_first(
     if replica_index(topology) != 0:
         return {}
     values: dict[int, torch.Tensor] = {}
-    pending: tuple[Chunk, WholeTensorsGather, bool] | None = None
-    try:
+
+    def started() -> Iterator[tuple[Chunk, WholeTensorsGather, bool]]:
         for chunk in chunk_manager.chunks:
             fetched = chunk.requires_grad and _read_in(chunk)
             source = chunk.master if chunk.requires_grad else chunk.payload.shard
-            gather = WholeTensorsGather(
-                chunk,
-                range(len(chunk.tensors)),
-                _parts_of(chunk, source),
-                dtype or source.dtype,
-            )
-            if pending is not None:
-                ready, pending = pending, None
-                _keep_whole(*ready, values)
-            pending = chunk, gather, fetched
-        if pending is not None:
-            ready, pending = pending, None
-            _keep_whole(*ready, values)
-    finally:
-        if pending is not None:  # raised: the messages still read the chunk's shard
-            pending[1].wait()
+            parts = _parts_of(chunk, source)
+            indices = range(len(chunk.tensors))
+            yield chunk, WholeTensorsGather(chunk, indices, parts, dtype or source.dtype), fetched
+
+    finish_one_behind(
+        started(),
+        lambda ready: _keep_whole(*ready, values),
+        lambda abandoned: abandoned[1].wait(),  # the messages still read the chunk's shard
+    )
     return values
 
 
