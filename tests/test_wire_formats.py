@@ -44,6 +44,9 @@ What is exact, and what is compared with a tolerance:
   0.254 and 0.508 of the unquantized bytes here, counted exactly; calls do not change. An
   int4 reduction sends N records of half a byte per value (values padded to 4 bytes) and the
   same scales: 0.129 of fp32's bytes and 0.508 of int8's, counted exactly.
+
+The 2-rank cases are here; hpZ, hybrid sharding and int4 on 4 ranks are in
+tests/test_wire_formats_four_ranks.py, and what both run on their ranks in tests/wire_checks.py.
 """
 
 from __future__ import annotations
@@ -57,271 +60,27 @@ import torch._dynamo  # imported once here, not in every rank that builds DDP
 import torch.distributed as dist
 from helpers import (
     CHUNK_NUMEL,
-    BranchNet,
     Run,
     batch_slice,
-    branch_net_batch,
     make_model,
     max_abs_diff,
     reference,
-    round_trip_bound,
+)
+from wire_checks import (
+    BF16_FP32,
+    FP16_FP32,
+    INT4_TOLERANCES,
+    KINDS,
+    LOSS_RTOL,
+    STEPS,
+    assert_close,
+    reduce_wire_checks,
+    train,
 )
 
-from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
-from shardwise.chunk import Chunk, ChunkState
-from shardwise.comm import CommOp, CommStats
-from shardwise.comm.quantize import BlockQuantizer
+from shardwise import zero_model_wrapper, zero_optim_wrapper
+from shardwise.comm import CommOp
 from shardwise.testing import run_ranks
-
-STEPS = 4
-KINDS = ("int8", "fp8")
-LOSS_RTOL = 1e-2
-DRIFT_SHARE = 0.25
-DRIFT_SHARE_INT4 = 0.5
-LOSS_RTOL_INT4 = 2e-2
-INT4_TOLERANCES = (DRIFT_SHARE_INT4, LOSS_RTOL_INT4)
-BF16_FP32 = MixedPrecision(param_dtype=torch.bfloat16, compute_dtype=torch.float32)
-FP16_FP32 = MixedPrecision(param_dtype=torch.float16, compute_dtype=torch.float32)
-
-
-def _all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Every rank's `tensor`, exactly, as rows in rank order."""
-    world = dist.get_world_size(group)
-    rows = torch.empty(world * tensor.numel(), dtype=tensor.dtype)
-    dist.all_gather_into_tensor(rows, tensor.reshape(-1).contiguous(), group=group)
-    return rows.view(world, -1)
-
-
-def _gather_round(chunks: list[Chunk], stats: CommStats) -> dict[str, Any]:
-    """Gather every chunk once more, as training does (stage 3 from its shards, stages 1-2
-    refreshing their kept copy), and check what each rank's compute buffer holds against the
-    shards, gathered exactly: this rank's own slice as its shard, the others' as the format's
-    round trip of theirs (or as they are, unquantized). Also: the bytes of that round, and
-    whether the masters stayed as they were."""
-    before_bytes = stats.payload_bytes(CommOp.ALL_GATHER)
-    checks = {"own_exact": True, "others_as_format": True, "others_moved": False}
-    expected_bytes = 0
-    masters_kept = True
-    for chunk in chunks:
-        masters_before = chunk.master.clone()
-        if chunk.keep_gathered:
-            chunk.payload.refresh_gathered()
-        else:
-            chunk.payload.gather()
-        me = dist.get_rank(chunk.group)
-        shards = _all_gather(chunk.payload.shard, chunk.group)
-        rows = chunk.payload.compute_buffer().view(chunk.world_size, -1)
-        compute = rows.dtype
-        quantizer: BlockQuantizer | None = getattr(chunk.wire.gather, "quantizer", None)
-        for rank, shard in enumerate(shards):
-            if rank == me:
-                checks["own_exact"] &= torch.equal(rows[rank], shard.to(compute))
-                continue
-            sent = shard if quantizer is None else quantizer.round_trip(shard)
-            checks["others_as_format"] &= torch.equal(rows[rank], sent.to(compute))
-            checks["others_moved"] |= not torch.equal(rows[rank], shard.to(compute))
-        if quantizer is None:
-            expected_bytes += chunk.padded_numel * chunk.payload.shard.element_size()
-        else:
-            expected_bytes += chunk.world_size * quantizer.record_nbytes(chunk.shard_numel)
-        masters_kept &= torch.equal(chunk.master, masters_before)
-        if not chunk.keep_gathered:
-            assert chunk.payload.state is ChunkState.GATHERED
-            chunk.payload.release()
-    checks["round_bytes_as_counted"] = (
-        stats.payload_bytes(CommOp.ALL_GATHER) - before_bytes == expected_bytes
-    )
-    checks["masters_kept"] = masters_kept
-    return checks
-
-
-def _reduced_grad_checks(
-    chunks: list[Chunk], params: list[torch.Tensor], local_grads: list[list[torch.Tensor | None]]
-) -> dict[str, Any]:
-    """After a backward from the plain loop's weights, with quantized reductions (one chunk a
-    reduction): each chunk's fp32 gradient shard against the plain loop's gradients
-    (`local_grads[r]`: rank r's, per parameter of `params`, computed without the engine).
-    It must be this rank's own slice plus the other ranks' round trips, over N, bit for bit;
-    and within the format's bound of the plain loop's average: (1/N) sum over the other ranks
-    of each value's round-trip bound, plus fp32's rounding of the sums."""
-    me = dist.get_rank(chunks[0].group)
-    world = chunks[0].world_size
-    index = {id(p): i for i, p in enumerate(params)}
-    exact, within, moved, worst = True, True, False, 0.0
-    for chunk in chunks:
-        quantizer: BlockQuantizer = getattr(chunk.wire.reduce, "quantizer")  # noqa: B009
-        mine = slice(chunk.shard_begin, chunk.shard_begin + chunk.shard_numel)
-        slices = []
-        for grads in local_grads:  # each rank's gradient buffer, laid out as the chunk's
-            flat = torch.zeros(chunk.padded_numel)
-            for info in chunk.tensors:
-                grad = grads[index[id(info.param)]]
-                if grad is not None:
-                    flat[info.offset : info.offset + info.numel] = grad.reshape(-1)
-            slices.append(flat[mine])
-        expected = slices[me].clone()
-        bound = torch.zeros(chunk.shard_numel)
-        for rank in range(world):
-            if rank != me:
-                expected += quantizer.round_trip(slices[rank])
-                bound += round_trip_bound(quantizer.kind, slices[rank], quantizer.block_numel)
-        got = chunk.grads.for_step()
-        exact &= torch.equal(got, expected / world)
-        mean = torch.stack(slices).sum(dim=0) / world
-        slack = torch.stack(slices).abs().sum(dim=0) * 1e-6
-        error = (got - mean).abs()
-        within &= bool((error <= bound / world + slack).all())
-        moved |= bool((error > 0).any())
-        worst = max(worst, float((error / (bound / world + slack).clamp_min(1e-30)).max()))
-    return {"exact": exact, "within_bound": within, "moved": moved, "worst_share": worst}
-
-
-def _plain_local_grads(step: int, world: int) -> list[list[torch.Tensor | None]]:
-    """Each rank's gradients of step `step`'s batch from the plain loop's start, per
-    parameter."""
-    grads = []
-    for rank in range(world):
-        plain = make_model()
-        plain(*batch_slice(step, 0, rank, world)).backward()
-        grads.append([None if p.grad is None else p.grad.clone() for p in plain.parameters()])
-    return grads
-
-
-def _train(
-    stage: int,
-    gather: str = "dtype",
-    reduce: str = "dtype",
-    precision: MixedPrecision | None = None,
-    inf_loss_at: int | None = None,
-) -> dict[str, Any]:
-    """helpers.sharded's training (the GPT, AdamW, 2 ranks, the same batches) with the wire
-    formats given; with `inf_loss_at`, rank 0's loss at that step is inf (an fp16 overflow on
-    one rank). With quantized reductions alone, the first step's reduced gradients are checked
-    against the plain loop's (`_reduced_grad_checks`)."""
-    rank = dist.get_rank()
-    model = make_model()
-    config: dict[str, Any] = {
-        "device": torch.device("cpu"),
-        "gather_format": gather,
-        "reduce_format": reduce,
-        "mixed_precision": precision or MixedPrecision(),
-    }
-    optim_config = None
-    if stage == 3:
-        config["chunk_size_numel"] = CHUNK_NUMEL
-    else:
-        optim_config = {"reduce_bucket_size": CHUNK_NUMEL}
-    wrapped = zero_model_wrapper(model, stage, config)
-    optimizer = zero_optim_wrapper(
-        wrapped,
-        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-        optim_config=optim_config,
-    )
-    losses, skipped = [], []
-    grad_checks = None
-    chunks = list(wrapped.chunk_manager.trainable_chunks())
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = wrapped(*batch_slice(step, 0, rank, 2))
-        if step == inf_loss_at and rank == 0:
-            loss = loss * float("inf")
-        optimizer.backward(loss)
-        if step == 0 and reduce != "dtype" and gather == "dtype" and precision is None:
-            params = list(model.parameters())
-            grad_checks = _reduced_grad_checks(chunks, params, _plain_local_grads(0, 2))
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        optimizer.step()
-        losses.append(float(total / 2))
-        skipped.append(optimizer.last_step_skipped)
-    stats = wrapped.comm_stats
-    sent = {
-        op.value: (stats.calls(op), stats.payload_bytes(op))
-        for op in (CommOp.ALL_GATHER, CommOp.REDUCE_SCATTER, CommOp.ALL_REDUCE)
-    }
-    # Every trainable chunk is reduced once a step, on its own (no bucket at either stage).
-    reduce_bytes = 0
-    for chunk in chunks:
-        quantizer = getattr(chunk.wire.reduce, "quantizer", None)
-        if quantizer is None:
-            reduce_bytes += chunk.padded_numel * chunk.dtypes.reduce.itemsize
-        else:
-            reduce_bytes += chunk.world_size * quantizer.record_nbytes(chunk.shard_numel)
-    reduce_counted = stats.payload_bytes(CommOp.REDUCE_SCATTER) == STEPS * reduce_bytes
-    totals = {op.value: (stats.sent_bytes(op), stats.unquantized_sent_bytes(op)) for op in CommOp}
-    checks = _gather_round(chunks, stats)
-    return {
-        "losses": losses,
-        "skipped": skipped,
-        "state": wrapped.state_dict(only_rank_0=False),
-        "sent": sent,
-        "totals": totals,
-        "checks": checks,
-        "grad_checks": grad_checks,
-        "reduce_bytes_as_counted": reduce_counted,
-    }
-
-
-def _reduce_wire_checks(kind: str = "int8", shard_numel: int = 50) -> dict[str, bool]:
-    """A quantized reduce-scatter straight on its wire: the owner gets its own slice as it is
-    plus the others' round trips in rank order, in fp32, within the sum of their bounds of the
-    exact sum; the bytes counted are N records; an inf another rank holds in this rank's slice
-    arrives as nan (so the owner's step finds the overflow), and nowhere else."""
-    from shardwise.chunk.wire import QuantizedReduce
-
-    me, world = dist.get_rank(), dist.get_world_size()
-    quantizer = BlockQuantizer(kind, 16)  # blocks of 16, 16, 16 and the rest
-
-    def buffer_of(rank: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(rank)
-        # Magnitudes over four decades, so fp8's relative bound and int8's absolute one differ.
-        magnitude = torch.logspace(-2, 2, world * shard_numel)
-        values = torch.randn(world * shard_numel, generator=generator) * magnitude
-        return values.to(torch.float16)
-
-    stats = CommStats()
-    wire = QuantizedReduce(quantizer, stats, None, None, torch.device("cpu"))
-    work, reduced = wire.start_reduce_scatter(buffer_of(me), async_op=True)
-    assert work is not None
-    work.wait()
-    mine = slice(me * shard_numel, (me + 1) * shard_numel)
-    expected = buffer_of(me)[mine].float()
-    for rank in range(world):
-        if rank != me:
-            expected += quantizer.round_trip(buffer_of(rank)[mine])
-    record_nbytes = quantizer.record_nbytes(shard_numel)
-    checks = {
-        "sum_exact": torch.equal(reduced, expected),
-        "fp32": reduced.dtype == torch.float32,
-        "bytes_as_counted": stats.payload_bytes(CommOp.REDUCE_SCATTER) == world * record_nbytes
-        and stats.sent_bytes(CommOp.REDUCE_SCATTER) == (world - 1) * record_nbytes,
-    }
-    # Against the exact sum (fp64): each other rank's contribution is off by at most its
-    # format's bound, plus fp32's rounding of the N - 1 additions (relative 2^-24 each).
-    exact = sum(buffer_of(rank)[mine].double() for rank in range(world))
-    bound = sum(
-        round_trip_bound(kind, buffer_of(rank)[mine].float(), 16)
-        for rank in range(world)
-        if rank != me
-    )
-    slack = (world - 1) * 2.0**-24 * sum(buffer_of(r)[mine].double().abs() for r in range(world))
-    error = (reduced.double() - exact).abs()
-    checks["within_bound"] = bool((error <= bound.double() + slack).all())
-    # Not vacuous: the decoded contributions did move.
-    checks["moved"] = not torch.equal(reduced.double(), exact)
-    # Rank 0 overflows at element 20 of rank 1's slice (block 1 of that slice).
-    overflowing = buffer_of(me)
-    if me == 0:
-        overflowing[shard_numel + 20] = float("inf")
-    _, reduced = wire.start_reduce_scatter(overflowing, async_op=False)
-    if me == 1:
-        checks["owner_sees_nan"] = bool(reduced[16:32].isnan().all())
-        checks["rest_finite"] = bool(
-            reduced[:16].isfinite().all() and reduced[32:].isfinite().all()
-        )
-    else:
-        checks["owner_sees_nan"] = checks["rest_finite"] = bool(reduced.isfinite().all())
-    return checks
 
 
 def _budget_checks_count_the_wire() -> int:
@@ -518,33 +277,33 @@ def _front_door_refusals() -> list[tuple[str, str]]:
 
 
 def _two_rank_cases() -> dict[str, Any]:
-    results: dict[str, Any] = {f"reduce_wire {kind}": _reduce_wire_checks(kind) for kind in KINDS}
-    results["reduce_wire int4"] = _reduce_wire_checks("int4", shard_numel=51)  # odd: a half byte
+    results: dict[str, Any] = {f"reduce_wire {kind}": reduce_wire_checks(kind) for kind in KINDS}
+    results["reduce_wire int4"] = reduce_wire_checks("int4", shard_numel=51)  # odd: a half byte
     results["budget_checks"] = _budget_checks_count_the_wire()
     results["plugins"] = _plugin_runs()
     results["front doors"] = _front_door_runs()
     results["refusals"] = _front_door_refusals()
     for stage in (1, 2, 3):
-        results[f"{stage}/dtype"] = _train(stage)
-        results[f"{stage}/int8"] = _train(stage, gather="int8")
-    results["3/fp8"] = _train(3, gather="fp8")
-    results["2/int8+int8"] = _train(2, gather="int8", reduce="int8")
+        results[f"{stage}/dtype"] = train(stage)
+        results[f"{stage}/int8"] = train(stage, gather="int8")
+    results["3/fp8"] = train(3, gather="fp8")
+    results["2/int8+int8"] = train(2, gather="int8", reduce="int8")
     # fp8 reductions, at stage 3 and at stage 1 (whose fp32 `.grad` average in backward sums
     # every rank's whole buffer: the quantized reduce-scatter, then the exact all-gather).
-    results["3/fp8+fp8"] = _train(3, gather="fp8", reduce="fp8")
-    results["1/dtype+fp8"] = _train(1, reduce="fp8")
-    results["3/bf16 dtype"] = _train(3, precision=BF16_FP32)
-    results["3/bf16 int8"] = _train(3, gather="int8", precision=BF16_FP32)
-    results["2/fp16 int8+int8 overflow"] = _train(
+    results["3/fp8+fp8"] = train(3, gather="fp8", reduce="fp8")
+    results["1/dtype+fp8"] = train(1, reduce="fp8")
+    results["3/bf16 dtype"] = train(3, precision=BF16_FP32)
+    results["3/bf16 int8"] = train(3, gather="int8", precision=BF16_FP32)
+    results["2/fp16 int8+int8 overflow"] = train(
         2, gather="int8", reduce="int8", precision=FP16_FP32, inf_loss_at=1
     )
     for stage in (1, 2, 3):
-        results[f"{stage}/reduce int4"] = _train(stage, reduce="int4")
-    results["2/reduce int8"] = _train(2, reduce="int8")  # int4's byte and bound control
-    results["3/reduce int8"] = _train(3, reduce="int8")
-    results["2/int8+int4"] = _train(2, gather="int8", reduce="int4")  # as ZeRO++ pairs them
+        results[f"{stage}/reduce int4"] = train(stage, reduce="int4")
+    results["2/reduce int8"] = train(2, reduce="int8")  # int4's byte and bound control
+    results["3/reduce int8"] = train(3, reduce="int8")
+    results["2/int8+int4"] = train(2, gather="int8", reduce="int4")  # as ZeRO++ pairs them
     for stage in (2, 3):
-        results[f"{stage}/fp16 int4 overflow"] = _train(
+        results[f"{stage}/fp16 int4 overflow"] = train(
             stage, reduce="int4", precision=FP16_FP32, inf_loss_at=1
         )
     return results
@@ -558,28 +317,6 @@ def two_ranks() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def plain_loop() -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference(Run(steps=STEPS))
-
-
-def _mean_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    total = sum(float((a[k].float() - b[k].float()).abs().sum()) for k in a)
-    return total / sum(a[k].numel() for k in a)
-
-
-def _assert_close(
-    run: dict[str, Any],
-    losses: list[float],
-    state: Any,
-    start: Any,
-    drift_share: float = DRIFT_SHARE,
-    loss_rtol: float = LOSS_RTOL,
-) -> None:
-    """Losses within `loss_rtol`, weights within `drift_share` of the distance travelled on
-    average, and not equal (the format was in use)."""
-    relative = max(abs(a - b) / b for a, b in zip(run["losses"], losses, strict=True))
-    assert relative <= loss_rtol, relative
-    drift = _mean_abs_diff(run["state"], state)
-    assert 0.0 < drift <= drift_share * _mean_abs_diff(state, start), drift
 
 
 def test_off_is_the_plain_loop_bit_for_bit(
@@ -609,7 +346,7 @@ def test_quantized_runs_train_close_to_the_plain_loop(
 ) -> None:
     losses, state = plain_loop
     for rank_result in two_ranks:
-        _assert_close(rank_result[case], losses, state, make_model().state_dict())
+        assert_close(rank_result[case], losses, state, make_model().state_dict())
 
 
 @pytest.mark.parametrize("case", ["1/reduce int4", "2/reduce int4", "3/reduce int4", "2/int8+int4"])
@@ -618,7 +355,7 @@ def test_int4_reductions_train_close_to_the_plain_loop(
 ) -> None:
     losses, state = plain_loop
     for rank_result in two_ranks:
-        _assert_close(
+        assert_close(
             rank_result[case],
             losses,
             state,
@@ -775,7 +512,7 @@ def test_every_front_door_takes_the_wire_formats(
 ) -> None:
     """GeminiDDP, ShardedModelV2, LowLevelZeroOptimizer and both plugins with
     gather_format / reduce_format / quant_block_numel by keyword (zero_model_wrapper's
-    gemini_config is `_train`'s): the engine's config holds them, every chunk's wire is the
+    gemini_config is `train`'s): the engine's config holds them, every chunk's wire is the
     quantized one, and 2 steps train within LOSS_RTOL of the plain loop, not equal to it."""
     losses, _ = plain_loop
     for rank_result in two_ranks:
@@ -840,224 +577,3 @@ def test_an_fp16_overflow_under_int4_reductions_skips_the_step_on_every_rank(
         assert all(torch.isfinite(value).all() for value in run["state"].values())
         assert run["losses"][1] == float("inf") and run["losses"][3] < run["losses"][0]
         assert run["reduce_bytes_as_counted"]
-
-
-def _branch_net_start() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    return BranchNet().state_dict()
-
-
-def _branch_local_grads() -> list[list[torch.Tensor | None]]:
-    """Each rank's gradients of step 0's batch on `BranchNet` from its start, per parameter,
-    computed without the engine."""
-    grads = []
-    for rank in range(dist.get_world_size()):
-        torch.manual_seed(0)
-        net = BranchNet()
-        x, y = branch_net_batch(0, rank)
-        (net(x, True) - y).pow(2).mean().backward()
-        grads.append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
-    return grads
-
-
-def _branch_plain() -> dict[str, Any]:
-    """The plain loop `_branch_run` stands for, as a user writes it: DDP with
-    `find_unused_parameters=True`, `clip_grad_norm_`, AdamW; this rank's losses and the
-    weights."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(0)
-    model = BranchNet()
-    ddp = DistributedDataParallel(model, find_unused_parameters=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for step in range(STEPS):
-        x, y = branch_net_batch(step)
-        optimizer.zero_grad()
-        loss = (ddp(x, step % 2 == 0) - y).pow(2).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "state": model.state_dict()}
-
-
-def _branch_run(stage: int = 3, grad_check: bool = False, **formats: Any) -> dict[str, Any]:
-    """test_hpz's BranchNet at `stage` on 4 ranks, with the settings given; with `grad_check`,
-    the first step's reduced gradients are checked against the plain loop's
-    (`_reduced_grad_checks`)."""
-    torch.manual_seed(0)
-    model = BranchNet()
-    config: dict[str, Any] = {"device": torch.device("cpu"), **formats}
-    optim_config = None
-    if stage == 3:
-        config["chunk_size_numel"] = 1500
-    else:
-        optim_config = {"reduce_bucket_size": 1500}
-    wrapped = zero_model_wrapper(model, stage, config)
-    optimizer = zero_optim_wrapper(
-        wrapped,
-        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-        max_norm=0.5,
-        optim_config=optim_config,
-    )
-    chunks = list(wrapped.chunk_manager.trainable_chunks())
-    losses, grad_checks = [], None
-    for step in range(STEPS):
-        x, y = branch_net_batch(step)
-        optimizer.zero_grad()
-        loss = (wrapped(x, step % 2 == 0) - y).pow(2).mean()
-        optimizer.backward(loss)
-        if step == 0 and grad_check:
-            grad_checks = _reduced_grad_checks(
-                chunks, list(model.parameters()), _branch_local_grads()
-            )
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    stats = wrapped.comm_stats
-    replicas_agree = True
-    replicate = wrapped.chunk_manager.topology.replicate
-    if replicate is not None:  # the same shard in every shard group holds the same values
-        for chunk in chunks:
-            rows = _all_gather(chunk.master, replicate)
-            replicas_agree &= all(torch.equal(row, rows[0]) for row in rows)
-    return {
-        "losses": losses,
-        "state": wrapped.state_dict(only_rank_0=False),
-        "sent": {
-            op.value: (stats.calls(op), stats.payload_bytes(op), stats.sent_bytes(op))
-            for op in CommOp
-        },
-        "totals": {
-            op.value: (stats.sent_bytes(op), stats.unquantized_sent_bytes(op)) for op in CommOp
-        },
-        "replicas_agree": replicas_agree,
-        "checks": _gather_round(chunks, stats),
-        "grad_checks": grad_checks,
-    }
-
-
-def _four_rank_cases() -> dict[str, Any]:
-    return {
-        "int8": _branch_run(gather_format="int8", reduce_format="int8"),
-        "int8 hpZ": _branch_run(gather_format="int8", reduce_format="int8", secondary_shard_size=2),
-        "hybrid": _branch_run(shard_size=2),
-        "hybrid int8+int8": _branch_run(shard_size=2, gather_format="int8", reduce_format="int8"),
-        "reduce_wire int4": _reduce_wire_checks("int4", shard_numel=51),
-        "plain": _branch_plain(),
-        "2/int4": _branch_run(2, grad_check=True, reduce_format="int4"),
-        "3/int4": _branch_run(3, grad_check=True, reduce_format="int4"),
-        "3/int8": _branch_run(3, reduce_format="int8"),
-        "int8+int4": _branch_run(gather_format="int8", reduce_format="int4"),
-        "int8+int4 hpZ": _branch_run(
-            gather_format="int8", reduce_format="int4", secondary_shard_size=2
-        ),
-        "hybrid int4": _branch_run(shard_size=2, reduce_format="int4"),
-        "hybrid int8+int4": _branch_run(shard_size=2, gather_format="int8", reduce_format="int4"),
-    }
-
-
-@pytest.fixture(scope="module")
-def four_ranks() -> list[dict[str, Any]]:
-    return run_ranks(_four_rank_cases, 4, timeout_s=600)
-
-
-@pytest.mark.parametrize(
-    ("plain_case", "hpz_case"), [("int8", "int8 hpZ"), ("int8+int4", "int8+int4 hpZ")]
-)
-def test_hpz_backward_decodes_what_forward_received(
-    four_ranks: list[dict[str, Any]], plain_case: str, hpz_case: str
-) -> None:
-    """int8 gathers (and int8 or int4 reductions, over all 4 ranks) with secondary shards equal
-    the same without them, bit for bit: backward's gathers inside the 2-rank groups carry
-    forward's records (see [Note: quantized gathers and hpZ]), counted as secondary
-    all-gathers of records."""
-    for rank_result in four_ranks:
-        plain, hpz = rank_result[plain_case], rank_result[hpz_case]
-        assert hpz["losses"] == plain["losses"]
-        assert max_abs_diff(hpz["state"], plain["state"]) == 0.0
-        assert all(hpz["checks"].values()), hpz["checks"]
-        calls, payload, _ = hpz["sent"]["secondary_all_gather"]
-        assert calls > 0 and plain["sent"]["secondary_all_gather"] == (0, 0, 0)
-        # Backward's gathers moved off the 4-rank group, record for record.
-        assert payload + hpz["sent"]["all_gather"][1] == plain["sent"]["all_gather"][1]
-
-
-def test_hybrid_sharding_quantizes_each_level_and_keeps_replicas_alike(
-    four_ranks: list[dict[str, Any]],
-) -> None:
-    for rank_result in four_ranks:
-        plain, quantized = rank_result["hybrid"], rank_result["hybrid int8+int8"]
-        assert plain["replicas_agree"] and quantized["replicas_agree"]
-        assert all(quantized["checks"].values()), quantized["checks"]
-        _assert_close(quantized, plain["losses"], plain["state"], _branch_net_start())
-        # Fewer bytes, the same calls; a chunk of this net may be as small as 24 values,
-        # whose 12-value shards send 16 bytes for 48 (the exact count per gather is
-        # `round_bytes_as_counted`).
-        for op in ("all_gather", "reduce_scatter"):
-            assert quantized["sent"][op][0] == plain["sent"][op][0]
-            assert quantized["sent"][op][1] / plain["sent"][op][1] <= 0.35
-        # What the quantized run would have sent unquantized is what the plain one sent.
-        assert sum(u for _, u in quantized["totals"].values()) == sum(
-            s for s, _ in plain["totals"].values()
-        )
-        # Across the replicas a rank sends, of its fp32 gradient shard's bytes, a quarter
-        # (the quantized reduce-scatter) and one (the exact all-gather of the sums), where the
-        # plain all-reduce sends two: 1.254 / 2.
-        replicated = quantized["sent"]["replicate_all_reduce"][2]
-        assert replicated / plain["sent"]["replicate_all_reduce"][2] == pytest.approx(
-            0.627, abs=0.01
-        )
-
-
-def test_int4_reductions_on_four_ranks(four_ranks: list[dict[str, Any]]) -> None:
-    """Each owner adds 3 round trips: on the wire exactly and within their bound (an odd
-    shard, counted bytes, an overflow as nan); the first step's gradients at stages 2 and 3
-    exactly so and within the bound of the plain loop's; 4 steps close to the plain DDP
-    loop, with half of int8's reduce-scatter bytes plus the scales."""
-    for rank_result in four_ranks:
-        assert all(rank_result["reduce_wire int4"].values()), rank_result["reduce_wire int4"]
-        plain = rank_result["plain"]
-        start = _branch_net_start()
-        for case in ("2/int4", "3/int4"):
-            checks = rank_result[case]["grad_checks"]
-            assert checks["exact"] and checks["within_bound"] and checks["moved"], checks
-            assert 0.8 < checks["worst_share"] <= 1.0, checks
-            _assert_close(
-                rank_result[case], plain["losses"], plain["state"], start, *INT4_TOLERANCES
-            )
-        calls_4, bytes_4, _ = rank_result["3/int4"]["sent"]["reduce_scatter"]
-        calls_8, bytes_8, _ = rank_result["3/int8"]["sent"]["reduce_scatter"]
-        # Small chunks here (shards of 12 to a few hundred values, values padded to 4 bytes):
-        # above the large-shard (0.5 + 4 / 256) / (1 + 4 / 256) = 0.508.
-        assert calls_4 == calls_8 > 0 and 0.5 < bytes_4 / bytes_8 < 0.6
-
-
-def test_hybrid_sharding_quantizes_each_level_in_int4_and_keeps_replicas_alike(
-    four_ranks: list[dict[str, Any]],
-) -> None:
-    """int4 reductions inside the shard groups and across the replicas (with int8 gathers or
-    without): replicas equal, close to the plain DDP loop and to the unquantized hybrid run,
-    and the replicas' exchange sends a reduce-scatter of int4 records and an exact all-gather
-    of the sums: (0.129 + 1) / 2 of the plain all-reduce's fp32 bytes."""
-    for rank_result in four_ranks:
-        plain, hybrid = rank_result["plain"], rank_result["hybrid"]
-        for case, gathers_quantized in (("hybrid int4", False), ("hybrid int8+int4", True)):
-            quantized = rank_result[case]
-            assert quantized["replicas_agree"], case
-            checks = dict(quantized["checks"])
-            assert checks.pop("others_moved") is gathers_quantized, case
-            assert all(checks.values()), checks
-            for reference_run in (plain, hybrid):
-                _assert_close(
-                    quantized,
-                    reference_run["losses"],
-                    reference_run["state"],
-                    _branch_net_start(),
-                    *INT4_TOLERANCES,
-                )
-            assert quantized["sent"]["reduce_scatter"][0] == hybrid["sent"]["reduce_scatter"][0]
-            replicated = quantized["sent"]["replicate_all_reduce"][2]
-            assert replicated / hybrid["sent"]["replicate_all_reduce"][2] == pytest.approx(
-                0.5645, abs=0.01
-            )
