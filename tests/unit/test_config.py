@@ -115,7 +115,7 @@ def test_communication_settings_are_one_check_for_every_front_door() -> None:
     and block size as given, ColossalAI's fp8_communication as both formats in fp8, and bad
     values refused with the setting, the value and the caller named."""
     from shardwise.engine import Communication
-    from shardwise.engine.config import communication_settings
+    from shardwise.engine.communication import communication_settings
     from shardwise.zero.front_door import engine_config
 
     assert communication_settings() == Communication()

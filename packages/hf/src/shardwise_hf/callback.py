@@ -14,7 +14,8 @@ from transformers.trainer_callback import ExportableState
 
 from shardwise import ZeroModel, ZeroOptimizer, telemetry
 from shardwise.amp import LossScaleConfig
-from shardwise.engine.config import DEFAULT_QUANT_BLOCK_NUMEL, communication_settings
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.communication import communication_settings
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.telemetry import TelemetryRecorder
 from shardwise_hf import engine_state

@@ -46,7 +46,8 @@ from shardwise.checkpoint.consolidate import (
     WholeCheckpoint,
     lightning_checkpoint,
 )
-from shardwise.engine.config import DEFAULT_QUANT_BLOCK_NUMEL, communication_settings
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.communication import communication_settings
 from shardwise.engine.module_at_rest import (
     ModuleState,
     agree_to_gather,

@@ -14,7 +14,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from shardwise import Chunking, EngineConfig, Placement
 from shardwise.amp import LossScaleConfig
-from shardwise.engine.config import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.gemini import placement_policy as placement_policy_object
 from shardwise.gemini.manager import placement_on
 from shardwise_lightning.base import ShardwiseStrategyBase

@@ -14,9 +14,9 @@ zero/front_door.py for how the seed API reaches this one):
     chunk/, gemini/, comm/, amp/, optim/: buffers, placement, collectives, loss scale, Adam
 """
 
+from shardwise.engine.communication import Communication
 from shardwise.engine.config import (
     Chunking,
-    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.communication import communication_settings
 from shardwise.engine.config import (
     DEFAULT_REDUCE_BUCKET_NUMEL,
     Chunking,
@@ -30,7 +31,6 @@ from shardwise.engine.config import (
     Placement,
     Reduction,
     Topology,
-    communication_settings,
     compute_device,
 )
 from shardwise.gemini import DevicePlacement, placement_policy, replicated

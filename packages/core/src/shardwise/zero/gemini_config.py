@@ -19,14 +19,14 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.communication import communication_settings
 from shardwise.engine.config import (
-    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
     EngineConfig,
     Overlap,
     Placement,
     Topology,
-    communication_settings,
     default_device,
     storage_precision,
 )
@@ -103,7 +103,7 @@ def gemini_engine_config(
         shard_size: hybrid sharding's group size (ColossalAI's `extra_dp_size` replicas).
         verbose: log the configuration.
         gather_format, reduce_format, quant_block_numel: the wire formats, beyond ColossalAI
-            (see `communication_settings` in engine/config.py).
+            (see `communication_settings` in engine/communication.py).
     """
     if use_fp8:
         raise ValueError(

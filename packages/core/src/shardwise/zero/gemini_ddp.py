@@ -12,10 +12,10 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.chunk import ChunkManager
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.communication import Communication
 from shardwise.engine.config import (
-    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
-    Communication,
     EngineConfig,
     MixedPrecision,
     Overlap,

@@ -18,15 +18,15 @@ from torch.distributed import ProcessGroup
 
 from shardwise.amp import LossScaleConfig
 from shardwise.chunk import ChunkManager, Pool
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.communication import communication_settings
 from shardwise.engine.config import (
-    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
     EngineConfig,
     MixedPrecision,
     Placement,
     Reduction,
     Topology,
-    communication_settings,
     default_device,
 )
 from shardwise.engine.model import ZeroModel

@@ -11,7 +11,8 @@ from shardwise.amp import LossScaleConfig
 from shardwise.booster.plugin.refusals import PRECISIONS, shard_size_for
 from shardwise.booster.plugin.shardformer_flags import accept_shardformer_flags
 from shardwise.booster.plugin.zero_plugin_base import ZeroPluginBase
-from shardwise.engine.config import DEFAULT_QUANT_BLOCK_NUMEL, EngineConfig
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.config import EngineConfig
 from shardwise.engine.model import ZeroModel
 from shardwise.gemini import AutoPlacement
 from shardwise.zero import GeminiOptimizer

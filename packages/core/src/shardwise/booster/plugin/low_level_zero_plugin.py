@@ -8,15 +8,15 @@ import torch
 from shardwise.amp import LossScaleConfig
 from shardwise.booster.plugin.refusals import precision_of, refuse_model_parallel, shard_size_for
 from shardwise.booster.plugin.zero_plugin_base import ZeroPluginBase
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.communication import communication_settings
 from shardwise.engine.config import (
-    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
     EngineConfig,
     MixedPrecision,
     Overlap,
     Placement,
     Topology,
-    communication_settings,
     default_device,
 )
 from shardwise.gemini import placement_policy

@@ -24,15 +24,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise.amp import LossScaleConfig
+from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.communication import communication_settings
 from shardwise.engine.config import (
-    DEFAULT_QUANT_BLOCK_NUMEL,
     Chunking,
     EngineConfig,
     MixedPrecision,
     Overlap,
     Placement,
     Topology,
-    communication_settings,
 )
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
