@@ -86,6 +86,31 @@ def test_save_into_an_ordinary_directory_fails_on_every_rank_and_writes_nothing(
     assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]
 
 
+def _save_over_a_file(path: str) -> dict[str, Any]:
+    wrapped, optimizer = _build(2)
+    _step(wrapped, optimizer, 0)
+    kind, message = _error_of(checkpoint.save, path, wrapped, optimizer)
+    kept = Path(path).read_text()  # refused before anything is written
+    dist.barrier()  # every rank read the file before it is replaced
+    checkpoint.save(path, wrapped, optimizer, extra={"step": 1}, replace_file=True)
+    other, other_optimizer = _build(2)
+    extra = checkpoint.load(path, other, other_optimizer)
+    return {"kind": kind, "message": message, "kept": kept, "extra": extra}
+
+
+def test_a_file_is_replaced_only_when_asked(tmp_path: Path) -> None:
+    # Another kind of checkpoint under the same name (a Lightning "full" .ckpt file).
+    target = tmp_path / "last.ckpt"
+    target.write_text("a full checkpoint")
+    for result in run_ranks(_save_over_a_file, 2, str(target), timeout_s=60):
+        assert result["kind"] == "CheckpointError", result
+        assert "ordinary file" in result["message"]
+        assert result["kept"] == "a full checkpoint"
+        assert result["extra"] == {"step": 1}
+    assert target.is_symlink() and (target / "manifest.json").is_file()
+    assert len(list(tmp_path.iterdir())) == 2  # the link and the one version it names
+
+
 def _save_then_load_with(path: str, saved: str, loaded: str) -> tuple[str, str]:
     wrapped, optimizer = _build(2, saved)
     _step(wrapped, optimizer, 0)

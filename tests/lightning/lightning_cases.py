@@ -171,7 +171,12 @@ def full_state(trainer_: pl.Trainer, module: pl.LightningModule) -> dict[str, to
     """The whole model state on every rank, whichever strategy trained it."""
     strategy = trainer_.strategy
     if isinstance(strategy, ShardwiseStrategyBase):
-        return strategy.lightning_module_state_dict(rank_zero_only=False)
+        if strategy.state_dict_type == "full":
+            return strategy.lightning_module_state_dict(rank_zero_only=False)
+        # "sharded" gives this rank's shards there, as FSDPStrategy does; the engine's own
+        # state_dict is the whole state.
+        assert strategy.zero_model is not None
+        return strategy.zero_model.state_dict(only_rank_0=False)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 

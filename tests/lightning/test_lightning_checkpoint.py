@@ -35,11 +35,48 @@ def _two_ranks(directory: Path) -> dict[str, Any]:
     first = trainer(_gemini(), max_epochs=1)
     first.fit(module)
     first.save_checkpoint(directory / "epoch1.ckpt")
+    switched = _save_both_forms_under_one_name(first, directory)
     # Another chunk size and the other strategy: the checkpoint is layout independent.
     resumed = fit(
         FullyShardedStrategy(min_num_params=700), max_epochs=2, ckpt_path=directory / "epoch1.ckpt"
     )
-    return {"continuous": continuous, "resumed": resumed, "first_state": full_state(first, module)}
+    return {
+        "continuous": continuous,
+        "resumed": resumed,
+        "first_state": full_state(first, module),
+        **switched,
+    }
+
+
+def _save_both_forms_under_one_name(run: Any, directory: Path) -> dict[str, Any]:
+    """A sharded checkpoint, a full one over it, a sharded one over that, as a run resumed
+    with the other state_dict_type does to ModelCheckpoint's last.ckpt; then a full one at an
+    ordinary directory, refused on every rank."""
+    path = directory / "last.ckpt"
+    strategy = run.strategy
+    run.save_checkpoint(path)
+    sharded_dir = path.resolve()
+    strategy.state_dict_type = "full"
+    run.save_checkpoint(path)
+    full = {"is_file": path.is_file() and not path.is_symlink()}
+    if full["is_file"]:
+        full["weights"] = torch.load(path, weights_only=False)["state_dict"]
+    full["old_directory_left"] = sharded_dir.exists()
+    strategy.barrier()  # every rank read the file before it is replaced
+    strategy.state_dict_type = "sharded"
+    run.save_checkpoint(path)
+    ordinary = directory / "outputs"
+    if strategy.is_global_zero:
+        ordinary.mkdir()
+    strategy.barrier()
+    strategy.state_dict_type = "full"
+    try:
+        run.save_checkpoint(ordinary)
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    strategy.state_dict_type = "sharded"
+    return {"full_over_sharded": full, "refused": refused}
 
 
 def _one_rank(directory: Path) -> dict[str, Any]:
@@ -71,6 +108,18 @@ def test_resume_at_two_and_one_ranks(tmp_path: Path) -> None:
         assert any(
             not torch.equal(result["first_state"][k], v) for k, v in continuous.state.items()
         )  # the second epoch changed the weights
+
+    for result in two:
+        # Each form took the other's place under one name, leaving nothing of the old one.
+        full = result["full_over_sharded"]
+        assert full["is_file"] and not full["old_directory_left"], full
+        for key, value in result["first_state"].items():
+            assert torch.equal(full["weights"][key], value), key
+        assert "outputs: it is an ordinary directory" in result["refused"], result["refused"]
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink() and (last / "manifest.json").is_file()
+    assert len(list(tmp_path.glob("last.ckpt*"))) == 2  # the link and the version it names
+    assert list((tmp_path / "outputs").iterdir()) == []
 
     one = run_ranks(_one_rank, 1, tmp_path, timeout_s=60)[0]
     assert one["global_step"] == 2 * STEPS_PER_EPOCH

@@ -10,7 +10,8 @@ masters, equal bit for bit to the state the ranks hold; the two files' optimizer
 equal bit for bit as well. The full file holds, to the bit, the weights, optimizer state,
 schedulers and loops of the file Lightning's `ddp` saves after the same epoch (fp32 trains
 alike), plus the loss scaler; `lightning_module_state_dict()`, as Lightning calls it, gives the
-whole state on rank 0 and an empty dict on rank 1 (every rank with `rank_zero_only=False`).
+whole state on rank 0 and an empty dict on rank 1 (every rank with `rank_zero_only=False`),
+or, with "sharded", each rank's shards, the whole state together.
 A module whose on_load_checkpoint rebuilds a layer resumes from the full file exactly as the
 uninterrupted run continues (the optimizer rebuilt over the new layer, its state sliced into
 the new shards), and tests from the sharded directory with the losses of Lightning's plain
@@ -27,6 +28,7 @@ import pytest
 import torch
 from lightning_cases import GLOBAL_BATCH, IN, NUM_SAMPLES, Net, fit, full_state, trainer
 from torch import nn
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 
 from shardwise.cli import main as shardwise_cli
 from shardwise.testing import run_ranks
@@ -47,6 +49,22 @@ class RebuiltOnLoad(Net):
         self.net[4] = nn.Linear(32, 4)
 
 
+def _described(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict as plain tensors; a ShardedTensor as its global numel and its local
+    shards' (offset, values)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, ShardedTensor):
+            parts = [
+                (shard.metadata.shard_offsets[0], shard.tensor.clone())
+                for shard in value.local_shards()
+            ]
+            out[key] = ("sharded", value.size(0), parts)
+        else:
+            out[key] = value
+    return out
+
+
 def _save_and_resume(directory: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     continuous = fit("shardwise_gemini", max_epochs=2)
@@ -63,8 +81,9 @@ def _save_and_resume(directory: Path) -> dict[str, Any]:
             run.fit(module)
         run.save_checkpoint(directory / f"{name}.ckpt")
         out[f"{name}_state"] = full_state(run, module)
-        # Lightning's own call, without arguments: the whole state on rank 0 alone.
-        out[f"{name}_default_state"] = run.strategy.lightning_module_state_dict()
+        # Lightning's own call, without arguments: with "full" the whole state on rank 0 alone,
+        # with "sharded" each rank's shards (described here: they cannot leave the process).
+        out[f"{name}_default_state"] = _described(run.strategy.lightning_module_state_dict())
     # Lightning's ddp trains the same epoch and saves its own file.
     torch.manual_seed(0)
     module = Net()
@@ -162,12 +181,36 @@ def test_full_checkpoint_holds_what_ddp_saves(
 def test_lightning_module_state_dict_is_whole_on_rank_0_only(
     saved: tuple[Path, list[dict[str, Any]]],
 ) -> None:
-    for name in ("full", "sharded"):
-        first, second = (result[f"{name}_default_state"] for result in saved[1])
-        _assert_same(first, saved[1][0][f"{name}_state"])
-        assert second == {}, name
-        # With rank_zero_only=False (as full_state asks) every rank gets the same whole state.
-        _assert_same(saved[1][1][f"{name}_state"], saved[1][0][f"{name}_state"])
+    first, second = (result["full_default_state"] for result in saved[1])
+    _assert_same(first, saved[1][0]["full_state"])
+    assert second == {}
+    # With rank_zero_only=False (as full_state asks) every rank gets the same whole state.
+    _assert_same(saved[1][1]["full_state"], saved[1][0]["full_state"])
+
+
+def test_lightning_module_state_dict_is_each_ranks_shards_when_sharded(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    # As FSDPStrategy's sharded state dict: no rank gathers the whole model, the ranks' parts
+    # together are the whole state, each element held by exactly one rank.
+    whole = saved[1][0]["sharded_state"]
+    described = [result["sharded_default_state"] for result in saved[1]]
+    assert all(d.keys() == whole.keys() for d in described)
+    for key, value in whole.items():
+        if not isinstance(described[0][key], tuple):  # a buffer: whole on every rank
+            for d in described:
+                assert torch.equal(d[key], value), key
+            continue
+        flat = torch.full((value.numel(),), float("nan"), dtype=value.dtype)
+        covered = 0
+        for d in described:
+            kind, numel, parts = d[key]
+            assert (kind, numel) == ("sharded", value.numel()), key
+            for offset, part in parts:
+                flat[offset : offset + part.numel()] = part
+                covered += part.numel()
+        assert covered == value.numel(), key
+        assert torch.equal(flat.view(value.shape), value), key
 
 
 def test_resume_from_the_full_checkpoint_continues_exactly(

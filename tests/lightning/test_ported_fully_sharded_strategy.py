@@ -271,8 +271,13 @@ def _run_multiple_stages(
     model_path = Path(ck.last_model_path)
     run.save_checkpoint(model_path, weights_only=True)
 
-    # _assert_save_equality: the saved weights are the engine's whole fp32 weights.
-    whole = run.strategy.lightning_module_state_dict()
+    # _assert_save_equality: the saved weights are the engine's whole fp32 weights
+    # (lightning_module_state_dict gives them with "full"; with "sharded" this rank's shards,
+    # as FSDPStrategy's, and the engine's state_dict the whole state).
+    if state_dict_type == "full":
+        whole = run.strategy.lightning_module_state_dict()
+    else:
+        whole = strategy.zero_model.state_dict()
     if run.is_global_zero:
         readable = model_path
         if state_dict_type == "sharded":

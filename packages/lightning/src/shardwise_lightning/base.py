@@ -8,7 +8,6 @@ from `configure_optimizers` to `wrap_optimizer`, and Lightning's checkpoints to
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -24,7 +23,6 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities import rank_zero_warn
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
@@ -40,24 +38,26 @@ from shardwise import (
 from shardwise import checkpoint as sharded_checkpoint
 from shardwise.amp import LossScaleConfig
 from shardwise.checkpoint import CheckpointError
-from shardwise.checkpoint.consolidate import (
-    PARAM_GROUP_NAMES,
-    SHARDWISE_KEY,
-    WholeCheckpoint,
-    lightning_checkpoint,
-)
+from shardwise.checkpoint.consolidate import PARAM_GROUP_NAMES, SHARDWISE_KEY
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.communication import communication_settings
 from shardwise.engine.module_at_rest import (
     ModuleState,
     agree_to_gather,
     whole_copy_bytes,
+    write_whole_values,
 )
 from shardwise.engine.optimizer import optimizer_of
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
-from shardwise.prepare.ignore import is_ignored
 from shardwise_lightning.checkpoint_io import StreamingCheckpointIO
+from shardwise_lightning.checkpoint_paths import is_sharded_checkpoint, remove_sharded_checkpoint
+from shardwise_lightning.full_checkpoint import save_on_rank_0, write_full_checkpoint
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
+from shardwise_lightning.trainer_checks import (
+    check_all_managed,
+    check_trainer,
+    unmanaged_parameters,
+)
 
 StateDictType = Literal["sharded", "full"]
 STATE_DICT_TYPES: tuple[str, ...] = ("sharded", "full")
@@ -71,8 +71,9 @@ class ShardwiseStrategyBase(DDPStrategy):
         state_dict_type: what `trainer.save_checkpoint` (and so `ModelCheckpoint`) writes:
             "full" (the default, as for Lightning's FSDPStrategy: one `.ckpt` file from rank 0
             that `load_from_checkpoint`, `torch.load` and plain Lightning strategies read; see
-            [Note: full checkpoints]) or "sharded" (a directory, every rank its shards,
-            world-size independent, no rank holding the whole state).
+            [Note: full checkpoints] in full_checkpoint.py) or "sharded" (a directory, every
+            rank its shards, world-size independent, no rank holding the whole state). Either
+            replaces a checkpoint of the other form under the same name.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout: as for Lightning's `DDPStrategy` (`checkpoint_io`
             reads and writes single-file checkpoints, by default a `StreamingCheckpointIO`;
@@ -219,7 +220,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.lightning_module is not None
-        _check_trainer(trainer, self.lightning_module)
+        check_trainer(trainer, self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync and self._zero_model is None:
             self.model = self._layer_sync.apply(self.lightning_module)
@@ -292,14 +293,23 @@ class ShardwiseStrategyBase(DDPStrategy):
     # ---- state dicts and checkpoints -------------------------------------------------------------
 
     def lightning_module_state_dict(self, rank_zero_only: bool = True) -> dict[str, Any]:
-        """The whole module state (fp32 master weights, buffers) with the LightningModule's
-        names, detached, on CPU (or the compute device with `state_dict_to_cpu=False`), on
-        rank 0: the other ranks send it their shards and get an empty dict, as Lightning's
-        FSDPStrategy gives a full state dict (see [Note: full checkpoints]). With
-        `rank_zero_only=False` every rank gets it. A collective: call it on every rank."""
+        """The module state with the LightningModule's names, as Lightning's FSDPStrategy gives
+        it for its `state_dict_type`. With "full": the whole state (fp32 master weights,
+        buffers), detached, on CPU (or the compute device with `state_dict_to_cpu=False`), on
+        rank 0: the other ranks send it their shards and get an empty dict (see [Note: full
+        checkpoints] in full_checkpoint.py); with `rank_zero_only=False` every rank gets it;
+        a collective: call it on every rank. With "sharded": this rank's shards, without a
+        copy or a collective (`shardwise.checkpoint.sharded_state_dict`), so that no rank
+        gathers the whole model when Lightning builds a checkpoint the engine writes sharded;
+        `strategy.zero_model.state_dict()` gives the whole state there."""
         if self._zero_model is None:
             assert self.lightning_module is not None
             return self.lightning_module.state_dict()
+        if self.state_dict_type == "sharded":
+            if self._zero_model.module_state is ModuleState.WHOLE:
+                # See [Note: the module after a run]: the values the module holds now.
+                write_whole_values(self._zero_model.chunk_manager)
+            return sharded_checkpoint.sharded_state_dict(self._zero_model)
         state = self._zero_model.state_dict(only_rank_0=rank_zero_only)
         device = self.state_dict_device()
         if device.type != "cpu":
@@ -311,8 +321,8 @@ class ShardwiseStrategyBase(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """With `state_dict_type="full"` the whole optimizer state in torch's format, on rank 0
         (other ranks get an empty dict; a collective), which `save_checkpoint` writes as it is
-        (see [Note: full checkpoints]); with "sharded" this rank's shards, which it does not
-        read (the engine writes its own)."""
+        (see [Note: full checkpoints] in full_checkpoint.py); with "sharded" this rank's
+        shards, which it does not read (the engine writes its own)."""
         engine = getattr(optimizer, "_optimizer", optimizer)
         if self.state_dict_type == "full" and isinstance(engine, ZeroOptimizer):
             return sharded_checkpoint.gather_optimizer_state(engine, only_rank_0=True)
@@ -324,8 +334,10 @@ class ShardwiseStrategyBase(DDPStrategy):
         """Write the checkpoint at `filepath`: model and, unless weights only, optimizer and
         loss scaler from the engine, with the rest of Lightning's checkpoint (loops,
         schedulers, callbacks). With `state_dict_type="full"` (the default) one ordinary file
-        from rank 0 (see [Note: full checkpoints]); with "sharded" a directory, every rank its
-        shards, world-size independent."""
+        from rank 0 (see [Note: full checkpoints] in full_checkpoint.py); with "sharded" a
+        directory, every rank its shards, world-size independent. Either form replaces a
+        checkpoint of the other under the same name (see [Note: saving over an earlier
+        checkpoint] in checkpoint_paths.py); an ordinary directory is refused."""
         if storage_options is not None and self.state_dict_type == "sharded":
             raise TypeError(
                 "save_checkpoint(storage_options=...) cannot be honoured: sharded checkpoints "
@@ -355,45 +367,20 @@ class ShardwiseStrategyBase(DDPStrategy):
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if optimizer is not None:
             rest[PARAM_GROUP_NAMES] = self._param_group_names
-        sharded_checkpoint.save(path, self._zero_model, optimizer, extra=rest)
-
-    # [Note: full checkpoints]
-    # Lightning builds the checkpoint dict before it asks the strategy to save it: the module's
-    # state through `lightning_module_state_dict` (the whole fp32 masters with the module's
-    # keys) and each optimizer's through `optimizer_state`, which under "full" gives the whole
-    # optimizer state in torch's format (numbered by the parameter groups of
-    # configure_optimizers, the loss scaler's state beside it). Both are built on rank 0 alone,
-    # as Lightning's FSDPStrategy and ModelParallelStrategy build theirs: in host memory every
-    # rank sends rank 0 the parts of each tensor its shard holds, received there straight into
-    # the tensors of the dict, while the other ranks allocate nothing and get empty dicts (see
-    # [Note: gathering to one rank] in shardwise/chunk/whole_tensors.py). Rank 0 writes that
-    # dict as `shardwise consolidate` lays out a sharded checkpoint (`lightning_checkpoint`:
-    # the scaler under "shardwise") through the CheckpointIO, whose default writes the file
-    # as torch.save serializes it (see [Note: one write of a checkpoint file] in
-    # checkpoint_io.py): every byte of the file is written once into the dict and once into
-    # the file. Rank 0 holds the whole state for the write, as any full-state save does.
+        # A full checkpoint file of the same name is replaced (see [Note: saving over an
+        # earlier checkpoint] in checkpoint_paths.py).
+        sharded_checkpoint.save(path, self._zero_model, optimizer, extra=rest, replace_file=True)
 
     def _save_full_checkpoint(
         self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None
     ) -> None:
-        if self.is_global_zero:
-            rest = {
-                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
-            }
-            optimizer, scaler = None, None
-            if checkpoint.get("optimizer_states"):
-                optimizer = dict(checkpoint["optimizer_states"][0])
-                scaler = optimizer.pop("loss_scaler", None)
-            whole = WholeCheckpoint(
-                state_dict=checkpoint["state_dict"],
-                optimizer=optimizer,
-                grad_scaler=scaler,
-                extra=rest,
-            )
-            self.checkpoint_io.save_checkpoint(
-                lightning_checkpoint(whole), path, storage_options=storage_options
-            )
-        self.barrier("shardwise_full_checkpoint")
+        """One file from rank 0 (see [Note: full checkpoints] in full_checkpoint.py)."""
+        save_on_rank_0(
+            path,
+            lambda: write_full_checkpoint(self.checkpoint_io, checkpoint, path, storage_options),
+            is_rank_0=self.is_global_zero,
+            broadcast=self.broadcast,
+        )
 
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
@@ -406,7 +393,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None and self._zero_model is not None
         self._loaded_path = path
-        if _is_shardwise_checkpoint(path):
+        if is_sharded_checkpoint(path):
             extra = dict(self._load_sharded(path))
             self._loaded_sharded = True
             extra.pop(PARAM_GROUP_NAMES, None)
@@ -493,37 +480,11 @@ class ShardwiseStrategyBase(DDPStrategy):
     # ---- every entry: the module is still the one the engine sharded ----------------------------
 
     def _unmanaged_parameters(self) -> list[str]:
-        """Names of the LightningModule's parameters that no chunk of the engine holds."""
-        if self._zero_model is None:
-            return []
-        manages = self._zero_model.chunk_manager.manages
-        return [
-            name
-            for name, param in self._zero_model.module.named_parameters()
-            if not manages(param) and not is_ignored(param)
-        ]
+        return [] if self._zero_model is None else unmanaged_parameters(self._zero_model)
 
     def _check_all_managed(self, when: str) -> None:
-        """Raise when the LightningModule holds parameters the engine does not manage: a layer
-        built or replaced after the strategy sharded the module (in setup after the first fit,
-        between Trainer calls; not in on_load_checkpoint, see [Note: layers rebuilt in
-        on_load_checkpoint]). Such a layer would run unsharded, be left
-        out of checkpoints and loads, and fail at stage 3's next gather."""
-        strays = self._unmanaged_parameters()
-        if strays:
-            shown = ", ".join(strays[:5]) + (
-                f" and {len(strays) - 5} more" if len(strays) > 5 else ""
-            )
-            raise ValueError(
-                f"{len(strays)} parameter(s) of the LightningModule are not managed by the "
-                f"shardwise engine {when}: {shown}. A layer was built or replaced after the "
-                f"strategy sharded the module (e.g. in setup or between Trainer calls), so it "
-                f"would run unsharded and never be loaded or saved. Build every layer in "
-                f"__init__ or configure_model (or, to rebuild layers for a checkpoint, in "
-                f"on_load_checkpoint) and let the checkpoint fill its weights (ckpt_path=... "
-                f"loads them into the shards); to change the architecture, build a new "
-                f"LightningModule and a new Trainer"
-            )
+        if self._zero_model is not None:
+            check_all_managed(self._zero_model, when)
 
     def on_train_start(self) -> None:
         self._check_all_managed("at the start of fit")
@@ -546,7 +507,7 @@ class ShardwiseStrategyBase(DDPStrategy):
             return
         path = Path(filepath)
         if path.is_symlink():
-            _remove_link_and_target(path)
+            remove_sharded_checkpoint(path)
         else:
             super().remove_checkpoint(filepath)
 
@@ -564,6 +525,12 @@ class ShardwiseStrategyBase(DDPStrategy):
     # `trainer.save_checkpoint` still works after fit, and the next run of the same module
     # shards the values the module holds then (changed in place or by load_state_dict). A run
     # that raised skips the gather: another rank may never reach that collective.
+
+    def _whole_state_call(self) -> str:
+        """How a user takes the whole weights from the engine under this state_dict_type."""
+        if self.state_dict_type == "sharded":
+            return "trainer.strategy.zero_model.state_dict()"
+        return "trainer.strategy.lightning_module_state_dict()"
 
     def teardown(self) -> None:
         """Release the plugins and, after a run that finished, give the LightningModule its
@@ -585,34 +552,13 @@ class ShardwiseStrategyBase(DDPStrategy):
                     f"the LightningModule keeps its parameters sharded after this run (empty "
                     f"outside the engine): a whole fp32 copy, {gib:.1f} GiB per rank, would not "
                     f"fit in this host's memory. Take its weights with "
-                    f"trainer.strategy.lightning_module_state_dict(), called on every rank (rank "
-                    f"0 gets them), or trainer.save_checkpoint(path)"
+                    f"{self._whole_state_call()}, called on every rank (rank 0 gets them), or "
+                    f"trainer.save_checkpoint(path)"
                 )
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-
-def _check_trainer(trainer: Trainer, module: LightningModule) -> None:
-    """Refuse Trainer settings the engine cannot honour, before anything runs."""
-    algorithm = trainer.gradient_clip_algorithm
-    name = None if algorithm is None else str(getattr(algorithm, "value", algorithm))
-    if trainer.gradient_clip_val and name not in (None, "norm"):  # None: Lightning's "norm"
-        raise ValueError(
-            f"gradient_clip_algorithm={name!r} cannot be honoured: the engine clips the global "
-            f"gradient norm across shards; use gradient_clip_algorithm='norm'"
-        )
-    if is_overridden("configure_gradient_clipping", module):
-        raise ValueError(
-            "configure_gradient_clipping is overridden, but the engine clips inside its step "
-            "(Trainer(gradient_clip_val=...) sets max_norm); remove the override"
-        )
-    if is_overridden("backward", module):
-        raise ValueError(
-            "LightningModule.backward is overridden, but the engine runs backward itself (loss "
-            "scaling, gradients into chunks); remove the override"
-        )
 
 
 def _run_finished(module: LightningModule | None) -> bool:
@@ -622,20 +568,6 @@ def _run_finished(module: LightningModule | None) -> bool:
     # raises when an error came before the module was attached to the Trainer.
     trainer = getattr(module, "_trainer", None)
     return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-
-
-def _remove_link_and_target(path: Path) -> None:
-    """Remove a sharded checkpoint: its link and the version directory it names."""
-    if not path.is_symlink():
-        return
-    target = path.resolve()
-    path.unlink()
-    if target.is_dir():
-        shutil.rmtree(target, ignore_errors=True)
-
-
-def _is_shardwise_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / "manifest.json").is_file()
 
 
 def _rank0_rng_states(device: torch.device) -> list[torch.Tensor]:

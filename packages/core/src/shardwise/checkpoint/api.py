@@ -50,6 +50,8 @@ def save(
     model: ZeroModel,
     optimizer: ZeroOptimizer | None = None,
     extra: Any = None,
+    *,
+    replace_file: bool = False,
 ) -> None:
     """Save model, optimizer, loss scaler and `extra` to `path`, every rank writing its own
     shards in parallel; `path` then names the new checkpoint, atomically. A collective.
@@ -59,11 +61,14 @@ def save(
         model: the wrapped model (any stage).
         optimizer: its `ZeroOptimizer`, to save optimizer and loss-scaler state too.
         extra: anything picklable (epoch, step, RNG states, data position); rank 0's is kept.
+        replace_file: an ordinary file at `path` (another kind of checkpoint of the same name)
+            is replaced when the new checkpoint is published; otherwise it is refused, as an
+            ordinary directory always is.
     """
     _check_pair(model, optimizer)
     ranks = _ranks_of(model)
     target = Path(path)
-    check_save_target(target, ranks)
+    check_save_target(target, ranks, replace_file=replace_file)
     remove_unfinished_versions(target, ranks)
     slices = param_slices(model)
     buffers = dict(saved_module(model.module).named_buffers())
@@ -95,7 +100,7 @@ def save(
         "optimizer_type": _type_name(optimizer.optim) if optimizer is not None else None,
         "state_dict_keys": _state_dict_keys(model, slices),
     }
-    write_manifest_and_commit(target, version, description, ranks)
+    write_manifest_and_commit(target, version, description, ranks, replace_file=replace_file)
 
 
 def load(
@@ -164,6 +169,26 @@ def load(
     if optimizer is not None:
         _restore_optimizer(optimizer, slices, state, objects)
     return objects["extra"]
+
+
+def sharded_state_dict(model: ZeroModel) -> dict[str, Any]:
+    """This rank's part of the model state, with the module's `state_dict()` keys, without a
+    copy or a collective: each parameter a 1-D ShardedTensor of its numel over this rank's
+    elements (views of the fp32 masters; the stored payload for frozen ones), buffers whole.
+    The form torch.distributed.checkpoint saves and reshards, as FSDP's sharded state dict,
+    except that parameters are flat: chunks split them at any element (see [Note: why
+    ShardedTensor] in sharded_tensor.py). A tied weight is one tensor under each of its names.
+    Views of live state: save them before the next step changes them."""
+    slices = param_slices(model)
+    sharded = {
+        f"model.{item.name}": _sharded(item, item.local_values().detach()) for item in slices
+    }
+    buffers = dict(saved_module(model.module).named_buffers())
+    state: dict[str, Any] = {}
+    for key, entry in _state_dict_keys(model, slices).items():
+        kind, _, name = entry.partition(".")
+        state[key] = sharded[entry] if kind == "model" else buffers[name].detach()
+    return state
 
 
 def _ranks_of(model: ZeroModel) -> Ranks:

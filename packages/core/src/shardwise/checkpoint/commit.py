@@ -70,11 +70,12 @@ class Ranks:
         return comm.broadcast_object(value, self.stats, self.group)
 
 
-def check_save_target(path: Path, ranks: Ranks) -> None:
+def check_save_target(path: Path, ranks: Ranks, *, replace_file: bool = False) -> None:
     """Refuse, on every rank alike and before anything is written, a `path` that exists and
-    is not a checkpoint link (an ordinary directory or file would never be replaced)."""
+    is not a checkpoint link: an ordinary directory is never replaced, an ordinary file only
+    with `replace_file` (when the new checkpoint is published, atomically)."""
     problem = None
-    if (path.exists() or path.is_symlink()) and not path.is_symlink():
+    if path.exists() and not path.is_symlink() and not (replace_file and path.is_file()):
         kind = "directory" if path.is_dir() else "file"
         problem = (
             f"{path} exists and is an ordinary {kind}, not a shardwise checkpoint link: save to "
@@ -113,9 +114,15 @@ def sha256(file: Path) -> str:
 
 
 def write_manifest_and_commit(
-    path: Path, version: Path, description: dict[str, Any], ranks: Ranks
+    path: Path,
+    version: Path,
+    description: dict[str, Any],
+    ranks: Ranks,
+    *,
+    replace_file: bool = False,
 ) -> None:
-    """Hash the files (each rank its share), then on rank 0 write the manifest and publish."""
+    """Hash the files (each rank its share), then on rank 0 write the manifest and publish
+    (over an ordinary file at `path` only with `replace_file`)."""
     ranks.barrier()
     files = sorted(p.name for p in version.iterdir() if p.is_file())
     rank, world = ranks.rank, ranks.world
@@ -131,7 +138,7 @@ def write_manifest_and_commit(
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, version / MANIFEST)
-        _publish(path, version, ranks)
+        _publish(path, version, ranks, replace_file=replace_file)
     ranks.barrier()
 
 
@@ -139,8 +146,8 @@ def _file_entry(file: Path) -> dict[str, Any]:
     return {"bytes": file.stat().st_size, "sha256": sha256(file)}
 
 
-def _publish(path: Path, version: Path, ranks: Ranks) -> None:
-    if path.exists() and not path.is_symlink():
+def _publish(path: Path, version: Path, ranks: Ranks, *, replace_file: bool) -> None:
+    if path.exists() and not path.is_symlink() and not (replace_file and path.is_file()):
         raise CheckpointError(
             f"{path} exists and is not a shardwise checkpoint link; choose another path or "
             f"remove it"
@@ -148,7 +155,7 @@ def _publish(path: Path, version: Path, ranks: Ranks) -> None:
     previous = path.resolve() if path.is_symlink() else None
     link = path.parent / f".{path.name}.link-{secrets.token_hex(4)}"
     os.symlink(version.name, link)
-    os.replace(link, path)  # see [Note: atomic checkpoints]
+    os.replace(link, path)  # see [Note: atomic checkpoints]; replaces a file as well
     _fsync_dir(path.parent)
     if previous is not None and previous != version.resolve() and previous.is_dir():
         shutil.rmtree(previous, ignore_errors=True)
