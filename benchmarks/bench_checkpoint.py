@@ -13,6 +13,10 @@ takes one step, and is saved and loaded in turn:
   one file       the same with shard=False: rank 0 receives everything and writes one file
                  (how ColossalAI's Gemini saves, sharded or not: it gathers on rank 0)
   load sharded   booster.load_model / load_optimizer of the sharded save
+  engine save    shardwise.checkpoint.save of the same model and optimizer: each rank its own
+                 shards, with torch.distributed.checkpoint (the Lightning strategies'
+                 state_dict_type="sharded", world-size independent)
+  engine load    shardwise.checkpoint.load of it
 Then the same GPT under torch FSDP2 (fully_shard per block) with fused AdamW is saved and
 loaded with torch.distributed.checkpoint (each rank its own shards, torch's own format):
   fsdp2 dcp save, fsdp2 dcp load
@@ -124,6 +128,16 @@ def shardwise_part(size: str, root: Path, results: dict[str, Any]) -> int:
         booster.load_model(model, str(sharded / "model"))
         booster.load_optimizer(optimizer, str(sharded / "optim"))
 
+    from shardwise import checkpoint
+
+    engine_ckpt = root / "engine"
+
+    def save_engine() -> None:
+        checkpoint.save(engine_ckpt, model, optimizer.engine)
+
+    def load_engine() -> None:
+        checkpoint.load(engine_ckpt, model, optimizer.engine)
+
     if dist.get_rank() == 0:
         whole.mkdir(parents=True)
     _measure("sharded save", save_sharded, results)
@@ -136,6 +150,14 @@ def shardwise_part(size: str, root: Path, results: dict[str, Any]) -> int:
     _measure("sharded load", load_sharded, results)
     if dist.get_rank() == 0:
         shutil.rmtree(sharded)
+    _measure("engine save", save_engine, results)
+    results["engine save"]["bytes"] = _bytes(engine_ckpt.resolve())
+    _measure("engine load", load_engine, results)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        target = engine_ckpt.resolve()
+        engine_ckpt.unlink()
+        shutil.rmtree(target)
     return params
 
 
@@ -210,7 +232,10 @@ def write_results(result: dict[str, Any], path: Path, command: str) -> None:
         f"rank holds one gathered chunk and the file it is filling. FSDP2's "
         f"torch.distributed.checkpoint writes each rank's shards as they lie, in torch's own "
         f"format, so it gathers nothing; the Hugging Face layout needs whole tensors. Loads read "
-        f"torch files memory-mapped, whose pages count in the resident set while open.",
+        f"torch files memory-mapped, whose pages count in the resident set while open. The "
+        f"engine's own save hands torch.distributed.checkpoint views of its shards, which it "
+        f"copies one tensor at a time as it writes them (a slice of a chunk), where FSDP2's "
+        f"shards are tensors of their own that it writes as they are.",
     ]
     _write_block(path, "bench_checkpoint", lines)
 

@@ -5,13 +5,20 @@ writing one whole checkpoint file (model and AdamW state) from rank 0.
     python benchmarks/bench_lightning_checkpoint.py --repeat 2 --out RESULT.json \
         [--results RESULTS.md]
     python benchmarks/bench_lightning_checkpoint.py --smoke                 (a tiny GPT-2)
+    python benchmarks/bench_lightning_checkpoint.py --state-dict-type sharded \
+        --strategies fsdp2 shardwise_fsdp shardwise_gemini     (each rank its shards)
 
 Each strategy runs in a torchrun of its own, the strategies in turn, `--repeat` rounds
 (Lightning keeps one strategy per process group): build the model from transformers' default
 GPT-2 config (124M parameters, tied head; fp32), fit 3 steps (batch 1 of 64 tokens per rank,
 AdamW), then time `trainer.save_checkpoint(path)` between barriers. Per strategy the fastest
 round is kept (the host is shared: other load only adds time), with the worse rank's seconds,
-the file's size, the mean time of the last 2 steps, and for shardwise the chunks it built.
+the file's size, the mean time of the last 2 steps, for shardwise the chunks it built, and
+each rank's peak resident set during the save above the one before it (the kernel's VmHWM,
+reset through /proc/self/clear_refs: what the save holds on top of training; memory the
+training freed and the allocator kept is reused first, so this is a lower bound).
+`--state-dict-type sharded` saves each rank's shards instead: the shardwise strategies with
+`state_dict_type="sharded"`, fsdp2 with `save_distributed_checkpoint=True`.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,7 +96,62 @@ def _module(smoke: bool, fully_shard_blocks: bool) -> Any:
     return GPT2Module()
 
 
-def rank_main(strategy_name: str, directory: Path, smoke: bool) -> dict[str, Any]:
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset the kernel's peak resident set (VmHWM) to the current one; return it in bytes."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    """The peak resident set since the last reset, in bytes."""
+    return _status_kib("VmHWM") * 1024
+
+
+def _strategy(name: str, state_dict_type: str) -> Any:
+    if name == "fsdp2":
+        from pytorch_lightning.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(save_distributed_checkpoint=state_dict_type == "sharded")
+    if state_dict_type == "full":
+        return name  # the registered name: the strategy's defaults
+    if name == "ddp":
+        raise ValueError("ddp has no sharded checkpoint: leave it out of --strategies")
+    from shardwise_lightning import FullyShardedStrategy, GeminiStrategy
+
+    if name == "shardwise_fsdp":
+        return FullyShardedStrategy(state_dict_type="sharded")
+    return GeminiStrategy(state_dict_type="sharded")
+
+
+def _saved_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.resolve().rglob("*") if f.is_file())
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink():
+        target = path.resolve()
+        path.unlink()
+        shutil.rmtree(target, ignore_errors=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def rank_main(
+    strategy_name: str, directory: Path, smoke: bool, state_dict_type: str = "full"
+) -> dict[str, Any]:
     import pytorch_lightning as pl
     import torch
     import torch.distributed as dist
@@ -96,11 +159,7 @@ def rank_main(strategy_name: str, directory: Path, smoke: bool) -> dict[str, Any
     import shardwise_lightning  # noqa: F401  (registers the strategy names)
 
     torch.set_num_threads(1)
-    strategy: Any = strategy_name
-    if strategy_name == "fsdp2":
-        from pytorch_lightning.strategies import ModelParallelStrategy
-
-        strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
+    strategy = _strategy(strategy_name, state_dict_type)
     module = _module(smoke, fully_shard_blocks=strategy_name == "fsdp2")
     params = sum(p.numel() for p in module.parameters())
     with warnings.catch_warnings():
@@ -118,29 +177,34 @@ def rank_main(strategy_name: str, directory: Path, smoke: bool) -> dict[str, Any
         trainer.fit(module)
         path = directory / f"{strategy_name}.ckpt"
         dist.barrier()
+        before = reset_peak_rss()
         start = time.perf_counter()
         trainer.save_checkpoint(path)
         dist.barrier()
         seconds = time.perf_counter() - start
+        growth = peak_rss() - before
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, seconds)
+    dist.all_gather_object(gathered, (seconds, growth))
     result: dict[str, Any] = {
         "params": params,
-        "save_seconds": max(gathered),
+        "state_dict_type": state_dict_type,
+        "save_seconds": max(s for s, _ in gathered),
+        "save_rss_growth_mib": [round(growth / MIB) for _, growth in gathered],
         "step_seconds": sum(module.step_seconds[1:]) / max(1, len(module.step_seconds) - 1),
-        "file_bytes": path.stat().st_size if dist.get_rank() == 0 else 0,
+        "file_bytes": _saved_bytes(path) if dist.get_rank() == 0 else 0,
     }
     engine = getattr(trainer.strategy, "zero_model", None)
     if engine is not None:
         chunks = engine.chunk_manager.chunks
         result["chunks"] = len(chunks)
         result["largest_chunk_numel"] = max(chunk.numel for chunk in chunks)
+    dist.barrier()  # every rank is done with the checkpoint before it goes
     if dist.get_rank() == 0:
-        path.unlink()
+        _remove(path)
     return result
 
 
-def _run_one(strategy: str, smoke: bool, directory: Path) -> dict[str, Any]:
+def _run_one(strategy: str, smoke: bool, directory: Path, state_dict_type: str) -> dict[str, Any]:
     out = directory / f"{strategy}.json"
     command = [
         sys.executable,
@@ -153,6 +217,8 @@ def _run_one(strategy: str, smoke: bool, directory: Path) -> dict[str, Any]:
         strategy,
         "--dir",
         str(directory),
+        "--state-dict-type",
+        state_dict_type,
         *(["--smoke"] if smoke else []),
     ]
     subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
@@ -210,13 +276,25 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT-2, seconds")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--repeat", type=int, default=1, help="rounds over the strategies")
+    parser.add_argument(
+        "--state-dict-type",
+        choices=("full", "sharded"),
+        default="full",
+        help="one file from rank 0 (full) or each rank its shards (sharded; not ddp)",
+    )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--results", type=Path, help="update this RESULTS.md block")
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.results and args.state_dict_type == "sharded":
+        parser.error(
+            "--results writes the one-file table: run --state-dict-type sharded without it"
+        )
+    if not args.rank_of and args.state_dict_type == "sharded" and "ddp" in args.strategies:
+        parser.error("ddp has no sharded checkpoint: leave it out of --strategies")
     if args.rank_of:
-        result = rank_main(args.rank_of, args.dir, args.smoke)
+        result = rank_main(args.rank_of, args.dir, args.smoke, args.state_dict_type)
         if int(os.environ["RANK"]) == 0:
             (args.dir / f"{args.rank_of}.json").write_text(json.dumps(result))
         return
@@ -224,7 +302,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         for _ in range(args.repeat):
             for strategy in args.strategies:
-                result = _run_one(strategy, args.smoke, Path(directory))
+                result = _run_one(strategy, args.smoke, Path(directory), args.state_dict_type)
                 print(strategy, json.dumps(result), flush=True)
                 best = results.get(strategy)
                 if best is None or result["save_seconds"] < best["save_seconds"]:

@@ -189,12 +189,19 @@ def test_checkpoint_benchmark_measures_every_call(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     calls = json.loads(out.read_text())["calls"]
     assert list(calls) == [
-        "sharded save", "one file save", "sharded load", "fsdp2 dcp save", "fsdp2 dcp load",
+        "sharded save", "one file save", "sharded load", "engine save", "engine load",
+        "fsdp2 dcp save", "fsdp2 dcp load",
     ]  # fmt: skip
     assert all(call["seconds"] > 0 and call["peak_mib"] >= 0 for call in calls.values())
     # The two layouts hold the same tensors (the sharded one adds an index and a config).
     assert (
         abs(calls["sharded save"]["bytes"] - calls["one file save"]["bytes"])
         < 0.1 * (calls["one file save"]["bytes"])
+    )
+    # The engine's own checkpoint holds the same state as torch.distributed.checkpoint's of
+    # FSDP2 (model and Adam's state: the same format, other names and metadata).
+    assert (
+        abs(calls["engine save"]["bytes"] - calls["fsdp2 dcp save"]["bytes"])
+        < 0.1 * calls["fsdp2 dcp save"]["bytes"]
     )
     assert "Checkpoints at scale" in results.read_text()

@@ -18,6 +18,7 @@ import pytest
 import torch
 from lightning_cases import FitResult, Net, fit, full_state, trainer
 
+from shardwise.cli import main as shardwise_cli
 from shardwise.testing import run_ranks
 from shardwise_lightning import FullyShardedStrategy, GeminiStrategy
 
@@ -35,17 +36,19 @@ def _two_ranks(directory: Path) -> dict[str, Any]:
     first = trainer(_gemini(), max_epochs=1)
     first.fit(module)
     first.save_checkpoint(directory / "epoch1.ckpt")
+    first_state = full_state(first, module)
     switched = _save_both_forms_under_one_name(first, directory)
+    # The module holds its whole weights after fit: weights changed there are what a sharded
+    # save writes.
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(1.0)
+    first.save_checkpoint(directory / "changed.ckpt")
     # Another chunk size and the other strategy: the checkpoint is layout independent.
     resumed = fit(
         FullyShardedStrategy(min_num_params=700), max_epochs=2, ckpt_path=directory / "epoch1.ckpt"
     )
-    return {
-        "continuous": continuous,
-        "resumed": resumed,
-        "first_state": full_state(first, module),
-        **switched,
-    }
+    return {"continuous": continuous, "resumed": resumed, "first_state": first_state, **switched}
 
 
 def _save_both_forms_under_one_name(run: Any, directory: Path) -> dict[str, Any]:
@@ -120,6 +123,16 @@ def test_resume_at_two_and_one_ranks(tmp_path: Path) -> None:
     assert last.is_symlink() and (last / "manifest.json").is_file()
     assert len(list(tmp_path.glob("last.ckpt*"))) == 2  # the link and the version it names
     assert list((tmp_path / "outputs").iterdir()) == []
+    changed = tmp_path / "changed.pt"
+    assert (
+        shardwise_cli(
+            ["consolidate", "--weights-only", str(tmp_path / "changed.ckpt"), str(changed)]
+        )
+        == 0
+    )
+    weights = torch.load(changed, weights_only=False)["state_dict"]
+    for key, value in two[0]["first_state"].items():
+        assert torch.equal(weights[key], value + 1.0), key
 
     one = run_ranks(_one_rank, 1, tmp_path, timeout_s=60)[0]
     assert one["global_step"] == 2 * STEPS_PER_EPOCH

@@ -351,15 +351,13 @@ class ShardwiseStrategyBase(DDPStrategy):
         if self.state_dict_type == "full":
             self._save_full_checkpoint(checkpoint, path, storage_options)
             return
-        engine = self._zero_model
-        if engine.module_state is ModuleState.WHOLE:
+        if self._zero_model.module_state is ModuleState.WHOLE:
             # Saved after a run (see [Note: the module after a run]): the checkpoint reads the
-            # shards, so they take the module's values first, and it gets them back after.
-            engine.shard_module()
-            self._save_sharded_checkpoint(checkpoint, path)
-            engine.gather_module()
-        else:
-            self._save_sharded_checkpoint(checkpoint, path)
+            # shards, so they take the values the module holds first; it keeps them (a local
+            # copy, where sharding the module and gathering it again would free and rebuild
+            # a whole copy of it, with a collective).
+            write_whole_values(self._zero_model.chunk_manager)
+        self._save_sharded_checkpoint(checkpoint, path)
 
     def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         assert self._zero_model is not None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -72,25 +73,30 @@ def save(
     remove_unfinished_versions(target, ranks)
     slices = param_slices(model)
     buffers = dict(saved_module(model.module).named_buffers())
-    state: dict[str, Any] = {}
-    for item in slices:
-        state[f"model.{item.name}"] = _sharded(item, item.local_values().detach().clone())
-    for name, buffer in buffers.items():
-        state[f"buffer.{name}"] = buffer.detach().clone()
-    objects: dict[str, Any] = {"extra": extra}
-    if optimizer is not None:
-        with optimizer.optim_sides_in_memory():  # copies of what is on the disk tier
-            state.update(_optimizer_state(optimizer, slices))
-        objects["param_groups"] = [
-            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
-        ]
-        objects["grad_scaler"] = optimizer.grad_scaler.state_dict()
-    state["objects"] = _pickled(objects)
-    version = new_version_dir(target, ranks)
     topology = model.chunk_manager.topology
-    # Under hybrid sharding the first shard group writes; the others hold the same shards.
-    if replica_index(topology) == 0:
-        dcp_save(state, storage_writer=FileSystemWriter(version), process_group=topology.shard)
+    sides = optimizer.optim_sides_in_memory() if optimizer is not None else nullcontext()
+    # The state is views of the live tensors (those on the disk tier read in for the block),
+    # not copies: DCP copies each tensor it writes as it writes it, so a rank never holds a
+    # second copy of its whole shard (see [Note: saving views] below).
+    with sides:
+        state: dict[str, Any] = {}
+        for item in slices:
+            state[f"model.{item.name}"] = _sharded(item, item.local_values().detach())
+        for name, buffer in buffers.items():
+            state[f"buffer.{name}"] = buffer.detach()
+        objects: dict[str, Any] = {"extra": extra}
+        if optimizer is not None:
+            state.update(_optimizer_state(optimizer, slices))
+            objects["param_groups"] = [
+                {k: v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups
+            ]
+            objects["grad_scaler"] = optimizer.grad_scaler.state_dict()
+        state["objects"] = _pickled(objects)
+        version = new_version_dir(target, ranks)
+        # Under hybrid sharding the first shard group writes; the others hold the same shards.
+        if replica_index(topology) == 0:
+            dcp_save(state, storage_writer=FileSystemWriter(version), process_group=topology.shard)
     description = {
         "params": {item.name: list(item.shape) for item in slices},
         "buffers": {name: list(b.shape) for name, b in buffers.items()},
@@ -279,6 +285,16 @@ def _check_same_model(manifest: dict[str, Any], slices: list[ParamSlice], model:
             )
 
 
+# [Note: saving views]
+# `save` hands DCP views of the chunks' fp32 masters and of the optimizer's moments, not
+# clones. DCP's file writer copies each tensor it writes, one at a time, when its storage is
+# larger than the tensor (a slice of a chunk always is), so the copies come and go item by
+# item. Cloning the state up front held a second copy of the rank's whole shard (masters and
+# moments) for the length of the save: 489 MiB at the peak for a 117M GPT on 2 ranks, 1 MiB
+# with views (benchmarks/RESULTS.md). Views are safe because the save is synchronous: nothing
+# steps until it returns, and tensors on the disk tier stay read in until the write is done.
+
+
 def _sharded(item: ParamSlice, local: torch.Tensor) -> Any:
     return sharded_1d(local, item.numel, item.rank_ranges, item.chunk.rank, item.chunk.group)
 
@@ -311,7 +327,7 @@ def _optimizer_state(optimizer: ZeroOptimizer, slices: list[ParamSlice]) -> dict
             value = per_param.get(key)
             if value is None:
                 value = torch.empty(end - begin, dtype=getattr(torch, dtype_name.split(".")[1]))
-            state[f"optim.{item.name}.{key}"] = _sharded(item, value.detach().clone())
+            state[f"optim.{item.name}.{key}"] = _sharded(item, value.detach())
         for key, value in per_param.items():
             if key not in agreed.get(item.name, {}):
                 # Whole values (Adam's step): the same on every rank that holds the parameter.
