@@ -235,7 +235,10 @@ def write_results(result: dict[str, Any], path: Path, command: str) -> None:
         f"torch files memory-mapped, whose pages count in the resident set while open. The "
         f"engine's own save hands torch.distributed.checkpoint views of its shards, which it "
         f"copies one tensor at a time as it writes them (a slice of a chunk), where FSDP2's "
-        f"shards are tensors of their own that it writes as they are.",
+        f"shards are tensors of their own that it writes as they are. The engine's load reads "
+        f"into fresh tensors and puts them in place only once every rank has read the whole "
+        f"checkpoint, so a load that fails leaves the run as it was; FSDP2's reads into the "
+        f"live tensors.",
     ]
     _write_block(path, "bench_checkpoint", lines)
 
