@@ -5,6 +5,11 @@ sharded over the data-parallel ranks, gradients are reduced per chunk, and a sha
 master copy is stepped by any elementwise torch optimizer.
 """
 
+# First, before anything of shardwise allocates a tensor: importing it prefers huge pages for
+# large host tensors (see [Note: huge pages for host memory] in host_memory.py).
+from shardwise import host_memory  # noqa: F401
+
+# isort: split
 from shardwise import checkpoint, telemetry
 from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
 from shardwise.chunk import ChunkManager

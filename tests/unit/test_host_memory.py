@@ -1,0 +1,53 @@
+"""Huge pages for large host tensors: importing shardwise sets THP_MEM_ALLOC_ENABLE=1 where
+the process has not chosen and the kernel grants huge pages on request, and leaves a choice
+alone (see [Note: huge pages for host memory] in shardwise/host_memory.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.host_memory import THP_VARIABLE, kernel_grants_huge_pages, prefer_huge_pages
+
+
+@pytest.mark.parametrize(
+    ("mode", "granted"),
+    [
+        ("always [madvise] never\n", True),
+        ("[always] madvise never\n", True),
+        ("always madvise [never]\n", False),
+    ],
+)
+def test_the_kernels_mode_decides(tmp_path: Path, mode: str, granted: bool) -> None:
+    mode_file = tmp_path / "enabled"
+    mode_file.write_text(mode)
+    assert kernel_grants_huge_pages(mode_file) is granted
+    assert kernel_grants_huge_pages(tmp_path / "missing") is False  # no such kernel knob
+
+
+def test_a_choice_already_made_is_kept() -> None:
+    for chosen in ("0", "1"):
+        environ = {THP_VARIABLE: chosen}
+        assert prefer_huge_pages(environ) is False
+        assert environ == {THP_VARIABLE: chosen}
+
+
+@pytest.mark.skipif(not kernel_grants_huge_pages(), reason="the kernel grants no huge pages")
+def test_unset_it_is_set_on_import() -> None:
+    environ: dict[str, str] = {}
+    assert prefer_huge_pages(environ) is True
+    assert environ == {THP_VARIABLE: "1"}
+    # In a fresh interpreter, torch imported first and then shardwise, as users write it.
+    code = "import os, torch, shardwise; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "1"
