@@ -13,7 +13,7 @@ import shardwise
 ROOT = Path(shardwise.__file__).parent
 # Lowest first: a package may import those before it, never one after it.
 LAYERS = [
-    ("comm", "amp", "optim", "testing", "torch_files", "accelerator", "logging"),
+    ("comm", "amp", "optim", "testing", "torch_files", "accelerator", "logging", "host_memory"),
     ("chunk",),
     ("gemini", "planner", "prepare"),
     ("runtime",),
