@@ -96,16 +96,10 @@ def _module(smoke: bool, fully_shard_blocks: bool) -> Any:
     return GPT2Module()
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} missing from /proc/self/status")
-
-
 def reset_peak_rss() -> int:
     """Reset the kernel's peak resident set (VmHWM) to the current one; return it in bytes."""
+    from bench_memory import _status_kib
+
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     return _status_kib("VmRSS") * 1024
@@ -113,6 +107,8 @@ def reset_peak_rss() -> int:
 
 def peak_rss() -> int:
     """The peak resident set since the last reset, in bytes."""
+    from bench_memory import _status_kib
+
     return _status_kib("VmHWM") * 1024
 
 
@@ -139,12 +135,12 @@ def _saved_bytes(path: Path) -> int:
 
 
 def _remove(path: Path) -> None:
+    from shardwise_lightning.checkpoint_paths import remove_sharded_checkpoint
+
     if path.is_symlink():
-        target = path.resolve()
-        path.unlink()
-        shutil.rmtree(target, ignore_errors=True)
+        remove_sharded_checkpoint(path)  # the link and the version directory it names
     elif path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)  # FSDP2's distributed checkpoint
     else:
         path.unlink(missing_ok=True)
 
