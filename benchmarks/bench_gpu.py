@@ -117,15 +117,12 @@ def build(engine: str, config: GPTConfig, chunk_mib: float, budget_gib: float | 
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         return _torch_step(model, optimizer, autocast=False)
     placement = engine.removeprefix("shardwise-")
-    # Offloaded runs go for the largest model: built in bf16, the host holds half the bytes
-    # until the chunks take the parameters (the fp32 master is made from these values).
-    default = torch.get_default_dtype()
-    if placement != "cuda":
-        torch.set_default_dtype(torch.bfloat16)
-    try:
+    # Offloaded runs go for the largest model: built on the meta device, each module gets its
+    # storage and its values (GPT's own initialisation) only as the chunks take it, so no rank
+    # ever holds the whole model (see [Note: meta-device models]).
+    meta = placement != "cuda"
+    with torch.device("meta") if meta else contextlib.nullcontext():
         model = GPT(config)
-    finally:
-        torch.set_default_dtype(default)
     wrapped = zero_model_wrapper(
         model,
         3,
@@ -138,6 +135,7 @@ def build(engine: str, config: GPTConfig, chunk_mib: float, budget_gib: float | 
             ),
             # None: on CUDA, the device's capacity less 10%.
             "device_budget_bytes": int(budget_gib * 2**30) if budget_gib else None,
+            **({"param_init_fn": _gpt_init(model)} if meta else {}),
         },
     )
     inner = (
@@ -155,6 +153,25 @@ def build(engine: str, config: GPTConfig, chunk_mib: float, budget_gib: float | 
         return loss
 
     return step
+
+
+def _gpt_init(model: GPT) -> Callable[[torch.nn.Module], None]:
+    """GPT's initialisation of one module's own tensors, for `model` built on the meta device:
+    GPT.__init__'s values, the residual projections scaled down with depth."""
+    residual = {id(m) for block in model.blocks for m in (block.attn.proj, block.fc_proj)}
+    residual_std = 0.02 / (2 * model.config.n_layer) ** 0.5
+
+    def init(module: torch.nn.Module) -> None:
+        if id(module) in residual:
+            torch.nn.init.normal_(module.weight, std=residual_std)  # type: ignore[arg-type]
+            if module.bias is not None:  # type: ignore[union-attr]
+                torch.nn.init.zeros_(module.bias)  # type: ignore[arg-type]
+        elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            GPT._init_weights(module)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()  # type: ignore[operator]
+
+    return init
 
 
 def _torch_step(model: GPT, optimizer: torch.optim.Optimizer, *, autocast: bool) -> Step:
@@ -245,8 +262,13 @@ def _count_params(config: GPTConfig) -> int:
 def once(args: argparse.Namespace) -> dict[str, Any]:
     config = gpt_config(args, args.n_layer)
     params = _count_params(config)
+    started = time.perf_counter()
     step = build(args.engine, config, args.chunk_mib, args.device_budget_gib)
-    timed(step, config, args, 0, args.warmup)
+    # Progress on stderr: an attempt stopped at its timeout still shows how far it came.
+    print(f"built {params / 1e9:.2f}B parameters in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr, flush=True)  # fmt: skip
+    warmup = timed(step, config, args, 0, args.warmup)
+    print(f"warm-up steps (ms): {[round(t) for t in warmup]}", file=sys.stderr, flush=True)
     ms = statistics.median(timed(step, config, args, args.warmup, args.steps))
     peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     return {
@@ -254,8 +276,40 @@ def once(args: argparse.Namespace) -> dict[str, Any]:
         "n_layer": args.n_layer,
         "params": params,
         "peak_gpu_gib": peak_gpu,
+        "planner": _planned(args, config),
         **throughput(config, params, args, ms),
         **_device_facts(),
+    }
+
+
+def _planned(args: argparse.Namespace, config: GPTConfig) -> dict[str, Any] | None:
+    """The planner's device and host bytes (GiB) for this engine, activations left out (the
+    planner takes them as given), beside the measured peak."""
+    if args.engine == "torch" or not (torch.cuda.is_available() or args.device_budget_gib):
+        return None
+    from shardwise.planner import plan
+
+    with torch.device("meta"):
+        model = GPT(config)
+    placement = args.engine.removeprefix("shardwise-")
+    if args.device_budget_gib:
+        budget = int(args.device_budget_gib * 2**30)
+    else:  # the engine's default on CUDA: the capacity less 10%
+        budget = int(torch.cuda.get_device_properties(0).total_memory * 0.9)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    answer = plan(
+        model, world_size=1, device_memory_bytes=budget, host_memory_bytes=host,
+        param_dtype=torch.float32,
+        compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+        optimizer="adamw" if placement == "cuda" else "hybridadam",
+        chunk_size_numel=int(args.chunk_mib * 2**20 / 2),
+    )  # fmt: skip
+    option = next(o for o in answer.options if o.stage == 3 and o.placement == placement)
+    return {
+        "device_state_gib": option.device.total / 2**30,
+        "working_gib": option.working_bytes / 2**30,
+        "host_gib": option.host.total / 2**30,
+        "fits": option.fits,
     }
 
 
@@ -274,8 +328,9 @@ def largest(args: argparse.Namespace) -> dict[str, Any]:
                 command, capture_output=True, text=True, timeout=args.attempt_timeout, check=False
             )
             ok, tail = result.returncode == 0, result.stderr[-600:]
-        except subprocess.TimeoutExpired:
-            ok, tail = False, f"over {args.attempt_timeout} s"
+        except subprocess.TimeoutExpired as stopped:
+            progress = stopped.stderr.decode(errors="replace") if stopped.stderr else ""
+            ok, tail = False, f"over {args.attempt_timeout} s; {progress[-600:]}"
         if ok:
             with open(out) as handle:
                 attempts.append({"n_layer": n_layer, "trained": True, **json.load(handle)})

@@ -12,8 +12,8 @@
 #   bash benchmarks/gpu_session.sh smoke    OUT   the wiring of the above, tiny, on any machine
 #   bash benchmarks/gpu_session.sh all      OUT [--smoke]
 #                                                 one call for a whole lent session, at most 9
-#                                                 minutes: versions, tests/gpu, compare, memory
-#                                                 and largest (auto) in that order, each under a
+#                                                 minutes: versions, tests/gpu, compare, largest
+#                                                 (auto) and memory in that order, each under a
 #                                                 `timeout` of its own so a hang cannot eat the
 #                                                 rest; --smoke runs the same wiring tiny (CPU)
 #
@@ -80,7 +80,7 @@ smoke)
     exit $status
     ;;
 all)
-    # Budgets in seconds, 535 in all: a part past its budget is stopped (exit 124) and the next
+    # Budgets in seconds, 545 in all: a part past its budget is stopped (exit 124) and the next
     # one runs. pytest's own options are cleared (-o addopts): the machine may lack the
     # pytest-timeout plugin the repository's configuration names.
     smoke=""
@@ -89,22 +89,23 @@ all)
     run versions timeout 15 bash -c "nvidia-smi || true; $python -c 'import torch; \
 print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and \
 torch.cuda.get_device_name())'" || status=1
-    run gpu-tests timeout 180 "$python" -m pytest -q -x -p no:cacheprovider -o addopts=-ra \
+    run gpu-tests timeout 120 "$python" -m pytest -q -p no:cacheprovider -o addopts=-ra \
         tests/gpu || status=1
-    run compare timeout 120 $bench_gpu compare $smoke --out "$out/compare.json" || status=1
+    run compare timeout 100 $bench_gpu compare $smoke --out "$out/compare.json" || status=1
     if [[ -n $smoke ]]; then
-        run memory timeout 60 "$python" benchmarks/bench_memory.py compare --smoke --ranks 1 \
-            --engines ddp,zero3-cuda --steps 1 --out "$out/memory.json" || status=1
         run largest-auto timeout 160 $bench_gpu largest --smoke --placement auto \
             --attempt-timeout 60 --out "$out/largest-auto.json" || status=1
+        run memory timeout 80 "$python" benchmarks/bench_memory.py compare --smoke --ranks 1 \
+            --engines ddp,zero3-cuda --steps 1 --out "$out/memory.json" || status=1
     else
-        run memory timeout 60 "$python" benchmarks/bench_memory.py compare --ranks 1 \
+        # The planner's 10B-parameter goal first (width 4096: ~200M parameters a layer; 52
+        # layers are 10.7B), built on the meta device; one warm-up and two timed steps.
+        run largest-auto timeout 230 $bench_gpu largest --placement auto --n-embd 4096 \
+            --n-head 32 --layers 52,44 --warmup 1 --steps 2 --attempt-timeout 120 \
+            --out "$out/largest-auto.json" || status=1
+        run memory timeout 80 "$python" benchmarks/bench_memory.py compare --ranks 1 \
             --sizes 117m --engines ddp,fsdp2,zero3-cuda,zero3-auto --attempt-timeout 25 \
             --out "$out/memory.json" --results "$out/RESULTS-memory.md" || status=1
-        # Near the planner's 10B-parameter goal first (width 4096: ~200M parameters a layer).
-        run largest-auto timeout 160 $bench_gpu largest --placement auto --n-embd 4096 \
-            --n-head 32 --layers 56,48,40,32 --attempt-timeout 40 \
-            --out "$out/largest-auto.json" || status=1
     fi
     exit $status
     ;;
