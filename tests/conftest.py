@@ -9,7 +9,9 @@ A process's first torch.compile imports dynamo, AOTAutograd, FX passes and sympy
 their lazy tables: about 4 s of one core, paid again by every forked rank that compiles (some
 forty groups of 2 ranks do). One tiny aot_eager compile here pays it once; the ranks inherit
 it through fork. Dynamo is reset afterwards, so no rank sees a graph or a counter from it.
-Inductor is not warmed: its compile workers must not be forked.
+Inductor is not warmed: its compile workers must not be forked. Nor is anything warmed where
+CUDA is available: a backward pass in this process would start autograd's device threads, and
+torch refuses autograd in every child forked after that (tests/gpu forks its ranks).
 """
 
 import torch
@@ -27,4 +29,5 @@ def _warm_up_dynamo() -> None:
     counters.clear()
 
 
-_warm_up_dynamo()
+if not torch.cuda.is_available():
+    _warm_up_dynamo()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from shardwise.testing import RankFailure, run_ranks
@@ -87,3 +88,34 @@ def test_bad_arguments_to_start_are_not_retried(
     with pytest.raises(RankFailure, match="bad backend"):
         run_ranks(_rank_and_world, 2)
     assert len(list(tmp_path.iterdir())) <= 2  # one start: no rank's call was made twice
+
+
+def test_a_parent_that_initialised_cuda_spawns_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A child forked after CUDA was initialised cannot use it: such a parent spawns fresh
+    # interpreters, which get the function by pickling. A spawned rank imports this module
+    # afresh, so it does not see the value set here (a forked one would); the environment
+    # reaches it either way.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setenv("SHARDWISE_TEST_MARKER", "set")  # inherited either way
+    global _FORK_ONLY
+    _FORK_ONLY = "parent"
+    try:
+        assert run_ranks(_seen_by_rank, 2) == [(0, "set", "unset"), (1, "set", "unset")]
+    finally:
+        _FORK_ONLY = "unset"
+
+
+def test_a_parent_without_cuda_forks_its_ranks() -> None:
+    global _FORK_ONLY
+    _FORK_ONLY = "parent"
+    try:
+        assert run_ranks(_seen_by_rank, 1) == [(0, None, "parent")]
+    finally:
+        _FORK_ONLY = "unset"
+
+
+_FORK_ONLY = "unset"
+
+
+def _seen_by_rank() -> tuple[int, str | None, str]:
+    return dist.get_rank(), os.environ.get("SHARDWISE_TEST_MARKER"), _FORK_ONLY

@@ -14,7 +14,9 @@ The compiled and the eager functions are the same expressions of correctly round
 (division, round half to even, the fp32 product and sum, the casts), so on the CPU they give
 the same bits (tests/unit/test_codec_kernels.py compares them on edge values); a GPU's
 compiler may contract a product and a sum into one rounding, within fp32's rounding of the
-eager result.
+eager result. Eagerly, a device encodes the host's bits (tests/gpu/test_cuda.py) only because
+the scale divides by a tensor: CUDA's division by a host scalar multiplies by its reciprocal,
+which rounds twice and differed from the host in the last bit of most scales on an H200.
 
 Compiling costs seconds, once per process and function (less where inductor's on-disk cache
 already holds it), which a large chunk repays in its first steps and a small one never does:
@@ -53,7 +55,10 @@ def encode_blocks(
     +-`largest`. A zero block divides by 1 (it stays zero); a block holding inf or nan is sent
     as zeros with a nan scale (see [Note: blockwise quantization] in comm/quantize.py)."""
     x = values.to(torch.float32)
-    scales = x.abs().amax(dim=1) / largest
+    absmax = x.abs().amax(dim=1)
+    # A tensor divisor, not the number: CUDA divides by a host scalar as a product with its
+    # reciprocal, a second rounding the CPU does not make (see [Note: compiled codecs]).
+    scales = absmax / torch.full_like(absmax, largest)
     finite = torch.isfinite(scales)
     divisor = torch.where(finite & (scales > 0), scales, torch.ones_like(scales))
     y = torch.where(finite.unsqueeze(1), x / divisor.unsqueeze(1), 0.0)

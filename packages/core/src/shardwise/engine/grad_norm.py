@@ -34,6 +34,7 @@ def global_grad_norm(
     norm_type: float,
     stats: CommStats,
     group: ProcessGroup | None,
+    device: torch.device,
     *,
     signature: Sequence[float] = (),
     got_grad: Sequence[bool] = (),
@@ -48,8 +49,10 @@ def global_grad_norm(
     tensor (see [Note: tensors without gradients] in engine/optimizer.py).
 
     Under hybrid sharding `group` is every rank and each shard is held by `replicas` of them:
-    each rank's sum is divided by that count (exact for a power of two)."""
-    device = grad_shards[0].device if grad_shards else torch.device("cpu")
+    each rank's sum is divided by that count (exact for a power of two).
+
+    The reduction travels on `device`, the model's compute device (NCCL's tensors live on
+    the GPU), wherever the shards are."""
     if not grad_shards:
         # Nothing trainable on this model: still join the collective every rank issues.
         grad_shards = [torch.zeros(1, device=device)]
@@ -58,13 +61,13 @@ def global_grad_norm(
     count = len(signature)
     if math.isinf(norm_type):
         local = (
-            torch.stack([g.abs().max() for g in grad_shards if g.numel()]).max()
+            torch.stack([g.abs().max().to(device) for g in grad_shards if g.numel()]).max()
             if any(g.numel() for g in grad_shards)
             else torch.zeros((), device=device)
         )
         # max() drops nan; carry it in a second slot so an overflow is never missed. The
         # signature travels as itself and negated: MAX then gives its maximum and minimum.
-        nan_flag = torch.stack([g.isnan().any() for g in grad_shards]).any()
+        nan_flag = torch.stack([g.isnan().any().to(device) for g in grad_shards]).any()
         packed = torch.cat([torch.stack([local.double(), nan_flag.double()]), mine, -mine, flags])
         comm.all_reduce(packed, stats, group, op=ReduceOp.MAX)
         highest, lowest = packed[2 : 2 + count], -packed[2 + count : 2 + 2 * count]
@@ -72,8 +75,7 @@ def global_grad_norm(
         return StepReduction(
             norm, bool(torch.equal(highest, lowest)), _flags(packed[2 + 2 * count :])
         )
-    norms = torch._foreach_norm(grad_shards, norm_type)
-    local_sum = torch.stack([n.double() for n in norms]).pow(norm_type).sum() / replicas
+    local_sum = torch.stack(_powered_sums(grad_shards, norm_type, device)).sum() / replicas
     # Under SUM the signature travels with its squares: n * sum(s^2) == sum(s)^2 holds only
     # when every rank's s is the same (exact in float64 for counters below 2**20).
     packed = torch.cat([local_sum.reshape(1), mine, mine * mine, flags])
@@ -82,6 +84,20 @@ def global_grad_norm(
     agreed = bool(torch.equal(sums * sums, squares * comm.world_size(group)))
     norm = float(packed[0].item()) ** (1.0 / norm_type)
     return StepReduction(norm, agreed, _flags(packed[1 + 2 * count :]))
+
+
+def _powered_sums(
+    grad_shards: list[torch.Tensor], norm_type: float, device: torch.device
+) -> list[torch.Tensor]:
+    """Per device that holds shards ("auto" placement mixes host and device chunks), the sum
+    of their norms to the `norm_type`, in float64 on `device`."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for shard in grad_shards:
+        by_device.setdefault(shard.device, []).append(shard)
+    return [
+        torch.stack(torch._foreach_norm(shards, norm_type)).double().pow(norm_type).sum().to(device)
+        for shards in by_device.values()
+    ]
 
 
 def _flags(values: torch.Tensor) -> list[bool]:

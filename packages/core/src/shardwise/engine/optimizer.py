@@ -283,6 +283,7 @@ class ZeroOptimizer:
             self.norm_type,
             self.model.comm_stats,
             self.model.config.topology.process_group,
+            self.model.config.device,
             signature=rank_sync.step_signature(),
             # The last flag: did "auto" placement overrun its plan on this rank (any rank's
             # makes every rank plan again after this step, see _after_step)?

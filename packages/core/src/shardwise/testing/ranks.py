@@ -4,6 +4,13 @@ Forking a parent that already imported torch starts a rank in well under a secon
 fresh interpreter (spawn, torchrun) pays seconds for Python and torch imports; tests start many
 groups, so they fork.
 
+A process that has initialised CUDA cannot fork a child that uses it ("Cannot re-initialize
+CUDA in forked subprocess"): from such a parent the ranks are spawned instead, fresh
+interpreters that receive the function and its arguments by pickling (so both must be
+importable and picklable there). Nor can a child use autograd once the parent ran a backward
+pass on a machine with a GPU (torch starts its device threads then, and marks forked children):
+tests/conftest.py runs none there.
+
 Gloo's mesh of loopback connections, set up inside `init_process_group`, now and then fails to
 connect ("Gloo connectFullMesh failed ... Connection closed by peer": twice in some 700 groups
 started back to back here). A rank whose `init_process_group` raises a RuntimeError (a
@@ -52,8 +59,8 @@ def run_ranks(
     timeout_s: float = 120.0,
     **kwargs: Any,
 ) -> list[T]:
-    """Run `fn(*args, **kwargs)` on `world_size` forked ranks inside an initialised process
-    group and return each rank's result, in rank order.
+    """Run `fn(*args, **kwargs)` on `world_size` forked (or spawned) ranks inside an
+    initialised process group and return each rank's result, in rank order.
 
     Results travel back through `torch.save`, so tensors arrive intact. If a rank raises, the
     others are killed at once (they may be waiting in a collective) and `RankFailure` carries
@@ -62,7 +69,8 @@ def run_ranks(
     Args:
         fn: the per-rank function; it can read its rank from torch.distributed.
         world_size: number of ranks, >= 1.
-        *args, **kwargs: passed to `fn` on every rank (inherited through fork, not pickled).
+        *args, **kwargs: passed to `fn` on every rank (inherited through fork, not pickled,
+            unless the ranks are spawned: see the module note).
         backend: torch.distributed backend.
         timeout_s: wall-clock limit for the whole group, each time it is started (see the
             module note).
@@ -90,7 +98,8 @@ def _run_group(
     backend: str,
     timeout_s: float,
 ) -> list[T]:
-    context = mp.get_context("fork")
+    # See the module note: CUDA initialised here cannot be used by a forked child.
+    context = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     fd, store_path = tempfile.mkstemp(prefix="shardwise-pg-")
     os.close(fd)
     os.unlink(store_path)  # the file store creates it; a stale file would confuse it
