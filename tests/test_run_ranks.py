@@ -91,10 +91,10 @@ def test_bad_arguments_to_start_are_not_retried(
 
 
 def test_a_parent_that_initialised_cuda_spawns_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A child forked after CUDA was initialised cannot use it: such a parent spawns fresh
-    # interpreters, which get the function by pickling. A spawned rank imports this module
-    # afresh, so it does not see the value set here (a forked one would); the environment
-    # reaches it either way.
+    # A child forked after CUDA was initialised cannot use it: such a parent (and any NCCL
+    # group) spawns fresh interpreters, which get the function by pickling. A spawned rank
+    # imports this module afresh, so it does not see the value set here (a forked one would);
+    # the environment reaches it either way.
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setenv("SHARDWISE_TEST_MARKER", "set")  # inherited either way
     global _FORK_ONLY

@@ -1,15 +1,17 @@
-"""Run a function on N ranks forked from this process, each in a gloo process group.
+"""Run a function on N ranks forked (or spawned) from this process, each in a process group.
 
 Forking a parent that already imported torch starts a rank in well under a second, where a
 fresh interpreter (spawn, torchrun) pays seconds for Python and torch imports; tests start many
 groups, so they fork.
 
-A process that has initialised CUDA cannot fork a child that uses it ("Cannot re-initialize
-CUDA in forked subprocess"): from such a parent the ranks are spawned instead, fresh
+A child forked after its parent asked torch anything of CUDA (even `torch.cuda.is_available()`,
+which pytest's skip markers call) cannot use CUDA ("Cannot re-initialize CUDA in forked
+subprocess"), and there is no way to ask whether the parent did. So ranks that use CUDA, the
+NCCL backend's, and any rank of a parent that initialised CUDA, are spawned instead: fresh
 interpreters that receive the function and its arguments by pickling (so both must be
-importable and picklable there). Nor can a child use autograd once the parent ran a backward
-pass on a machine with a GPU (torch starts its device threads then, and marks forked children):
-tests/conftest.py runs none there.
+importable and picklable there), a few seconds each. Nor can a forked child use autograd once
+its parent ran a backward pass on a machine with a GPU (torch starts its device threads then,
+and marks forked children): tests/conftest.py runs none there.
 
 Gloo's mesh of loopback connections, set up inside `init_process_group`, now and then fails to
 connect ("Gloo connectFullMesh failed ... Connection closed by peer": twice in some 700 groups
@@ -98,8 +100,9 @@ def _run_group(
     backend: str,
     timeout_s: float,
 ) -> list[T]:
-    # See the module note: CUDA initialised here cannot be used by a forked child.
-    context = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+    # See the module note: a forked child may be unable to use CUDA.
+    uses_cuda = backend == "nccl" or torch.cuda.is_initialized()
+    context = mp.get_context("spawn" if uses_cuda else "fork")
     fd, store_path = tempfile.mkstemp(prefix="shardwise-pg-")
     os.close(fd)
     os.unlink(store_path)  # the file store creates it; a stale file would confuse it
