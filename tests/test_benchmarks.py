@@ -128,6 +128,9 @@ def test_gpu_benchmark_runs_its_smoke_configuration(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     attempts = json.loads(largest.read_text())["attempts"]
     assert [a["trained"] for a in attempts] == [True] and attempts[0]["n_layer"] == 2
+    # Built on the meta device, beside the planner's bytes for it (under the smoke's budget).
+    planned = attempts[0]["planner"]
+    assert planned["fits"] and planned["device_state_gib"] + planned["host_gib"] > 0, planned
 
 
 def test_auto_placement_benchmark_writes_its_sweep(tmp_path: Path) -> None:

@@ -54,6 +54,28 @@ def test_recommendation_follows_the_documented_order() -> None:
     assert none.recommended is None
 
 
+def test_auto_fits_wherever_its_device_part_is_the_whole_room() -> None:
+    # A 9.9B-parameter GPT (48 layers of width 4096) on one 139 GiB GPU at 90%: "auto" keeps
+    # on the device exactly what fits, and the sum of that share and the working set came to a
+    # rounding above the device's memory, so the plan read "nothing fits" where the 10.7B GPT
+    # (52 layers) fit.
+    from shardwise.testing import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(
+            GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=32, n_embd=4096)
+        )
+    advice = plan(
+        model, world_size=1, device_memory_bytes=int(139 * 2**30 * 0.9),
+        host_memory_bytes=125 * 2**30, compute_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32, optimizer="hybridadam",
+        chunk_size_numel=32 * 2**20,
+    )  # fmt: skip
+    auto = next(o for o in advice.options if o.placement == "auto")
+    assert auto.host.total > 0 and auto.fits, auto
+    assert advice.recommended is auto
+
+
 def test_module_spec_counts_tied_weights_once() -> None:
     embedding = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)

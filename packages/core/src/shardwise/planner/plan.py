@@ -434,8 +434,15 @@ def plan(
         if stage in (1, 2) and placement in ("cpu", "disk"):
             # Each reduced gradient shard to the host, the updated parameters back.
             moved = (sizes["reduce"] + sizes["param"]) * psi_padded / n
+        device_fits = (
+            # "auto" sizes its device part to the room left, so only what it cannot move must
+            # fit (comparing the sum again can fail by a rounding of the split).
+            working + activation_bytes <= device_memory_bytes
+            if placement == "auto"
+            else device.total + working + activation_bytes <= device_memory_bytes
+        )
         fits = (
-            device.total + working + activation_bytes <= device_memory_bytes
+            device_fits
             and host.total + host_working <= host_memory_bytes
             and disk.total <= disk_memory_bytes
         )
