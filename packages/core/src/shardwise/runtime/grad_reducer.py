@@ -27,10 +27,18 @@ reduce, the next bucket fills: one filling and at most one or two reducing, as
 117M-parameter GPT here, 0.91 with two.) At stage 3 a chunk's gathered parameters are released
 as soon as its gradients are complete (every backward node that reads them has run by then),
 not when its reduction ends.
+
+[Note: hooks hold the engine weakly]
+torch keeps a tensor's gradient hooks in C++, where Python's garbage collector cannot see
+them: a hook whose closure held the reducer (and through it the chunks, the model and its
+parameters, which hold the hook) made a cycle the collector never found, so a dropped model
+stayed in memory with all its chunks. A hook holds the reducer through a weak reference and
+does nothing once the reducer is gone.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -113,6 +121,7 @@ class GradReducer:
         self._gemini = gemini
         # Descending chunk id: see [Note: why chunks are reduced in a fixed order].
         self._order = sorted(chunk_manager.trainable_chunks(), key=lambda c: -c.chunk_id)
+        self._chunk_of = {chunk.chunk_id: chunk for chunk in self._order}
         self._learn_order = learn_order
         self._order_settled = False
         self._completed: list[int] = []
@@ -161,36 +170,44 @@ class GradReducer:
                     )
 
     def _grad_hook(self, chunk: Chunk, index: int) -> Callable[[nn.Parameter], None]:
-        unit = self._governed.get((chunk.chunk_id, index))
+        # See [Note: hooks hold the engine weakly]: torch keeps a tensor's hooks in C++.
+        reducer = weakref.ref(self)
+        chunk_id = chunk.chunk_id
 
         def hook(param: nn.Parameter) -> None:
-            self._queue_end_of_backward()
-            assert param.grad is not None
-            if unit is not None and unit in self._units_done:
-                raise RuntimeError(
-                    f"the gradient of {chunk.tensors[index].name} arrived after the backward "
-                    f"of its gather unit {self._unit_names[unit]!r} had ended and its chunk "
-                    f"was reduced: it is used outside that block too. Make it a parameter of "
-                    f"a module outside the block, or leave the block out of gather_units"
-                )
-            allocates = chunk.grads.full is None
-            complete = chunk.grads.add(index, param.grad)
-            # The chunk now holds the gradient; dropping .grad frees the per-parameter copy
-            # (stage 1 shows a view of the chunk's copy instead).
-            param.grad = chunk.grads.exposed(index)
-            if allocates and self._gemini is not None:
-                where = f"after the gradient of {chunk.tensors[index].name}"
-                if self._gemini.check_budget(where) is Room.AFTER_REDUCTIONS:
-                    self.finish_in_flight()
-                    self._gemini.resume()
-            if chunk.chunk_id in self._waits_on:
-                if unit is None:
-                    self._plain_received.setdefault(chunk.chunk_id, set()).add(index)
-                complete = self._unit_chunk_complete(chunk.chunk_id)
-            if complete:
-                self._chunk_complete(chunk)
+            owner = reducer()
+            if owner is not None:  # else the engine is gone and the tensor outlived it
+                owner._on_grad(owner._chunk_of[chunk_id], index, param)
 
         return hook
+
+    def _on_grad(self, chunk: Chunk, index: int, param: nn.Parameter) -> None:
+        unit = self._governed.get((chunk.chunk_id, index))
+        self._queue_end_of_backward()
+        assert param.grad is not None
+        if unit is not None and unit in self._units_done:
+            raise RuntimeError(
+                f"the gradient of {chunk.tensors[index].name} arrived after the backward "
+                f"of its gather unit {self._unit_names[unit]!r} had ended and its chunk "
+                f"was reduced: it is used outside that block too. Make it a parameter of "
+                f"a module outside the block, or leave the block out of gather_units"
+            )
+        allocates = chunk.grads.full is None
+        complete = chunk.grads.add(index, param.grad)
+        # The chunk now holds the gradient; dropping .grad frees the per-parameter copy
+        # (stage 1 shows a view of the chunk's copy instead).
+        param.grad = chunk.grads.exposed(index)
+        if allocates and self._gemini is not None:
+            where = f"after the gradient of {chunk.tensors[index].name}"
+            if self._gemini.check_budget(where) is Room.AFTER_REDUCTIONS:
+                self.finish_in_flight()
+                self._gemini.resume()
+        if chunk.chunk_id in self._waits_on:
+            if unit is None:
+                self._plain_received.setdefault(chunk.chunk_id, set()).add(index)
+            complete = self._unit_chunk_complete(chunk.chunk_id)
+        if complete:
+            self._chunk_complete(chunk)
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:

@@ -7,19 +7,19 @@ SHARDWISE_TELEMETRY_FILE (a JSON-lines file per rank: `{path}.rank{r}.jsonl`); w
 returns None and costs nothing. Each step adds one event to a bounded queue (see TelemetryEmitter);
 chunk snapshots go out at the first step and every `chunk_every` steps;
 `recorder.evaluated(step, loss)` reports an evaluation (the training loop calls it: only it knows
-when it evaluates). The run is reported finished by `finish()` or at exit, and failed (with the
-exception) when an uncaught exception ends the process, so a crashed rank shows as failed, not as
-finished.
+when it evaluates). The run is reported finished by `finish()`, when its model and optimizer are
+dropped, or at exit, and failed (with the exception) when an uncaught exception ends the process,
+so a crashed rank shows as failed, not as finished.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import secrets
 import socket
 import sys
 import time
+import weakref
 from typing import Any
 
 from shardwise import comm
@@ -56,7 +56,7 @@ class TelemetryRecorder:
         self._last_time = time.perf_counter()
         self._last_sent = model.comm_stats.snapshot()
         self._last_moved = self._moved()
-        self._finished = False
+        self._end = _RunEnd(emitter)
         self._hook_seconds = 0.0
         optimizer.add_step_hook(self._on_step)
 
@@ -151,9 +151,23 @@ class TelemetryRecorder:
 
     def finish(self, error: str | None = None) -> None:
         """Report the end of the run and deliver what is queued."""
-        if self._finished:
+        self._end(error)
+
+
+class _RunEnd:
+    """Reports a run's end once, whichever comes first: `finish()`, an uncaught exception, the
+    recorder collected with its model and optimizer, or the interpreter's exit. It holds only
+    the emitter, so what waits for the end (the exit handler, sys.excepthook) keeps no model
+    alive (see [Note: hooks hold the engine weakly] in runtime/grad_reducer.py)."""
+
+    def __init__(self, emitter: TelemetryEmitter) -> None:
+        self.emitter = emitter
+        self.done = False
+
+    def __call__(self, error: str | None = None) -> None:
+        if self.done:
             return
-        self._finished = True
+        self.done = True
         self.emitter.emit(events.run_finished(self.emitter.run_id, self.emitter.rank, error=error))
         self.emitter.close()
 
@@ -204,8 +218,9 @@ def enable(
         config["reduce_format"] = wire.reduce
         config["quant_block_numel"] = wire.block_numel
     recorder.started(config)
-    _report_uncaught_exceptions(recorder)
-    atexit.register(recorder.finish)
+    # Called when the recorder is collected, or at exit if it lives that long.
+    weakref.finalize(recorder, recorder._end)
+    _report_uncaught_exceptions(weakref.ref(recorder._end))
     return recorder
 
 
@@ -216,13 +231,15 @@ def _delta(
     return {op: now[op][key] - before[op][key] for op in now}
 
 
-def _report_uncaught_exceptions(recorder: TelemetryRecorder) -> None:
-    # An uncaught exception runs sys.excepthook before the atexit handlers: report the run
-    # failed there, then let the previous hook print the traceback as usual.
+def _report_uncaught_exceptions(end: weakref.ref[_RunEnd]) -> None:
+    # An uncaught exception runs sys.excepthook before the exit handlers: report the run
+    # failed there (unless it ended already), then let the previous hook print the traceback.
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        recorder.finish(error=f"{kind.__name__}: {value}")
+        report = end()
+        if report is not None:
+            report(error=f"{kind.__name__}: {value}")
         previous(kind, value, tb)
 
     sys.excepthook = hook
