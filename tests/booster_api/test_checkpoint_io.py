@@ -8,8 +8,9 @@
   with LowLevelZeroPlugin and TorchDDPPlugin;
 - test_gemini_torch_compability.py: a Gemini checkpoint loaded by TorchDDPPlugin with torch's
   Adam, and back; the boosted Gemini optimizer's `state_dict()` has exactly torch's keys
-  (`state`, `param_groups`: the original's `check_state_dict_equal` counts them) and its
-  HybridAdam groups carry `bias_correction`, as ColossalAI's;
+  (`state`, `param_groups`: the original's `check_state_dict_equal` counts them), equal to
+  torch's Adam's after it loaded them, groups included (HybridAdam's carry torch's Adam keys
+  beside `bias_correction`, as ColossalAI's);
 - test_plugins_huggingface_compatibility.py: every plugin's sharded save read by
   `from_pretrained`, boosted again to the same state.
 
@@ -149,6 +150,10 @@ def _across_plugins_run(source: str, target: str, root: Path, shard: bool) -> No
     gemini_state = old_state if source == "gemini" else new_state
     assert all(group["bias_correction"] is True for group in gemini_state["param_groups"])
     assert_optimizer_states_equal(old_state, new_state)
+    if source == "gemini":
+        # The original's check_state_dict_equal over the whole dict: HybridAdam's groups carry
+        # torch's Adam keys (as get_param_groups_for_saving), so Adam gives back equal groups.
+        assert old_state["param_groups"] == new_state["param_groups"]
     train_step(new_booster, new_model, new_optimizer, step=1)
 
 

@@ -32,6 +32,7 @@ from shardwise.chunk import Chunk
 from shardwise.chunk.whole_tensors import WholeTensorsGather, finish_one_behind
 from shardwise.comm.topology import replica_index
 from shardwise.engine.optimizer import ZeroOptimizer
+from shardwise.optim.hybrid_adam import HybridAdam, torch_adam_group
 
 
 class StateSink(Protocol):
@@ -294,8 +295,11 @@ class _StateGather:
 def _param_groups(optimizer: ZeroOptimizer) -> list[dict[str, Any]]:
     groups = []
     first = 0
+    hybrid = isinstance(optimizer.optim, HybridAdam)
     for group, names in zip(optimizer.param_groups, optimizer.group_param_names, strict=True):
         saved = {k: v for k, v in group.items() if k != "params"}
+        if hybrid:  # torch's Adam reads these keys back (see torch_adam_group)
+            saved = torch_adam_group(saved)
         saved["params"] = list(range(first, first + len(names)))
         first += len(names)
         groups.append(saved)

@@ -276,3 +276,23 @@ def _check_pair(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 class CPUAdam(HybridAdam):
     """HybridAdam by its other name: the same fused update, used for shards in host memory."""
+
+
+def torch_adam_group(group: dict[str, Any]) -> dict[str, Any]:
+    """A HybridAdam parameter group as torch's Adam carries one: torch's own hyperparameters
+    added (as ColossalAI's `get_param_groups_for_saving`), so a checkpoint loaded into
+    `torch.optim.Adam` gives back an equal state dict and steps as this one did: decoupled
+    weight decay where this group runs AdamW. The kernel flags take torch's defaults (fused
+    None where ColossalAI writes False): a loading optimizer keeps its own
+    (`IMPLEMENTATION_KEYS` in checkpoint/optimizer_checkpoint.py)."""
+    adam = {
+        "amsgrad": False,
+        "maximize": False,
+        "foreach": None,
+        "capturable": False,
+        "differentiable": False,
+        "fused": None,
+        "decoupled_weight_decay": bool(group.get("adamw_mode", False)),
+    }
+    return {**adam, **group}
+
