@@ -118,7 +118,7 @@ STAGE3_PLACEMENTS: list[dict[str, Any]] = [
         "placement_policy": "static",
         "shard_param_frac": 1.0,
         "offload_param_frac": 0.5,
-        "offload_optim_frac": 0.5,
+        "offload_optim_frac": 1.0,
     },
     {"placement_policy": "static", "shard_param_frac": 0.5, "offload_optim_frac": 0.5},
     # A budget that makes "auto" move shards and optimizer sides during the run.

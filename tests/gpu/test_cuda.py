@@ -68,7 +68,7 @@ def test_stage3_on_cuda_tracks_the_cpu_run(placement: str) -> None:
     assert losses == pytest.approx(reference, rel=3e-2)
 
 
-STATIC = {"placement_policy": "static", "offload_param_frac": 0.5, "offload_optim_frac": 0.5}
+STATIC = {"placement_policy": "static", "offload_param_frac": 0.5, "offload_optim_frac": 1.0}
 CASES = [
     (1, {}),
     (2, {}),

@@ -34,7 +34,7 @@ EXACT_CASES: dict[str, Any] = {
         placement_policy="cuda", chunk_size=500, enable_distributed_storage=False
     ),
     "gemini_static": lambda: GeminiStrategy(
-        placement_policy="static", chunk_size=500, offload_optim_frac=0.5, offload_param_frac=0.5
+        placement_policy="static", chunk_size=500, offload_optim_frac=1.0, offload_param_frac=0.5
     ),
     "fsdp_small_units_buckets": lambda: FullyShardedStrategy(min_num_params=700, bucket_cap_mb=0),
     "fsdp_offload": lambda: FullyShardedStrategy(cpu_offload=True, min_num_params=700),

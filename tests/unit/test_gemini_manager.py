@@ -47,7 +47,8 @@ PLACEMENTS = [
     ("cpu", {}, "ssss", "hhhh", "hhhd"),
     # ceil(0.5 x 4) chunks sharded, the optimizer sides of floor(0.5 x 4) in host memory.
     ("static", {"shard_param_frac": 0.5, "offload_optim_frac": 0.5}, "ssgg", "dddd", "hhdd"),
-    ("static", {"offload_param_frac": 0.25, "offload_optim_frac": 0.75}, "ssss", "hddd", "hhhd"),
+    # Parameters are offloaded only with every optimizer side offloaded, as in ColossalAI.
+    ("static", {"offload_param_frac": 0.25, "offload_optim_frac": 1.0}, "ssss", "hddd", "hhhd"),
 ]
 
 
@@ -71,6 +72,14 @@ def test_each_policy_places_chunks_as_documented(
         )
 
 
+def test_offload_param_frac_is_ignored_unless_every_optimizer_side_is_offloaded() -> None:
+    # ColossalAI's StaticPlacementPolicy warns and offloads no parameter here.
+    with pytest.warns(UserWarning, match=r"offload_param_frac=0.25 is ignored.*1.0 and 0.75"):
+        _, manager = _placed("static", offload_param_frac=0.25, offload_optim_frac=0.75)
+    assert _letters([c.placement.payload.value for c in manager.chunks]) == "dddd"
+    assert _letters([c.placement.optim.value for c in manager.chunks]) == "hhhd"
+
+
 # (device, host) at rest, in CHUNK_BYTES, counted by hand: each chunk's payload (its shard,
 # or the whole gathered payload) and, for the three trainable ones, a gradient shard, a
 # master where it cannot be the shard, and 2 x 4 bytes of optimizer state per element.
@@ -81,7 +90,7 @@ MEMORY = [
     # Chunks 0 and 1 keep payload on the device, master, gradient and state on the host.
     ("static", {"shard_param_frac": 0.5, "offload_optim_frac": 0.5}, 7, 8),
     # Chunk 0 is all on the host; chunks 1 and 2 have their masters apart from their shards.
-    ("static", {"offload_param_frac": 0.25, "offload_optim_frac": 0.75}, 3, 12),
+    ("static", {"offload_param_frac": 0.25, "offload_optim_frac": 1.0}, 3, 12),
 ]
 
 

@@ -9,7 +9,9 @@
 - "static": fractions, each applied to chunks in chunk order: the first ceil(shard_param_frac
   x n) chunks are sharded (the rest stay gathered, as in stage 2); of the sharded chunks the
   first floor(offload_param_frac x n) keep their shard in host memory; of the trainable chunks
-  the first floor(offload_optim_frac x n) keep their optimizer side in host memory.
+  the first floor(offload_optim_frac x n) keep their optimizer side in host memory. (Through
+  the Gemini arguments, as in ColossalAI, offload_param_frac counts only when shard_param_frac
+  and offload_optim_frac are both 1.0: see placement_policy in gemini/policies.py.)
 Every choice depends only on chunk order, so every rank and every run decides alike.
 """
 

@@ -150,14 +150,15 @@ def placement_policy(
     if name == "static":
         _check_fraction("shard_param_frac", shard_param_frac)
         _check_fraction("offload_param_frac", offload_param_frac)
-        if offload_param_frac > 0 and shard_param_frac < 1:
-            # ColossalAI's static policy warns and offloads nothing here: a script written for
-            # it runs as it did there.
+        if offload_param_frac > 0 and (shard_param_frac != 1 or offload_optim_frac != 1):
+            # ColossalAI's static policy warns and offloads no parameter unless every chunk is
+            # sharded and every optimizer side is in host memory: a script written for it
+            # places its chunks as it did there.
             warnings.warn(
-                f"offload_param_frac={offload_param_frac} is ignored: with "
-                f"shard_param_frac={shard_param_frac} < 1.0 some chunks keep their payload "
-                f"gathered on the device, and parameters are offloaded only when every chunk is "
-                f"sharded (shard_param_frac=1.0), as in ColossalAI",
+                f"offload_param_frac={offload_param_frac} is ignored: parameters are offloaded "
+                f"only when every chunk is sharded and every optimizer side is offloaded "
+                f"(shard_param_frac=1.0 and offload_optim_frac=1.0, got {shard_param_frac} and "
+                f"{offload_optim_frac}), as in ColossalAI",
                 UserWarning,
                 stacklevel=2,
             )

@@ -3,7 +3,8 @@ translated into the one `EngineConfig` (see [Note: one configuration] in zero/fr
 
 Where ColossalAI ignores an argument at the configuration given (a placement fraction under
 another policy, `warmup_non_model_data_ratio` outside "auto", `gpu_margin_mem_ratio` outside
-"auto", `offload_param_frac` while some chunks stay gathered), it is accepted and a warning
+"auto", `offload_param_frac` unless every chunk is sharded and every optimizer side offloaded),
+it is accepted and a warning
 names it; an argument ColossalAI would apply and the engine cannot is refused with what to use
 instead.
 """

@@ -44,7 +44,8 @@ class GeminiPlugin(ZeroPluginBase):
         max_prefetch: 0 gathers each chunk when first used; >= 1 gathers the next chunk of
             the recorded order while the current one computes (one at a time).
         shard_param_frac, offload_optim_frac, offload_param_frac: "static" placement
-            (`offload_param_frac` is ignored, with a warning, when `shard_param_frac` < 1).
+            (`offload_param_frac` is ignored, with a warning, unless `shard_param_frac` and
+            `offload_optim_frac` are both 1.0, as in ColossalAI).
         warmup_non_model_data_ratio: "auto" only (at its default, 0.8; "auto" measures its
             warm-up itself); ignored with a warning under the other policies.
         steady_cuda_cap_ratio: "auto": the share of the CUDA device's memory for model state.
