@@ -178,7 +178,7 @@ def test_stage3_reductions_run_behind_backward_one_at_a_time() -> None:
 def test_prefetch_looks_past_module_calls_over_chunks_already_there() -> None:
     from shardwise.runtime.gather_scheduler import _Trace
 
-    trace = _Trace()
+    trace = _Trace(depth=1)
     trace.begin()
     for chunk_ids in [(0,), (1,), (1,), (1, 2), (2,), (0,)]:
         trace.visit(chunk_ids)
@@ -194,6 +194,67 @@ def test_prefetch_looks_past_module_calls_over_chunks_already_there() -> None:
     trace.visit((0,))
     trace.visit((3,))  # off the record: no more prefetching this pass
     assert trace.upcoming() == ()
+
+
+def test_a_deeper_prefetch_takes_the_next_chunks_in_order_of_first_use() -> None:
+    # ColossalAI's max_prefetch=n: the next n chunks the recorded pass needs, whole calls at a
+    # time (a call needing two new chunks brings both).
+    from shardwise.runtime.gather_scheduler import _Trace
+
+    calls = [(0,), (1,), (1,), (2, 3), (4,), (5,)]
+    trace = _Trace(depth=3)
+    trace.begin()
+    for chunk_ids in calls:
+        trace.visit(chunk_ids)
+    trace.finish()
+    trace.begin()
+    upcoming = []
+    for chunk_ids in calls:
+        trace.visit(chunk_ids)
+        upcoming.append(trace.upcoming())
+    assert upcoming == [(1, 2, 3), (2, 3, 4), (2, 3, 4), (4, 5), (5,), ()]
+
+
+def _in_flight_during_forward(max_prefetch: int) -> dict[str, Any]:
+    """Stage 3 through the Gemini arguments: the most chunks gathered or being gathered at
+    once while the blocks run, and the losses."""
+    from shardwise.zero import GeminiDDP
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    wrapped = GeminiDDP(
+        model, chunk_config_dict={2: {"chunk_size": 1500}}, placement_policy="cuda",
+        mixed_precision=torch.float32, max_prefetch=max_prefetch,
+    )  # fmt: skip
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.SGD(model.parameters(), lr=0.1))
+    chunks = wrapped.chunk_manager.chunks
+    peaks: list[int] = []
+
+    def count(*_: object) -> None:
+        peaks.append(
+            sum(c.payload.state is ChunkState.GATHERED or c.payload.gather_pending for c in chunks)
+        )
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(count)
+    losses = []
+    for step in range(3):
+        peaks.clear()
+        optimizer.zero_grad()
+        _, loss = wrapped(*batch_slice(step, 0, rank, 2))
+        optimizer.backward(loss)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {"peak": max(peaks), "losses": losses}
+
+
+def test_max_prefetch_gathers_that_many_chunks_ahead_with_the_same_losses() -> None:
+    seen = {n: run_ranks(_in_flight_during_forward, 2, n)[0] for n in (0, 1, 3)}
+    assert seen[0]["losses"] == seen[1]["losses"] == seen[3]["losses"], seen
+    # A block's own chunk and the tied embedding's, then 0, 1 or 3 more ahead of it.
+    assert seen[0]["peak"] < seen[1]["peak"] < seen[3]["peak"], seen
+    assert seen[3]["peak"] - seen[1]["peak"] >= 2, seen
 
 
 def _release_during_prefetch() -> bool:

@@ -70,6 +70,7 @@ def _setup(
         "on_complete": lambda c: log.append(("complete", c.chunk_id)),
         "on_reduced": lambda c: log.append(("reduced", c.chunk_id)),
     }
+    # The caller keeps the reducer (`_reducer`): its hooks hold it weakly, as the model does.
     reducer = GradReducer(manager, **{**callbacks, **options})  # type: ignore[arg-type]
     return model, reference, manager, reducer, log, sent
 
@@ -99,7 +100,7 @@ def _ops(log: Log, *kinds: str) -> str:
 def test_gradients_are_copied_into_chunks_as_autograd_accumulates_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model, reference, manager, _, log, _ = _setup(monkeypatch, reduce_in_backward=False)
+    model, reference, manager, _reducer, log, _ = _setup(monkeypatch, reduce_in_backward=False)
     for seed in (1, 2):  # the second pass adds onto the kept buffer
         _backward(model, reference, seed)
     _assert_reduced(manager, reference, "full")
@@ -111,7 +112,7 @@ def test_gradients_are_copied_into_chunks_as_autograd_accumulates_them(
 def test_chunk_is_reduced_as_soon_as_its_trainable_tensors_have_gradients(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model, reference, manager, _, log, _ = _setup(monkeypatch, reduce_in_backward=True)
+    model, reference, manager, _reducer, log, _ = _setup(monkeypatch, reduce_in_backward=True)
     _backward(model, reference)
     for chunk in manager.chunks:
         last_grad = max(log.index(("grad", info.name)) for info in chunk.tensors)
@@ -150,7 +151,7 @@ def test_a_ready_chunk_waits_for_the_chunks_before_it_in_the_order(
 def test_overlap_bounds_the_reductions_in_flight(
     monkeypatch: pytest.MonkeyPatch, max_in_flight: int, expected: str
 ) -> None:
-    model, reference, manager, _, log, _ = _setup(
+    model, reference, manager, _reducer, log, _ = _setup(
         monkeypatch, reduce_in_backward=True, overlap=True, max_in_flight=max_in_flight
     )
     _backward(model, reference)
@@ -191,7 +192,7 @@ def test_on_complete_precedes_the_reduction_and_on_reduced_follows_it(
 
         return callback
 
-    model, reference, *_ = _setup(
+    model, reference, _, _reducer, *_ = _setup(
         monkeypatch,
         reduce_in_backward=True,
         on_complete=note("complete"),
@@ -218,7 +219,7 @@ class _Branchy(nn.Module):
 def test_chunk_without_gradients_is_reduced_with_zeros_when_backward_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model, reference, manager, _, log, sent = _setup(
+    model, reference, manager, _reducer, log, sent = _setup(
         monkeypatch, model=_Branchy(), reduce_in_backward=True
     )
     _backward(model, reference)

@@ -329,6 +329,10 @@ class Overlap:
     none to defer."""
     prefetch: bool = True
     """Stage 3: gather the next chunk of the recorded order while the current one computes."""
+    prefetch_chunks: int = 1
+    """Stage 3, with `prefetch`: how many chunks of the recorded order the prefetch gathers
+    ahead of the module running (ColossalAI's `max_prefetch`); all of a module call's chunks
+    count at once, so a prefetch may take more than this where one call needs several."""
 
     def __post_init__(self) -> None:
         # Named as the seeds' options, which users set.
@@ -336,6 +340,12 @@ class Overlap:
         if self.param_gather is not None:
             _check_bool("overlap_param_gather", self.param_gather)
         _check_bool("prefetch", self.prefetch)
+        if (
+            isinstance(self.prefetch_chunks, bool)
+            or not isinstance(self.prefetch_chunks, int)
+            or self.prefetch_chunks < 1
+        ):
+            raise ValueError(f"prefetch_chunks must be an int >= 1, got {self.prefetch_chunks!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

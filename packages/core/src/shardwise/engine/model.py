@@ -231,6 +231,7 @@ class ZeroModel(nn.Module):
                     module, chunk_manager, conditional, used_in, blocks=blocks
                 ),
                 prefetch=self.config.overlap.prefetch,
+                prefetch_chunks=self.config.overlap.prefetch_chunks,
                 gemini=gemini,
                 # The reducer is built below; this runs only once a pass has started.
                 finish_reductions=lambda: self._reducer.finish_in_flight(),

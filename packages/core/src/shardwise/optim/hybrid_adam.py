@@ -295,4 +295,3 @@ def torch_adam_group(group: dict[str, Any]) -> dict[str, Any]:
         "decoupled_weight_decay": bool(group.get("adamw_mode", False)),
     }
     return {**adam, **group}
-

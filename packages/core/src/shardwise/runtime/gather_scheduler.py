@@ -41,7 +41,8 @@ _LOOKAHEAD = 256
 class _Trace:
     """The chunk ids each module call needed, in order, with replay bookkeeping."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 1) -> None:
+        self.depth = depth  # chunks a prefetch looks for ahead
         self.steps: list[tuple[int, ...]] = []
         self.recorded = False
         self.position = 0
@@ -75,12 +76,14 @@ class _Trace:
     def _next_new_chunks(self, position: int) -> tuple[int, ...]:
         # A run of module calls over the same chunks (the blocks packed in one chunk) would
         # give the next chunk's gather only the run's last call to hide behind: look past it.
+        # The chunks come in order of first use, whole calls at a time, until `depth` are found.
         current = set(self.steps[position])
+        found: list[int] = []
         for later in self.steps[position + 1 : position + 1 + _LOOKAHEAD]:
-            new = tuple(c for c in later if c not in current)
-            if new:
-                return new
-        return ()
+            found += [c for c in dict.fromkeys(later) if c not in current and c not in found]
+            if len(found) >= self.depth:
+                break
+        return tuple(found)
 
 
 class GatherScheduler:
@@ -95,6 +98,9 @@ class GatherScheduler:
             first forward found (per parameter name, the names of the units it was used in)
             and whether its repeated blocks are units (the model is compiled as a whole).
         prefetch: gather the next chunk of the recorded order asynchronously.
+        prefetch_chunks: how many chunks ahead a prefetch gathers (ColossalAI's
+            `max_prefetch`); under "auto" each is made room for within the budget, as the
+            first is.
         gemini: the memory manager to consult around every gather (room for the chunks,
             the budget check), if any.
         finish_reductions: finishes the gradient reductions in flight, when the memory
@@ -114,6 +120,7 @@ class GatherScheduler:
         *,
         plan: Callable[[dict[str, set[str]], bool], list[GatherUnit]],
         prefetch: bool,
+        prefetch_chunks: int = 1,
         gemini: GeminiManager | None = None,
         finish_reductions: Callable[[], None] = lambda: None,
         on_backward: Callable[[], None] | None = None,
@@ -127,6 +134,7 @@ class GatherScheduler:
         # A policy may forbid prefetching; "auto" allows it once its plan has room for it
         # (GeminiManager.prefetch_planned).
         self.prefetch = prefetch and (gemini is None or gemini.policy.allows_prefetch)
+        self._prefetch_chunks = prefetch_chunks
         self._gemini = gemini
         self._finish_reductions = finish_reductions
         self._warmed_up = False
@@ -172,8 +180,8 @@ class GatherScheduler:
             handle.remove()
         self._unit_handles.clear()
         self.gather_units = gather_units
-        self._forward = _Trace()
-        self._backward = _Trace()
+        self._forward = _Trace(self._prefetch_chunks)
+        self._backward = _Trace(self._prefetch_chunks)
         self._recorded_closes: list[tuple[int, ...]] = []
         self._last_close: dict[int, int] = {}
         self._closes = 0

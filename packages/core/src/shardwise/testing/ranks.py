@@ -102,7 +102,7 @@ def _run_group(
 ) -> list[T]:
     # See the module note: a forked child may be unable to use CUDA.
     uses_cuda = backend == "nccl" or torch.cuda.is_initialized()
-    context = mp.get_context("spawn" if uses_cuda else "fork")
+    context = mp.get_context("spawn") if uses_cuda else mp.get_context("fork")
     fd, store_path = tempfile.mkstemp(prefix="shardwise-pg-")
     os.close(fd)
     os.unlink(store_path)  # the file store creates it; a stale file would confuse it

@@ -81,7 +81,8 @@ def gemini_engine_config(
         chunk_init_device: where chunks are first built; the engine computes on the
             accelerator (the CPU without one), as ColossalAI moves chunks there when used.
         placement_policy_name: "static", "auto", or the legacy "cuda" and "cpu".
-        max_prefetch: 0 gathers each chunk when first used; >= 1 prefetches (one at a time).
+        max_prefetch: 0 gathers each chunk when first used; n >= 1 prefetches the next n
+            chunks of the recorded order.
         shard_param_frac, offload_optim_frac, offload_param_frac: "static" placement.
         warmup_non_model_data_ratio, steady_cuda_cap_ratio: "auto" only; the first is left at
             0.8 ("auto" measures its warm-up itself), the second sizes the CUDA budget.
@@ -175,7 +176,11 @@ def gemini_engine_config(
         precision=precision,
         chunking=chunking,
         placement=placement,
-        overlap=Overlap(communication=enable_async_reduce, prefetch=max_prefetch > 0),
+        overlap=Overlap(
+            communication=enable_async_reduce,
+            prefetch=max_prefetch > 0,
+            prefetch_chunks=max(1, max_prefetch),
+        ),
         topology=Topology(process_group=process_group, shard_size=shard_size),
         communication=communication,
         force_outputs_fp32=force_outputs_fp32,
