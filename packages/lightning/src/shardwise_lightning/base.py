@@ -34,6 +34,7 @@ from shardwise import (
     ZeroInitContext,
     ZeroModel,
     ZeroOptimizer,
+    telemetry,
 )
 from shardwise import checkpoint as sharded_checkpoint
 from shardwise.amp import LossScaleConfig
@@ -141,6 +142,8 @@ class ShardwiseStrategyBase(DDPStrategy):
         # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
         self._param_group_names: list[list[str]] = []
         self._zero_model: ZeroModel | None = None
+        # The fit's telemetry, when the environment asks for it (reported finished at teardown).
+        self._recorder: telemetry.TelemetryRecorder | None = None
         # Every module this strategy sharded, by id: one Trainer may fit one module, test
         # another and come back to the first, whose parameters already live in its engine.
         self._engines: dict[int, ZeroModel] = {}
@@ -281,6 +284,8 @@ class ShardwiseStrategyBase(DDPStrategy):
             max_norm=float(clip or 0.0),
             norm_type=2.0,
         )
+        # Streams when the environment says where (SHARDWISE_DASHBOARD_URL, ...).
+        self._recorder = telemetry.enable(self._zero_model, engine)
         self.optimizers = [cast(Optimizer, engine)]
 
     def zero_optimizer(self) -> ZeroOptimizer | None:
@@ -535,6 +540,10 @@ class ShardwiseStrategyBase(DDPStrategy):
         whole parameters (see [Note: the module after a run]). The engine keeps the module's
         chunks, so a later fit/validate/test/predict of the same Trainer reuses it."""
         assert self.cluster_environment is not None and self.accelerator is not None
+        if self._recorder is not None:  # the fit ends here: so does its run on the dashboard
+            finished = _run_finished(self.lightning_module)
+            self._recorder.finish(error=None if finished else "the fit did not finish")
+            self._recorder = None
         engine = self._zero_model
         if engine is not None and engine.module_state is ModuleState.SHARDED:
             # Every rank says whether its run finished, a rank whose run raised included, so

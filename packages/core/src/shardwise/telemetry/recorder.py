@@ -184,7 +184,27 @@ def enable(
 ) -> TelemetryRecorder | None:
     """Stream this rank's telemetry to a dashboard (`url`) or a JSON-lines file (`path`), or
     as the environment says (see the module note). A collective when the run id is chosen
-    here (rank 0's is shared). Returns None, having done nothing, when nothing is configured."""
+    here (rank 0's is shared). Returns None, having done nothing, when nothing is configured.
+
+    One recorder per optimizer: every front door (`zero_optim_wrapper`, the Booster's ZeRO
+    plugins, the Lightning strategies, the Trainer callback) calls this with no destination
+    as it wraps the optimizer, so the environment alone streams any run. Called again for the
+    same optimizer, it returns that recorder (taking `chunk_every`); naming a destination
+    then is refused, since the run already streams to one."""
+    existing_ref = _RECORDER_OF.get(optimizer)
+    existing = existing_ref() if existing_ref is not None else None
+    if existing is not None and not existing._end.done:
+        if url or path or token or run_id:
+            raise ValueError(
+                f"telemetry already streams this optimizer's run to {existing.emitter.sink!r} "
+                f"(started as it was wrapped, from SHARDWISE_DASHBOARD_URL or "
+                f"SHARDWISE_TELEMETRY_FILE): call enable() without url, path, token or run_id "
+                f"to get that recorder, or unset the variables to choose the destination here"
+            )
+        if chunk_every < 1:
+            raise ValueError(f"chunk_every must be >= 1, got {chunk_every}")
+        existing.chunk_every = chunk_every
+        return existing
     url = url or os.environ.get("SHARDWISE_DASHBOARD_URL")
     path = path or os.environ.get("SHARDWISE_TELEMETRY_FILE")
     if not url and not path:
@@ -218,10 +238,18 @@ def enable(
         config["reduce_format"] = wire.reduce
         config["quant_block_numel"] = wire.block_numel
     recorder.started(config)
+    _RECORDER_OF[optimizer] = weakref.ref(recorder)
     # Called when the recorder is collected, or at exit if it lives that long.
     weakref.finalize(recorder, recorder._end)
     _report_uncaught_exceptions(weakref.ref(recorder._end))
     return recorder
+
+
+# The recorder streaming each optimizer's run (weakly both ways: the recorder holds its
+# optimizer, and lives as long as the optimizer's step hook holds it).
+_RECORDER_OF: weakref.WeakKeyDictionary[ZeroOptimizer, weakref.ref[TelemetryRecorder]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _delta(

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from shardwise import telemetry
 from shardwise.amp import LossScaleConfig
 from shardwise.chunk import ChunkManager, Pool
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
@@ -287,6 +288,7 @@ class ShardedOptimizerV2(ZeroOptimizer):
         self.verbose = verbose
         self._margin_pending = self.gpu_margin_mem_ratio > 0
         self.chunks_moved_to_device = 0
+        telemetry.enable(sharded_model, self)  # streams when the environment says where
 
     def step(self) -> bool:
         """See `ZeroOptimizer.step`; the first step first fills the device margin (see

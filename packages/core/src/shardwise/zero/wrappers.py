@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise import telemetry
 from shardwise.amp import LossScaleConfig
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.optimizer import ZeroOptimizer, check_no_optimizer_yet
@@ -124,7 +125,7 @@ def zero_optim_wrapper(
         configured = front_door.with_optim_config(model.config, optim_config)
         if model.stage < 3:
             model.configure_reduction(configured)
-    return wrap_optimizer(
+    engine = wrap_optimizer(
         model,
         optimizer,
         loss_scale=loss_scale,
@@ -132,6 +133,8 @@ def zero_optim_wrapper(
         norm_type=norm_type,
         warn_after_skipped_steps=warn_after_skipped_steps,
     )
+    telemetry.enable(model, engine)  # streams when the environment says where
+    return engine
 
 
 __all__ = ["GeminiDDP", "zero_model_wrapper", "zero_optim_wrapper"]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from shardwise import telemetry
 from shardwise.amp import LossScaleConfig
 from shardwise.booster import lora
 from shardwise.booster.plugin.dp_plugin_base import DPPluginBase
@@ -68,15 +69,15 @@ class ZeroPluginBase(DPPluginBase):
     ) -> ZeroOptimizerWrapper:
         """`optimizer` stepping `model`'s sharded masters with the plugin's loss scale and
         clipping."""
-        return ZeroOptimizerWrapper(
-            wrap_optimizer(
-                model,
-                optimizer,
-                loss_scale=self.loss_scale,
-                max_norm=self.max_norm,
-                norm_type=self.norm_type,
-            )
+        engine = wrap_optimizer(
+            model,
+            optimizer,
+            loss_scale=self.loss_scale,
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
         )
+        telemetry.enable(model, engine)  # streams when the environment says where
+        return ZeroOptimizerWrapper(engine)
 
     def support_no_sync(self) -> bool:
         return True

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from shardwise import telemetry
 from shardwise.amp import LossScaleConfig
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.wrap import wrap_optimizer
@@ -108,6 +109,7 @@ class GeminiOptimizer(ZeroOptimizerWrapper):
             max_norm=max_norm,
             norm_type=norm_type,
         )
+        telemetry.enable(module, engine)  # streams when the environment says where
         super().__init__(engine)
         self.module = module
 
