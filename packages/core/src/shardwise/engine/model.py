@@ -32,6 +32,7 @@ from shardwise.gemini import GeminiManager
 from shardwise.prepare.ignore import is_ignored, keep_ignored_local
 from shardwise.prepare.meta_init import MetaMaterializer, has_meta_tensors
 from shardwise.prepare.slicing import sliced, unslice, whole_numel
+from shardwise.runtime.backward_end import BackwardEnd
 from shardwise.runtime.gather_scheduler import GatherScheduler
 from shardwise.runtime.gather_units import UnitMap, find_gather_units
 from shardwise.runtime.grad_reducer import GradReducer
@@ -218,6 +219,8 @@ class ZeroModel(nn.Module):
         """The gather schedule (stage 3), deferred parameter gathers and gradient reduction,
         as the config says."""
         chunk_manager, gemini = self._chunk_manager, self.gemini_manager
+        # One callback ends each backward pass, its steps filled in below in their order.
+        backward_end = BackwardEnd()
         self.scheduler = None
         units: UnitMap | None = None
         if self.config.stage == 3:
@@ -238,6 +241,7 @@ class ZeroModel(nn.Module):
                 on_backward=lambda: self.rank_sync.backward_started(self.config.device),
                 units=units,
                 trail=self._trail,
+                backward_end=backward_end,
             )
         self.param_gather = None
         if self.config.defers_param_gather:
@@ -262,7 +266,13 @@ class ZeroModel(nn.Module):
             on_complete=self.scheduler.release_done if self.scheduler else None,
             gemini=gemini,
             units=units,
+            backward_end=backward_end,
         )
+        # See [Note: one end of backward] in runtime/backward_end.py.
+        backward_end.steps = [
+            *([self.scheduler.end_backward] if self.scheduler is not None else []),
+            self._reducer.end_of_backward,
+        ]
         if gemini is not None:
             gemini.attach_reducer(self._reducer)
 

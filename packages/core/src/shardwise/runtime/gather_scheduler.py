@@ -30,6 +30,7 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, TensorState
 from shardwise.chunk.parameters import ShardedParameter, on_use
 from shardwise.gemini import GeminiManager, Room
+from shardwise.runtime.backward_end import BackwardEnd
 from shardwise.runtime.gather_units import UnitMap
 from shardwise.runtime.rank_sync import VisitTrail
 from shardwise.runtime.unit_plan import GatherUnit, compiled
@@ -111,6 +112,8 @@ class GatherScheduler:
             [Note: conditional units]); none when not given.
         trail: where the modules whose hooks ran are recorded, for the ranks' pass checks
             (`RankSync`); a trail of its own when not given.
+        backward_end: the model's end of backward, which runs `end_backward`; one of its own
+            when not given.
     """
 
     def __init__(
@@ -126,8 +129,11 @@ class GatherScheduler:
         on_backward: Callable[[], None] | None = None,
         units: UnitMap | None = None,
         trail: VisitTrail | None = None,
+        backward_end: BackwardEnd | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
+        # See [Note: one end of backward]: the model's, which runs end_backward in its place.
+        self._backward_end = backward_end or BackwardEnd([self.end_backward])
         self._module = module
         self._plan = plan
         self._on_backward = on_backward
@@ -425,7 +431,7 @@ class GatherScheduler:
             if not self._in_backward:
                 self._in_backward = True
                 self._backward.begin()
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                self._backward_end.queue()
                 if self._on_backward is not None:
                     self._on_backward()
             self._backward.visit(chunk_ids)
@@ -488,7 +494,9 @@ class GatherScheduler:
             tensor.register_hook(backward_started)
         torch.autograd.graph.register_multi_grad_hook(inputs, backward_done)
 
-    def _end_backward(self) -> None:
+    def end_backward(self) -> None:
+        """Autograd finished a backward pass (see [Note: one end of backward] in
+        runtime/backward_end.py): release what is still gathered, settle the recorded order."""
         self._in_backward = False
         self.units.end_backward()
         self._backward.finish()

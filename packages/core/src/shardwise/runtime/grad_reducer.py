@@ -56,6 +56,7 @@ from shardwise.chunk.reduction import (
     start_reduction,
 )
 from shardwise.gemini import GeminiManager, Room
+from shardwise.runtime.backward_end import BackwardEnd
 from shardwise.runtime.gather_units import UnitMap
 
 
@@ -106,6 +107,7 @@ class GradReducer:
         gemini: GeminiManager | None = None,
         units: UnitMap | None = None,
         learn_order: bool = True,
+        backward_end: BackwardEnd | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
         self.reduce_in_backward = reduce_in_backward
@@ -127,7 +129,9 @@ class GradReducer:
         self._completed: list[int] = []
         self._next = 0
         self._complete: set[int] = set()
-        self._callback_queued = False
+        # See [Note: one end of backward] in runtime/backward_end.py: the model's, which runs
+        # end_of_backward in its place; or, alone (ColoDDP), one of its own.
+        self._backward_end = backward_end or BackwardEnd([self.end_of_backward])
         self._unreduced_passes = False
         # Hybrid sharding: gradients were reduced within the shard groups since the last
         # average across them (see reduce_across_replicas).
@@ -210,9 +214,7 @@ class GradReducer:
             self._chunk_complete(chunk)
 
     def _queue_end_of_backward(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._backward_end.queue()
 
     def _unit_chunk_complete(self, chunk_id: int) -> bool:
         # Only what every rank sees alike counts: the unit's backward being done, never which
@@ -332,8 +334,9 @@ class GradReducer:
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
 
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
+    def end_of_backward(self) -> None:
+        """Autograd finished a backward pass (see [Note: one end of backward]): reduce what
+        is left, in the fixed order, and show `.grad`."""
         if self.reduce_in_backward and self.require_sync:
             for chunk in self._order[self._next :]:
                 self._reduce(chunk)
