@@ -7,6 +7,7 @@ from torch import nn
 
 from shardwise import ChunkManager
 from shardwise.chunk import Pool
+from shardwise.gemini import Pass
 from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.tracer import MemoryTracer
 
@@ -32,7 +33,7 @@ def test_farthest_next_use_is_evicted_first_and_unused_before_all() -> None:
     assert len(manager.chunks) == 4
     # One step uses chunks 0, 1, 2 in forward and 2, 1, 0 in backward; chunk 3 never.
     for ids in [(0,), (1,), (2,), (2,), (1,), (0,)]:
-        placer.before_gather([manager.chunks[i] for i in ids], backward=False)
+        placer.before_gather([manager.chunks[i] for i in ids], Pass.FORWARD)
     placer.end_warmup(move_optim=lambda chunk: None)
     # At position 1 (chunk 1 in use): never-used chunk 3 goes first; then chunk 0, whose next
     # use (position 5) is farther than chunk 2's (position 2).
@@ -49,7 +50,7 @@ def test_farthest_next_use_is_evicted_first_and_unused_before_all() -> None:
 def test_warmup_evicts_least_recently_used() -> None:
     placer, manager = _placer()
     for ids in [(2,), (0,), (1,)]:
-        placer.before_gather([manager.chunks[i] for i in ids], backward=False)
+        placer.before_gather([manager.chunks[i] for i in ids], Pass.FORWARD)
     victim = placer._victim({1}, 3)
     assert victim is not None and victim.chunk_id == 3  # never used at all
     victim.move_payload(Pool.HOST)

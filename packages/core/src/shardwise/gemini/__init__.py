@@ -2,6 +2,7 @@
 
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.manager import GeminiManager
+from shardwise.gemini.passes import Pass
 from shardwise.gemini.policies import (
     PLACEMENT_POLICIES,
     AutoPlacement,
@@ -23,6 +24,7 @@ __all__ = [
     "GeminiManager",
     "HostPlacement",
     "MemoryTracer",
+    "Pass",
     "PlacementPolicy",
     "Room",
     "StaticPlacement",

@@ -61,6 +61,7 @@ import torch
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, Pool
 from shardwise.chunk.accounting import gathered_bytes, gathered_held_bytes
 from shardwise.gemini.collaborators import NoReductions, ReductionsInFlight
+from shardwise.gemini.passes import Pass
 from shardwise.gemini.room import Room
 from shardwise.gemini.tracer import MemoryTracer
 
@@ -142,7 +143,7 @@ class AutoPlacer:
         the same point of the warm-up step (asked at every check: kept, not looked up)."""
         return self._planned_non_model if self.warm else self.tracer.sample()
 
-    def before_gather(self, chunks: list[Chunk], backward: bool) -> Room:
+    def before_gather(self, chunks: list[Chunk], serving: Pass) -> Room:
         """Make room on the device for `chunks` (see [Note: auto placement])."""
         position = self._position
         self._position += 1
@@ -158,7 +159,7 @@ class AutoPlacer:
                 self._last_use[chunk_id] = position
         # In backward the gradient buffers of the chunks gathered for a module arrive with
         # its gradients, right after the gather.
-        return self.make_room(chunks, with_grads=backward, position=position)
+        return self.make_room(chunks, with_grads=serving is Pass.BACKWARD, position=position)
 
     def make_room(
         self,

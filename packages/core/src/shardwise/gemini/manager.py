@@ -31,6 +31,7 @@ from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.collaborators import ReductionsInFlight
 from shardwise.gemini.device_tally import DeviceTally
 from shardwise.gemini.errors import DeviceBudgetExceeded
+from shardwise.gemini.passes import Pass
 from shardwise.gemini.policies import (
     AutoPlacement,
     DevicePlacement,
@@ -165,7 +166,7 @@ class GeminiManager:
     # finishes the gradient reductions in flight and calls `resume()` (see [Note: room after
     # the reductions] in room.py).
 
-    def before_prefetch(self, chunks: list[Chunk], backward: bool) -> Room:
+    def before_prefetch(self, chunks: list[Chunk], serving: Pass) -> Room:
         if self.auto is None:
             return Room.MADE
         # Room for the gather alone: a chunk prefetched in backward gets its gradient buffer
@@ -202,10 +203,10 @@ class GeminiManager:
         if self.auto is not None:
             self.auto.tracer.stop()
 
-    def before_gather(self, chunks: list[Chunk], backward: bool) -> Room:
+    def before_gather(self, chunks: list[Chunk], serving: Pass) -> Room:
         if self.auto is None:
             return Room.MADE
-        return self._paused_by(self.auto.before_gather(chunks, backward), self.auto.resume)
+        return self._paused_by(self.auto.before_gather(chunks, serving), self.auto.resume)
 
     def after_gather(self, chunks: list[Chunk], where: str) -> Room:
         return self.check_budget(where)

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, TensorState
 from shardwise.chunk.parameters import ShardedParameter, on_use
-from shardwise.gemini import GeminiManager, Room
+from shardwise.gemini import GeminiManager, Pass, Room
 from shardwise.runtime.backward_end import BackwardEnd
 from shardwise.runtime.gather_units import UnitMap
 from shardwise.runtime.rank_sync import VisitTrail
@@ -277,7 +277,7 @@ class GatherScheduler:
             trace = self._backward if self._in_backward else self._forward
             trace.visit(chunk_ids)
             self.trail.add(visit)
-            self._gather(chunks, self._in_backward, f"before forward of {type(module).__name__}")
+            self._gather(chunks, self._serving, f"before forward of {type(module).__name__}")
             for chunk, index in places:
                 chunk.set_compute(index)
             if self._open.get(key, 0) == 0:
@@ -295,19 +295,23 @@ class GatherScheduler:
 
         return hook
 
+    @property
+    def _serving(self) -> Pass:
+        return Pass.BACKWARD if self._in_backward else Pass.FORWARD
+
     def _face_if_sharded(self, value: Any) -> Any:
         if isinstance(value, ShardedParameter) and value._on_use is not None:
             return value._on_use(value)
         return value
 
-    def _gather(self, chunks: list[Chunk], backward: bool, where: str) -> None:
+    def _gather(self, chunks: list[Chunk], serving: Pass, where: str) -> None:
         """Gather `chunks`, consulting the memory manager only when one is actually sharded
         (nothing grows otherwise: this runs for every unit call)."""
         sharded = [chunk for chunk in chunks if chunk.payload.state is ChunkState.SHARDED]
         if not sharded:
             return
         if self._gemini is not None:
-            self._settle(self._gemini.before_gather(sharded, backward=backward))
+            self._settle(self._gemini.before_gather(sharded, serving))
         for chunk in sharded:
             chunk.payload.gather()
         if self._gemini is not None:
@@ -392,7 +396,7 @@ class GatherScheduler:
         model's own forward outside every unit counts as the model's), and hand back the
         compute face (see [Note: gather units])."""
         chunk, index = self.chunk_manager.locate(param)
-        self._gather([chunk], self._in_backward, f"on use of {chunk.tensors[index].name}")
+        self._gather([chunk], self._serving, f"on use of {chunk.tensors[index].name}")
         self._pinned.add(chunk.chunk_id)
         user = self._active[-1].name if self._active else ""
         self._used_in.setdefault(chunk.tensors[index].name, set()).add(user)
@@ -436,7 +440,7 @@ class GatherScheduler:
                     self._on_backward()
             self._backward.visit(chunk_ids)
             self.trail.add(visit)
-            self._gather(chunks, True, "before backward")
+            self._gather(chunks, Pass.BACKWARD, "before backward")
             self._prefetch(self._backward)
 
         leaves, _ = tree_flatten(output)
@@ -533,7 +537,7 @@ class GatherScheduler:
             chunk = self.chunk_manager.chunks[chunk_id]
             if chunk.payload.state is ChunkState.SHARDED and not chunk.payload.gather_pending:
                 if self._gemini is not None:
-                    self._settle(self._gemini.before_prefetch([chunk], backward=self._in_backward))
+                    self._settle(self._gemini.before_prefetch([chunk], self._serving))
                 chunk.payload.start_gather()
                 if self._gemini is not None:
                     self._settle(self._gemini.check_budget(f"after prefetching chunk {chunk_id}"))
