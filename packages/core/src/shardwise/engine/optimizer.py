@@ -126,6 +126,8 @@ class ZeroOptimizer:
             )
         check_no_optimizer_yet(model)
         self.model = model
+        # What the step uses of the model, handed over once (see engine/step_parts.py).
+        self._parts = model.step_parts()
         self.optim = optimizer
         self.grad_scaler = grad_scaler
         self.max_norm = float(max_norm)
@@ -274,21 +276,22 @@ class ZeroOptimizer:
         """
         if self._closed:
             raise ValueError("this ZeroOptimizer was closed; step the one that replaced it")
-        self.model.reducer.reduce_all()
+        parts = self._parts
+        parts.reducer.reduce_all()
         grads = [chunk.grads.for_step() for chunk in self._chunks]
         scale = self.grad_scaler.scale
-        rank_sync = self.model.rank_sync
+        rank_sync = parts.rank_sync
         reduced = global_grad_norm(
             grads,
             self.norm_type,
-            self.model.comm_stats,
-            self.model.config.topology.process_group,
-            self.model.config.device,
+            parts.comm_stats,
+            parts.process_group,
+            parts.device,
             signature=rank_sync.step_signature(),
             # The last flag: did "auto" placement overrun its plan on this rank (any rank's
             # makes every rank plan again after this step, see _after_step)?
             got_grad=[*self._got_grad_flags(), self._overran_plan()],
-            replicas=self.model.chunk_manager.topology.replicas,
+            replicas=parts.replicas,
         )
         rank_sync.step_checked(reduced.ranks_agree)
         self._replan_after_step = reduced.got_grad[-1]
@@ -326,7 +329,7 @@ class ZeroOptimizer:
         engine/disk_step.py): when their step fails, nothing else has stepped."""
         groups = self.optim.param_groups
         whole = [group["params"] for group in groups]
-        wait = not self.model.config.defers_param_gather
+        wait = not self._parts.defers_param_gather
         work = list(zip(self._chunks, grads, strict=True))
         on_disk = [(chunk, grad) for chunk, grad in work if chunk.placement.optim is Pool.DISK]
         try:
@@ -353,8 +356,8 @@ class ZeroOptimizer:
                 work,
                 lambda chunk, grad: self._step_one_chunk(chunk, coef, grad),
                 wait_publish=wait,
-                stats=self.model.comm_stats,
-                group=self.model.chunk_manager.topology.data_parallel,
+                stats=self._parts.comm_stats,
+                group=self._parts.data_parallel,
             )
         except DiskTierError:
             snapshot.restore(self.optim.state)
@@ -383,7 +386,7 @@ class ZeroOptimizer:
         states.adopt(self.optim.state.get(view, {}) for view, _, _ in states.views)
 
     def _overran_plan(self) -> bool:
-        gemini = self.model.gemini_manager
+        gemini = self._parts.gemini
         return gemini is not None and gemini.overran_since_plan
 
     def _got_grad_flags(self) -> list[bool]:
@@ -421,7 +424,7 @@ class ZeroOptimizer:
         self._step_hooks.append(hook)
 
     def _after_step(self) -> None:
-        gemini = self.model.gemini_manager
+        gemini = self._parts.gemini
         if self._replan_after_step and gemini is not None:
             self._replan_after_step = False
             gemini.replan()
