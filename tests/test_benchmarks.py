@@ -208,3 +208,12 @@ def test_checkpoint_benchmark_measures_every_call(tmp_path: Path) -> None:
         < 0.1 * calls["fsdp2 dcp save"]["bytes"]
     )
     assert "Checkpoints at scale" in results.read_text()
+
+
+def test_lifecycle_benchmark_writes_what_each_engine_left(tmp_path: Path) -> None:
+    # benchmarks/bench_lifecycle.py at its smallest: every engine frees its model each round.
+    results = tmp_path / "RESULTS.md"
+    options = ["--size", "smoke", "--rounds", "2", "--engines", "ddp,zero2,zero3-cuda"]
+    _on_two_ranks("bench_lifecycle.py", *options, "--results", str(results), logs=tmp_path)
+    rows = [line for line in results.read_text().splitlines() if line.startswith("| zero")]
+    assert len(rows) == 2 and all(row.split("|")[2].strip() == "0 / 0" for row in rows), rows
