@@ -5,6 +5,8 @@ sharded over the data-parallel ranks, gradients are reduced per chunk, and a sha
 master copy is stepped by any elementwise torch optimizer.
 """
 
+import importlib.metadata
+
 # First, before anything of shardwise allocates a tensor: importing it prefers huge pages for
 # large host tensors (see [Note: huge pages for host memory] in host_memory.py).
 from shardwise import host_memory  # noqa: F401
@@ -41,7 +43,11 @@ from shardwise.zero import (
 )
 from shardwise.zero.colo_ddp import ColoDDP
 
-__version__ = "0.1.0"
+# The installed distribution's version: packages/core/pyproject.toml holds the one number.
+try:
+    __version__ = importlib.metadata.version("shardwise")
+except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "BucketTensorShardStrategy",
