@@ -233,7 +233,13 @@ def test_consolidate_command_output_loads_with_load_from_checkpoint(
         Net.load_from_checkpoint(directory / "sharded.ckpt")  # the problem being solved
     target = directory / "merged" / "model.ckpt"
     assert shardwise_cli(["consolidate", str(directory / "sharded.ckpt"), str(target)]) == 0
-    assert "with optimizer state" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "with optimizer state" in printed.out
+    # Progress on stderr: each phase as it starts and as it ends, with its time.
+    phases = [line.split(": ", 1)[1] for line in printed.err.splitlines()]
+    assert [p.split(" ")[0] for p in phases] == ["checking", "checking", "reading", "reading",
+                                                 "writing", "writing"], phases  # fmt: skip
+    assert phases[-1].endswith(" s") and "done in" in phases[-1], phases
     model = Net.load_from_checkpoint(target, map_location="cpu")
     _assert_same(dict(model.state_dict()), ranks[0]["sharded_state"])
     merged = torch.load(target, weights_only=False)

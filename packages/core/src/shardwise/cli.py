@@ -400,6 +400,7 @@ def _consolidate(args: argparse.Namespace) -> int:
             args.target,
             optimizer=not args.weights_only,
             verify_checksums=not args.no_verify,
+            progress=lambda line: print(f"shardwise consolidate: {line}", file=sys.stderr),
         )
     except ValueError as error:  # CheckpointError included
         print(f"shardwise consolidate: {error}", file=sys.stderr)

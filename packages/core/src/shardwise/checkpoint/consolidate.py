@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import io
 import os
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ from shardwise.checkpoint.commit import CheckpointError, Ranks, read_manifest, v
 PARAM_GROUP_NAMES = "shardwise_param_group_names"
 # Where a consolidated checkpoint keeps what torch's formats have no place for.
 SHARDWISE_KEY = "shardwise"
+# Told a line at the start and end of each phase of a long read or write.
+Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,7 +59,11 @@ class WholeCheckpoint:
 
 
 def read_whole(
-    path: str | os.PathLike[str], *, optimizer: bool = True, verify_checksums: bool = True
+    path: str | os.PathLike[str],
+    *,
+    optimizer: bool = True,
+    verify_checksums: bool = True,
+    progress: Progress | None = None,
 ) -> WholeCheckpoint:
     """Read the sharded checkpoint at `path` whole into this process, with no collective (any
     world size may have written it; a process group, if any, is not used).
@@ -64,11 +72,18 @@ def read_whole(
         path: the checkpoint (as given to `shardwise.checkpoint.save`).
         optimizer: also read the optimizer state.
         verify_checksums: check every file against the manifest first.
+        progress: called with a line at the start and end of each phase (checking, reading),
+            for a long read of a big model.
     """
+    say = progress or (lambda line: None)
     source = Path(path)
     manifest = read_manifest(source)
+    total = sum(entry["bytes"] for entry in manifest["files"].values())
     if verify_checksums:
-        verify_files(source, manifest, Ranks.alone())
+        with _phase(
+            say, f"checking {len(manifest['files'])} files ({_gib(total)}) against the manifest"
+        ):
+            verify_files(source, manifest, Ranks.alone())
     metadata = FileSystemReader(source).read_metadata().state_dict_metadata
     wanted = ("model.", "buffer.", "optim.") if optimizer else ("model.", "buffer.")
     state: dict[str, Any] = {
@@ -77,7 +92,8 @@ def read_whole(
         if isinstance(meta, TensorStorageMetadata) and key.startswith(wanted)
     }
     state["objects"] = io.BytesIO()
-    with warnings.catch_warnings():
+    wanted_bytes = sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+    with _phase(say, f"reading {_gib(wanted_bytes)} of tensors"), warnings.catch_warnings():
         # DCP warns that it loads in one process, which is the point here.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
         dcp_load(state, storage_reader=FileSystemReader(source), no_dist=True)
@@ -123,6 +139,7 @@ def consolidate(
     *,
     optimizer: bool = True,
     verify_checksums: bool = True,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Write the sharded checkpoint `source` as one file `target` (`torch.save` of
     `lightning_checkpoint`), which `LightningModule.load_from_checkpoint` and `torch.load`
@@ -134,17 +151,34 @@ def consolidate(
         target: the file to write (not an existing directory).
         optimizer: include the optimizer state (when the checkpoint can give it).
         verify_checksums: check the source's files against its manifest first.
+        progress: called with a line at the start and end of each phase (checking, reading,
+            writing): the command line prints them.
     """
     destination = Path(target)
     if destination.is_dir():
         raise ValueError(f"{destination} is a directory: name the file to write, e.g. model.ckpt")
-    whole = read_whole(source, optimizer=optimizer, verify_checksums=verify_checksums)
+    whole = read_whole(
+        source, optimizer=optimizer, verify_checksums=verify_checksums, progress=progress
+    )
     checkpoint = lightning_checkpoint(whole)
     destination.parent.mkdir(parents=True, exist_ok=True)
     partial = destination.parent / f".{destination.name}.partial"
-    torch.save(checkpoint, partial)
-    os.replace(partial, destination)
+    with _phase(progress or (lambda line: None), f"writing {destination}"):
+        torch.save(checkpoint, partial)
+        os.replace(partial, destination)
     return checkpoint
+
+
+@contextmanager
+def _phase(say: Progress, what: str) -> Iterator[None]:
+    say(f"{what} ...")
+    started = time.perf_counter()
+    yield
+    say(f"{what}: done in {time.perf_counter() - started:.1f} s")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
 
 
 def _module_state(
