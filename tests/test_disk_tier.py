@@ -407,3 +407,34 @@ def test_an_optimizer_collected_without_close_leaves_the_masters_to_the_next(
     for (a, files_a), (b, _) in zip(closed, collected, strict=True):
         assert _same(a, b)
         assert not files_a  # close() removed them (collected ones go at exit: test_disk_pool)
+
+
+def _placement_log(directory: str) -> list[str]:
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("shardwise.engine.disk_tier")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    model = make_model()
+    wrapped = zero_model_wrapper(
+        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL,
+                   "placement_policy": "cpu"},
+    )  # fmt: skip
+    zero_optim_wrapper(
+        wrapped,
+        HybridAdam(
+            model.parameters(), lr=1e-2, nvme_offload_fraction=1.0, nvme_offload_dir=directory
+        ),
+    )
+    return messages
+
+
+def test_placing_state_on_the_disk_tier_logs_its_progress(tmp_path: Path) -> None:
+    # A big model's first write of every master and state takes minutes: logged as it goes.
+    messages = run_ranks(_placement_log, 2, str(tmp_path))[0]
+    assert messages[0].startswith("placing ") and str(tmp_path) in messages[0], messages
+    written = [m for m in messages[1:] if m.startswith("disk tier: ")]
+    assert written and " of " in written[-1] and written[-1].split()[2] == written[-1].split()[4]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,9 +136,17 @@ def place_on_disk(chunks: list[Chunk], disk: DiskPool) -> DiskPool:
     (`release_disk`, the optimizer's `close()`), when it is collected (every chunk on it is:
     an optimizer collected without `close()` leaves the masters there for the model) or when
     the process exits."""
+    # Progress for a big model, whose first write of every master and state takes minutes.
+    started, total, every = time.perf_counter(), len(chunks), max(1, len(chunks) // 10)
+    _log.info("placing %d chunks' masters and optimizer state in %s", total, disk.path)
     try:
-        for chunk in chunks:
+        for done, chunk in enumerate(chunks, 1):
             chunk.move_optim(Pool.DISK, disk=disk)
+            if done % every == 0 or done == total:
+                _log.info(
+                    "disk tier: %d of %d chunks written (%.1f s)",
+                    done, total, time.perf_counter() - started,
+                )  # fmt: skip
     except BaseException:
         release_disk(chunks, disk)
         raise
