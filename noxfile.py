@@ -37,6 +37,27 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The whole test suite: unit, multi-rank (gloo, forked ranks) and end-to-end."""
     session.run("python", "-m", "pytest", *(session.posargs or ["tests"]))
+    # The docs build runs after the tests, so `./dev test` checks the site too.
+    session.notify("docs")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site, `mkdocs build --strict` from mkdocs.yml: a broken link between
+    pages or an API name that no longer exists fails it. Built into a temporary directory;
+    `mkdocs serve` shows it while editing."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as site:
+        session.run(
+            "mkdocs",
+            "build",
+            "--strict",  # mkdocs counts no warning under --quiet: keep its INFO lines
+            "--site-dir",
+            site,
+            # mkdocs-material prints a notice about its successor on every build.
+            env={"NO_MKDOCS_2_WARNING": "1"},
+        )
 
 
 @nox.session
