@@ -304,3 +304,31 @@ def test_hugging_face_export_and_sharded_import(tmp_path: Path) -> None:
     assert sorted(cast) == sorted(exported)
     for name, value in cast.items():
         assert torch.equal(value, trained[name].to(torch.bfloat16)), name
+
+
+def _logged_save_and_load(path: str) -> list[str]:
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("shardwise.checkpoint")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    model = make_model()
+    wrapped = zero_model_wrapper(
+        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL}
+    )
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    checkpoint.save(path, wrapped, optimizer)
+    checkpoint.load(path, wrapped, optimizer)
+    return messages
+
+
+def test_a_save_and_a_load_log_each_ranks_progress(tmp_path: Path) -> None:
+    # A big model's save or load is one long call: its progress is logged as it goes, at each
+    # tenth of the rank's bytes, ending at all of them.
+    for rank, messages in enumerate(run_ranks(_logged_save_and_load, 2, str(tmp_path / "ck"))):
+        for verb in ("saved", "read"):
+            lines = [m for m in messages if m.startswith(f"rank {rank}: {verb} ")]
+            assert len(lines) >= 2 and "(100%" in lines[-1], messages

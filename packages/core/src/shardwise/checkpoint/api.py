@@ -39,6 +39,7 @@ from shardwise.checkpoint.commit import (
     write_manifest_and_commit,
 )
 from shardwise.checkpoint.layout import ParamSlice, param_slices
+from shardwise.checkpoint.progress import ProgressLoadPlanner, ProgressSavePlanner
 from shardwise.checkpoint.saved_module import saved_module
 from shardwise.checkpoint.sharded_tensor import local_part, sharded_1d
 from shardwise.comm.topology import replica_index
@@ -96,7 +97,12 @@ def save(
         version = new_version_dir(target, ranks)
         # Under hybrid sharding the first shard group writes; the others hold the same shards.
         if replica_index(topology) == 0:
-            dcp_save(state, storage_writer=FileSystemWriter(version), process_group=topology.shard)
+            dcp_save(
+                state,
+                storage_writer=FileSystemWriter(version),
+                planner=ProgressSavePlanner(),
+                process_group=topology.shard,
+            )
     description = {
         "params": {item.name: list(item.shape) for item in slices},
         "buffers": {name: list(b.shape) for name, b in buffers.items()},
@@ -152,7 +158,12 @@ def load(
     try:
         # Ranges are named by rank in the shard group (see ParamSlice): every shard group
         # reads for itself.
-        dcp_load(state, storage_reader=FileSystemReader(source), process_group=topology.shard)
+        dcp_load(
+            state,
+            storage_reader=FileSystemReader(source),
+            planner=ProgressLoadPlanner(),
+            process_group=topology.shard,
+        )
     except CheckpointException as error:
         # Raised on every rank of the group alike; it is a BaseException, which `except
         # Exception` misses.

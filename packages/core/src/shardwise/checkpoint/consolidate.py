@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from shardwise.checkpoint.commit import CheckpointError, Ranks, read_manifest, verify_files
+from shardwise.checkpoint.progress import ProgressLoadPlanner
 
 # The key of a saver's `extra` (a dict) holding, per optimizer parameter group, the names of
 # its parameters in group order (see [Note: consolidated checkpoints]).
@@ -96,7 +97,12 @@ def read_whole(
     with _phase(say, f"reading {_gib(wanted_bytes)} of tensors"), warnings.catch_warnings():
         # DCP warns that it loads in one process, which is the point here.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        dcp_load(state, storage_reader=FileSystemReader(source), no_dist=True)
+        dcp_load(
+            state,
+            storage_reader=FileSystemReader(source),
+            planner=ProgressLoadPlanner(),
+            no_dist=True,
+        )
     state["objects"].seek(0)
     objects = torch.load(state["objects"], weights_only=False)
     extra = objects["extra"]
