@@ -58,7 +58,9 @@ def one_round(engine: str, args: argparse.Namespace) -> None:
         step(idx, targets)
 
 
-def measure(engine: str, args: argparse.Namespace, disk: Path) -> list[dict[str, Any]]:
+def measure(
+    engine: str, args: argparse.Namespace, disk: Path, baseline_mib: float
+) -> list[dict[str, Any]]:
     rounds = []
     for _ in range(args.rounds):
         started = time.perf_counter()
@@ -69,7 +71,7 @@ def measure(engine: str, args: argparse.Namespace, disk: Path) -> list[dict[str,
         gc.collect()
         rounds.append(
             {
-                "tensor_mib": live_tensor_mib(),
+                "tensor_mib": live_tensor_mib() - baseline_mib,
                 "rss_mib": _status_kib("VmRSS") / 1024,
                 "disk_files": sum(1 for p in disk.rglob("*") if p.is_file()),
                 "seconds": time.perf_counter() - started,
@@ -96,9 +98,9 @@ def write_results(
         f"Written by `{command}` on {time.strftime('%Y-%m-%d')}. Each round builds the "
         f"{args.size} GPT, wraps it, trains 2 steps and drops it (`gc.collect()`); after each "
         "round, the worse of the ranks: tensor bytes alive (every tensor the collector sees, "
-        "each storage once), the resident set (VmRSS: the engines run one after another in the "
-        "same processes, so it carries the allocator's cache along), and files left on the "
-        "disk tier.",
+        "each storage once, less those alive before the first engine), the resident set "
+        "(VmRSS: the engines run one after another in the same processes, so it carries the "
+        "allocator's cache along), and files left on the disk tier.",
         "",
         "| engine | tensors alive after round 1 / last (MiB) | VmRSS after round 1 / last (MiB) "
         "| disk files after last |",
@@ -133,8 +135,11 @@ def main() -> None:
     disk = Path(tempfile.mkdtemp(prefix=f"shardwise-lifecycle-{dist.get_rank()}-"))
     os.environ["SHARDWISE_BENCH_DISK_DIR"] = str(disk)
     results: dict[str, list[list[dict[str, Any]]]] = {}
+    # What this process held before any engine (a parent's tensors, when forked from one).
+    gc.collect()
+    baseline_mib = live_tensor_mib()
     for engine in args.engines.split(","):
-        mine = measure(engine, args, disk)
+        mine = measure(engine, args, disk, baseline_mib)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         results[engine] = gathered
