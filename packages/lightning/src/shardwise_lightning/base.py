@@ -53,6 +53,7 @@ from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise_lightning.checkpoint_io import StreamingCheckpointIO
 from shardwise_lightning.checkpoint_paths import is_sharded_checkpoint, remove_sharded_checkpoint
 from shardwise_lightning.full_checkpoint import save_on_rank_0, write_full_checkpoint
+from shardwise_lightning.namespace import check_namespace, describe
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
 from shardwise_lightning.trainer_checks import (
     check_all_managed,
@@ -106,6 +107,14 @@ class ShardwiseStrategyBase(DDPStrategy):
         reduce_format: str = "dtype",
         quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
+        # See [Note: two Lightning namespaces] in shardwise_lightning/unified.
+        for argument, value in (
+            ("accelerator", accelerator),
+            ("cluster_environment", cluster_environment),
+            ("checkpoint_io", checkpoint_io),
+            ("precision_plugin", precision_plugin),
+        ):
+            check_namespace(argument, value, type(self).__name__)
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(
                 f"state_dict_type must be one of {', '.join(map(repr, STATE_DICT_TYPES))}, got "
@@ -149,6 +158,9 @@ class ShardwiseStrategyBase(DDPStrategy):
         self._engines: dict[int, ZeroModel] = {}
         self._loaded_sharded = False
         self._loaded_path = Path()
+
+    def __repr__(self) -> str:
+        return describe(self)
 
     # ---- what a subclass provides -------------------------------------------------------------
 

@@ -21,12 +21,17 @@ from typing import Any
 import torch
 from lightning_fabric.plugins import TorchCheckpointIO
 
+from shardwise_lightning.namespace import describe
+
 
 class StreamingCheckpointIO(TorchCheckpointIO):
     """Lightning's `TorchCheckpointIO` that writes a checkpoint for the local file system
     straight from `torch.save` into the file, once (see [Note: one write of a checkpoint
     file]); files are the same as Lightning's. The shardwise strategies use it unless given
     a `checkpoint_io` (or a CheckpointIO plugin)."""
+
+    def __repr__(self) -> str:
+        return describe(self)
 
     def save_checkpoint(
         self,

@@ -19,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from shardwise import MixedPrecision, ZeroOptimizer
+from shardwise_lightning.namespace import check_namespace, describe
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed"]
 PRECISIONS: tuple[str, ...] = ("32-true", "16-mixed", "bf16-mixed")
@@ -48,6 +49,9 @@ class ShardwisePrecision(Precision):
                 f"got {precision!r}; for 16-bit weights without fp32 masters use another strategy"
             )
         self.precision = cast(PrecisionName, precision)
+
+    def __repr__(self) -> str:
+        return describe(self)
 
     def mixed_precision(
         self,
@@ -138,6 +142,7 @@ def as_shardwise_precision(plugin: Precision | None) -> ShardwisePrecision | Non
     precisions the engine cannot honour."""
     if plugin is None or isinstance(plugin, ShardwisePrecision):
         return plugin
+    check_namespace("the precision plugin", plugin, "this shardwise strategy")
     if type(plugin) is Precision:
         return ShardwisePrecision("32-true")
     if type(plugin) is LightningMixedPrecision:
