@@ -1,6 +1,6 @@
-"""Installing the core package into an environment that has its own torch (docs/install.md):
-a wheel built from packages/core goes into a fresh virtual environment that sees this
-environment's torch, and pip takes `torch>=2.6` as satisfied by it."""
+"""Installing the packages into an environment that has its own torch (docs/install.md): the
+wheels built from packages/* go into a fresh virtual environment that sees this environment's
+torch (and Lightning, transformers, FastAPI), and pip takes `torch>=2.6` as satisfied by it."""
 
 from __future__ import annotations
 
@@ -23,26 +23,28 @@ def run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProce
     )
 
 
-def test_core_wheel_installs_beside_an_existing_torch(tmp_path: Path) -> None:
-    # The wheel, built as a user's `pip install ./packages/core` builds it (isolated, hatchling
-    # fetched by pip). Without an index that has hatchling there is nothing to test.
+PACKAGES = {  # directory: (distribution, module)
+    "core": ("shardwise", "shardwise"),
+    "lightning": ("shardwise_lightning", "shardwise_lightning"),
+    "hf": ("shardwise_hf", "shardwise_hf"),
+    "dashboard": ("shardwise_dashboard", "shardwise_dashboard"),
+}
+
+
+def test_every_wheel_installs_beside_an_existing_torch(tmp_path: Path) -> None:
+    # The wheels, built as a user's `pip install ./packages/<name>` builds them (isolated,
+    # hatchling fetched by pip). Without an index that has hatchling there is nothing to test.
     wheels = tmp_path / "wheels"
-    built = run(
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "-q",
-        "-w",
-        wheels,
-        ROOT / "packages/core",
-    )
-    if built.returncode != 0:
-        pytest.skip(
-            f"cannot build the wheel here (no package index with hatchling?):\n{built.stderr}"
-        )
-    (wheel,) = wheels.glob("shardwise-*.whl")
+    for directory in PACKAGES:
+        built = run(
+            sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", wheels,
+            ROOT / "packages" / directory,
+        )  # fmt: skip
+        if built.returncode != 0:
+            pytest.skip(
+                f"cannot build the wheel here (no package index with hatchling?):\n{built.stderr}"
+            )
+    built_wheels = {d: next(wheels.glob(f"{dist}-*.whl")) for d, (dist, _) in PACKAGES.items()}
 
     # A fresh environment whose only other packages are this one's (torch among them), as a
     # user's environment with its own torch build. A venv made from a venv's interpreter sees
@@ -55,21 +57,23 @@ def test_core_wheel_installs_beside_an_existing_torch(tmp_path: Path) -> None:
         sysconfig.get_path("purelib") + "\n"
     )
 
-    # --no-index: torch>=2.6 must be found installed, never fetched.
+    # --no-index: torch>=2.6 (and each package's other requirements) must be found installed,
+    # never fetched; shardwise-lightning and shardwise-hf find shardwise among the wheels.
     installed = run(
-        sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "-q", wheel
-    )
+        sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "-q",
+        *built_wheels.values(),
+    )  # fmt: skip
     assert installed.returncode == 0, installed.stderr
 
-    imported = run(
-        python,
-        "-c",
-        "import shardwise, torch; print(shardwise.__version__); print(shardwise.__file__)",
-    )
-    assert imported.returncode == 0, imported.stderr
-    version, location = imported.stdout.split()
-    assert version == wheel.name.split("-")[1]
-    assert Path(location).is_relative_to(target), f"imported {location}, not the installed wheel"
+    version = built_wheels["core"].name.split("-")[1]
+    for directory, (_, module) in PACKAGES.items():
+        imported = run(
+            python, "-c", f"import {module}; print({module}.__version__); print({module}.__file__)"
+        )
+        assert imported.returncode == 0, (directory, imported.stderr)
+        seen_version, location = imported.stdout.split()
+        assert seen_version == version, directory
+        assert Path(location).is_relative_to(target), f"imported {location}, not the wheel"
 
     cli = run(target / "bin" / "shardwise", "--version")
     assert cli.returncode == 0, cli.stderr
