@@ -28,7 +28,6 @@ from shardwise.engine.state_dict import (
     gather_full_state_dict,
     load_full_state_dict,
 )
-from shardwise.engine.step_parts import StepParts
 from shardwise.gemini import GeminiManager
 from shardwise.prepare.ignore import is_ignored, keep_ignored_local
 from shardwise.prepare.meta_init import MetaMaterializer, has_meta_tensors
@@ -163,22 +162,6 @@ class ZeroModel(nn.Module):
         """Routes gradients into the chunks and reduces them over ranks."""
         self._ensure_packed()
         return self._reducer
-
-    def step_parts(self) -> StepParts:
-        """What an optimizer's step uses of this model (see engine/step_parts.py), packing the
-        chunks first."""
-        self._ensure_packed()
-        return StepParts(
-            reducer=self._reducer,
-            rank_sync=self.rank_sync,
-            comm_stats=self.comm_stats,
-            process_group=self.config.topology.process_group,
-            data_parallel=self._chunk_manager.topology.data_parallel,
-            device=self.config.device,
-            replicas=self._chunk_manager.topology.replicas,
-            defers_param_gather=self.config.defers_param_gather,
-            gemini=self.gemini_manager,
-        )
 
     def _ensure_packed(self) -> None:
         chunk_manager, self._to_pack = self._to_pack, None

@@ -61,6 +61,7 @@ from shardwise.engine.disk_tier import (
 )
 from shardwise.engine.grad_norm import global_grad_norm
 from shardwise.engine.model import ZeroModel
+from shardwise.engine.step_parts import step_parts
 from shardwise.optim import HybridAdam
 from shardwise.prepare.ignore import is_ignored
 
@@ -127,7 +128,7 @@ class ZeroOptimizer:
         check_no_optimizer_yet(model)
         self.model = model
         # What the step uses of the model, handed over once (see engine/step_parts.py).
-        self._parts = model.step_parts()
+        self._parts = step_parts(model)
         self.optim = optimizer
         self.grad_scaler = grad_scaler
         self.max_norm = float(max_norm)

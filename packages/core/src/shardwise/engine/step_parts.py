@@ -4,7 +4,7 @@ The step reduces what backward left, checks the ranks agree, computes the global
 all-reduce, steps and publishes. It used to reach each of these through the model's
 collaborators (`model.reducer`, `model.config.topology.process_group`,
 `model.chunk_manager.topology.replicas`, ...) at every step; the model now gives them as one
-value (`ZeroModel.step_parts()`), built after its chunks are packed, when they stop changing:
+value (`step_parts(model)`), built after its chunks are packed, when they stop changing:
 an optimizer is wrapped over a packed model, and a model re-packed or released afterwards can
 no longer be stepped by it anyway (see ZeroModel.configure_reduction and release_module).
 """
@@ -12,6 +12,7 @@ no longer be stepped by it anyway (see ZeroModel.configure_reduction and release
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed import ProcessGroup
@@ -20,6 +21,9 @@ from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager
 from shardwise.runtime.grad_reducer import GradReducer
 from shardwise.runtime.rank_sync import RankSync
+
+if TYPE_CHECKING:  # the model module builds on this one's callers, not on it
+    from shardwise.engine.model import ZeroModel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,3 +52,21 @@ class StepParts:
     replicas: int
     defers_param_gather: bool
     gemini: GeminiManager | None
+
+
+def step_parts(model: ZeroModel) -> StepParts:
+    """What an optimizer's step uses of `model`, its chunks packed first (`model.reducer`
+    packs them)."""
+    reducer = model.reducer
+    topology = model.chunk_manager.topology
+    return StepParts(
+        reducer=reducer,
+        rank_sync=model.rank_sync,
+        comm_stats=model.comm_stats,
+        process_group=model.config.topology.process_group,
+        data_parallel=topology.data_parallel,
+        device=model.config.device,
+        replicas=topology.replicas,
+        defers_param_gather=model.config.defers_param_gather,
+        gemini=model.gemini_manager,
+    )
