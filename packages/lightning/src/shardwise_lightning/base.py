@@ -53,7 +53,7 @@ from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise_lightning.checkpoint_io import StreamingCheckpointIO
 from shardwise_lightning.checkpoint_paths import is_sharded_checkpoint, remove_sharded_checkpoint
 from shardwise_lightning.full_checkpoint import save_on_rank_0, write_full_checkpoint
-from shardwise_lightning.namespace import check_namespace, describe
+from shardwise_lightning.namespace import check_namespaces, describe
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
 from shardwise_lightning.trainer_checks import (
     check_all_managed,
@@ -108,13 +108,10 @@ class ShardwiseStrategyBase(DDPStrategy):
         quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
     ) -> None:
         # See [Note: two Lightning namespaces] in shardwise_lightning/unified.
-        for argument, value in (
-            ("accelerator", accelerator),
-            ("cluster_environment", cluster_environment),
-            ("checkpoint_io", checkpoint_io),
-            ("precision_plugin", precision_plugin),
-        ):
-            check_namespace(argument, value, type(self).__name__)
+        check_namespaces(
+            type(self).__name__, accelerator=accelerator, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+        )  # fmt: skip
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(
                 f"state_dict_type must be one of {', '.join(map(repr, STATE_DICT_TYPES))}, got "
@@ -151,7 +148,8 @@ class ShardwiseStrategyBase(DDPStrategy):
         # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
         self._param_group_names: list[list[str]] = []
         self._zero_model: ZeroModel | None = None
-        # The fit's telemetry, when the environment asks for it (reported finished at teardown).
+        # The fit's telemetry, when the environment says where (SHARDWISE_DASHBOARD_URL, ...):
+        # reported finished at teardown.
         self._recorder: telemetry.TelemetryRecorder | None = None
         # Every module this strategy sharded, by id: one Trainer may fit one module, test
         # another and come back to the first, whose parameters already live in its engine.
@@ -159,8 +157,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         self._loaded_sharded = False
         self._loaded_path = Path()
 
-    def __repr__(self) -> str:
-        return describe(self)
+    __repr__ = describe  # names the namespace (see [Note: two Lightning namespaces])
 
     # ---- what a subclass provides -------------------------------------------------------------
 
@@ -296,7 +293,6 @@ class ShardwiseStrategyBase(DDPStrategy):
             max_norm=float(clip or 0.0),
             norm_type=2.0,
         )
-        # Streams when the environment says where (SHARDWISE_DASHBOARD_URL, ...).
         self._recorder = telemetry.enable(self._zero_model, engine)
         self.optimizers = [cast(Optimizer, engine)]
 
@@ -553,8 +549,8 @@ class ShardwiseStrategyBase(DDPStrategy):
         chunks, so a later fit/validate/test/predict of the same Trainer reuses it."""
         assert self.cluster_environment is not None and self.accelerator is not None
         if self._recorder is not None:  # the fit ends here: so does its run on the dashboard
-            finished = _run_finished(self.lightning_module)
-            self._recorder.finish(error=None if finished else "the fit did not finish")
+            ended = _run_finished(self.lightning_module)
+            self._recorder.finish(error=None if ended else "the fit did not finish")
             self._recorder = None
         engine = self._zero_model
         if engine is not None and engine.module_state is ModuleState.SHARDED:

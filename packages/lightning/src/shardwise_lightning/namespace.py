@@ -55,3 +55,9 @@ def check_namespace(argument: str, value: object, owner: str) -> None:
         f"{TRAINER_PACKAGE}.Trainer import Lightning's classes from {TRAINER_PACKAGE} and ours "
         f"from {PACKAGE}, with {OTHER_TRAINER_PACKAGE}.Trainer ours from {OTHER_PACKAGE}"
     )
+
+
+def check_namespaces(owner: str, **arguments: object) -> None:
+    """`check_namespace` for each of `owner`'s keyword `arguments`."""
+    for argument, value in arguments.items():
+        check_namespace(argument, value, owner)
