@@ -258,3 +258,17 @@ def round_trip_bound(kind: str, x: torch.Tensor, block: int) -> torch.Tensor:
         scale = absmax / 448
         bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)
     return bound + absmax * FP32_SLACK
+
+
+def logged_messages(logger_name: str) -> list[str]:
+    """A list that collects, from now on, every message the logger `logger_name` logs at INFO
+    and above (in this process: call it inside the rank)."""
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return messages

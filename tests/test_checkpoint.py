@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import CHUNK_NUMEL, batch_slice, make_model, max_abs_diff
+from helpers import CHUNK_NUMEL, batch_slice, logged_messages, make_model, max_abs_diff
 
 from shardwise import MixedPrecision, checkpoint, zero_model_wrapper, zero_optim_wrapper
 from shardwise.chunk import Pool
@@ -307,14 +307,7 @@ def test_hugging_face_export_and_sharded_import(tmp_path: Path) -> None:
 
 
 def _logged_save_and_load(path: str) -> list[str]:
-    import logging
-
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("shardwise.checkpoint")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    messages = logged_messages("shardwise.checkpoint")
     model = make_model()
     wrapped = zero_model_wrapper(
         model, 3, {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL}

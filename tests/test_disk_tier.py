@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import CHUNK_NUMEL, batch_slice, make_model
+from helpers import CHUNK_NUMEL, batch_slice, logged_messages, make_model
 
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
 from shardwise.booster import Booster
@@ -410,14 +410,7 @@ def test_an_optimizer_collected_without_close_leaves_the_masters_to_the_next(
 
 
 def _placement_log(directory: str) -> list[str]:
-    import logging
-
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("shardwise.engine.disk_tier")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    messages = logged_messages("shardwise.engine.disk_tier")
     model = make_model()
     wrapped = zero_model_wrapper(
         model, 3, {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL,
