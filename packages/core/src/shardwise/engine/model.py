@@ -14,7 +14,12 @@ from torch.utils._pytree import tree_map
 from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommStats
-from shardwise.engine.build import averages_in_backward, chunk_manager_for, gemini_manager_for
+from shardwise.engine.build import (
+    averages_in_backward,
+    build_runtime,
+    chunk_manager_for,
+    gemini_manager_for,
+)
 from shardwise.engine.config import EngineConfig
 from shardwise.engine.module_at_rest import (
     ModuleState,
@@ -32,13 +37,13 @@ from shardwise.gemini import GeminiManager
 from shardwise.prepare.ignore import is_ignored, keep_ignored_local
 from shardwise.prepare.meta_init import MetaMaterializer, has_meta_tensors
 from shardwise.prepare.slicing import sliced, unslice, whole_numel
-from shardwise.runtime.backward_end import BackwardEnd
 from shardwise.runtime.gather_scheduler import GatherScheduler
-from shardwise.runtime.gather_units import UnitMap, find_gather_units
 from shardwise.runtime.grad_reducer import GradReducer
+from shardwise.runtime.hooks import HookSet
 from shardwise.runtime.param_gather import DeferredParamGather
 from shardwise.runtime.rank_sync import RankSync, VisitTrail
-from shardwise.runtime.unit_plan import compiled, plan_gather_units
+from shardwise.runtime.runtime import Runtime
+from shardwise.runtime.unit_plan import compiled
 
 # Set on a module once an engine has taken over its parameters: wrapping it again would pack
 # chunk views into new chunks (at stage 3, empty placeholders).
@@ -121,17 +126,21 @@ class ZeroModel(nn.Module):
         self._forward_was_recorded = False
         self._compiled_as_a_whole = False  # see [Note: a model compiled as a whole]
         self._compiled_parts: bool | None = None
-        self.scheduler: GatherScheduler | None = None
-        self.param_gather: DeferredParamGather | None = None
-        # See [Note: the inner module works on its own]. The pre-hook goes first; a root that
-        # is a gather unit itself has its unit hooks called from these two, inside them (see
-        # GatherScheduler.root_pre_forward), whatever hooks are registered on it later.
-        self._root_hooks = [
+        # Built once the parameters are packed (`_install_hooks`).
+        self._runtime: Runtime | None = None
+        # Every hook of this engine on the module and its tensors (see [Note: one owner of an
+        # engine's hooks] in runtime/hooks.py). See [Note: the inner module works on its own]:
+        # the root's two hold this model strongly, as the module needs its engine while it
+        # lives (a cycle of Python objects, which gc collects). The pre-hook goes first; a
+        # root that is a gather unit itself has its unit hooks called from these two, inside
+        # them (see GatherScheduler.root_pre_forward), whatever hooks are registered later.
+        self._hooks = HookSet()
+        self._hooks.add(
             self.module.register_forward_pre_hook(
                 self._before_forward, prepend=True, with_kwargs=True
-            ),
-            self.module.register_forward_hook(self._after_forward, always_call=True),
-        ]
+            )
+        )
+        self._hooks.add(self.module.register_forward_hook(self._after_forward, always_call=True))
         # See [Note: a module at rest] in engine/module_at_rest.py.
         self._module_state = ModuleState.SHARDED
         if config.stage == 3:
@@ -161,7 +170,19 @@ class ZeroModel(nn.Module):
     def reducer(self) -> GradReducer:
         """Routes gradients into the chunks and reduces them over ranks."""
         self._ensure_packed()
-        return self._reducer
+        assert self._runtime is not None
+        return self._runtime.reducer
+
+    @property
+    def scheduler(self) -> GatherScheduler | None:
+        """Stage 3's gather schedule (None before the parameters are packed, and at stages
+        1 and 2)."""
+        return self._runtime.scheduler if self._runtime is not None else None
+
+    @property
+    def param_gather(self) -> DeferredParamGather | None:
+        """The deferred gathers of updated parameters (`overlap_param_gather`), if any."""
+        return self._runtime.param_gather if self._runtime is not None else None
 
     def _ensure_packed(self) -> None:
         chunk_manager, self._to_pack = self._to_pack, None
@@ -217,71 +238,20 @@ class ZeroModel(nn.Module):
 
     def _install_hooks(self) -> None:
         """The gather schedule (stage 3), deferred parameter gathers and gradient reduction,
-        as the config says."""
-        chunk_manager, gemini = self._chunk_manager, self.gemini_manager
-        # One callback ends each backward pass, its steps filled in below in their order.
-        backward_end = BackwardEnd()
-        self.scheduler = None
-        units: UnitMap | None = None
-        if self.config.stage == 3:
-            conditional = find_gather_units(self.module, self.config.gather_units)
-            units = UnitMap(self.module, chunk_manager, conditional)
-            module = self.module
-            self.scheduler = GatherScheduler(
-                self.module,
-                chunk_manager,
-                plan=lambda used_in, blocks: plan_gather_units(
-                    module, chunk_manager, conditional, used_in, blocks=blocks
-                ),
-                prefetch=self.config.overlap.prefetch,
-                prefetch_chunks=self.config.overlap.prefetch_chunks,
-                gemini=gemini,
-                # The reducer is built below; this runs only once a pass has started.
-                finish_reductions=lambda: self._reducer.finish_in_flight(),
-                on_backward=lambda: self.rank_sync.backward_started(self.config.device),
-                units=units,
-                trail=self._trail,
-                backward_end=backward_end,
-            )
-        self.param_gather = None
-        if self.config.defers_param_gather:
-            self.param_gather = DeferredParamGather(self.module, chunk_manager)
-        # Stage 1 too, where it keeps the average for `.grad` (see [Note: stage 1 averages in
-        # backward] in chunk/grads.py); otherwise its only reduction is the step's.
-        stage_1_averages = averages_in_backward(
-            self.config.stage, chunk_manager.dtypes, chunk_manager.topology
+        as the config says: a runtime of their own, their hooks a part of the model's."""
+        self._runtime = build_runtime(
+            self.module,
+            self.config,
+            self._chunk_manager,
+            self.gemini_manager,
+            rank_sync=self.rank_sync,
+            trail=self._trail,
+            hooks=self._hooks.part(),
         )
-        self._reducer = GradReducer(
-            chunk_manager,
-            reduce_in_backward=self.config.stage >= 2 or stage_1_averages,
-            # A placement planning every gather against its budget ("auto") waits for each.
-            overlap=(
-                self.config.overlap.communication
-                and self.config.placement.policy.allows_overlapped_reduction
-            ),
-            # See [Note: gradients in flight] in runtime/grad_reducer.py.
-            max_in_flight=1 if self.config.stage == 3 else 2,
-            bucket_bytes=self.config.reduction.bucket_bytes,
-            on_reduced=self.scheduler.release_done if self.scheduler else None,
-            on_complete=self.scheduler.release_done if self.scheduler else None,
-            gemini=gemini,
-            units=units,
-            backward_end=backward_end,
-        )
-        # See [Note: one end of backward] in runtime/backward_end.py.
-        backward_end.steps = [
-            *([self.scheduler.end_backward] if self.scheduler is not None else []),
-            self._reducer.end_of_backward,
-        ]
-        if gemini is not None:
-            gemini.attach_reducer(self._reducer)
 
     def _remove_hooks(self) -> None:
-        self._reducer.remove()
-        if self.scheduler is not None:
-            self.scheduler.remove()
-        if self.param_gather is not None:
-            self.param_gather.remove()
+        if self._runtime is not None:
+            self._runtime.close()
 
     def _register_parameters(
         self, chunk_manager: ChunkManager, sharded_fraction: float, *, values_agree: bool
@@ -514,10 +484,8 @@ class ZeroModel(nn.Module):
         self.wait_param_gathers()
         if self._to_pack is None:  # packed (see [Note: packed once the bucket size is known])
             release_parameters(self._chunk_manager)
-            self._remove_hooks()
-        for handle in self._root_hooks:
-            handle.remove()
-        self._root_hooks.clear()
+        self._remove_hooks()
+        self._hooks.remove()
         object.__setattr__(self.module, _WRAPPED_MARK, False)
         self._module_state = ModuleState.RELEASED
         return self.module

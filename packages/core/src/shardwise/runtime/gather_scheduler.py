@@ -32,6 +32,7 @@ from shardwise.chunk.parameters import ShardedParameter, on_use
 from shardwise.gemini import GeminiManager, Pass, Room
 from shardwise.runtime.backward_end import BackwardEnd
 from shardwise.runtime.gather_units import UnitMap
+from shardwise.runtime.hooks import HookSet
 from shardwise.runtime.rank_sync import VisitTrail
 from shardwise.runtime.unit_plan import GatherUnit, compiled
 
@@ -114,6 +115,8 @@ class GatherScheduler:
             (`RankSync`); a trail of its own when not given.
         backward_end: the model's end of backward, which runs `end_backward`; one of its own
             when not given.
+        hooks: where the schedule's hooks are kept (see [Note: one owner of an engine's
+            hooks] in runtime/hooks.py); a set of its own when not given.
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class GatherScheduler:
         units: UnitMap | None = None,
         trail: VisitTrail | None = None,
         backward_end: BackwardEnd | None = None,
+        hooks: HookSet | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
         # See [Note: one end of backward]: the model's, which runs end_backward in its place.
@@ -147,8 +151,8 @@ class GatherScheduler:
         self._used_in_pass: dict[int, set[int]] = {}
         self._in_backward = False
         self._keep_for_backward: frozenset[int] = frozenset()
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._unit_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooks = hooks if hooks is not None else HookSet()
+        self._unit_hooks = self._hooks.part()  # replaced with the units (`_install`)
         self.units = units if units is not None else UnitMap(module, chunk_manager, {})
         # The modules whose hooks ran since the last pass check, compared across ranks there.
         self.trail = trail if trail is not None else VisitTrail()
@@ -172,7 +176,7 @@ class GatherScheduler:
         for submodule in module.modules():
             unit = self.units.index_of(submodule)
             if unit is not None:
-                self._handles.append(
+                self._hooks.add(
                     submodule.register_forward_pre_hook(
                         _outside_compiled(self.units.watch_backward(unit)), with_kwargs=True
                     )
@@ -182,9 +186,7 @@ class GatherScheduler:
 
     def _install(self, gather_units: list[GatherUnit]) -> None:
         """Hook `gather_units`, recording the passes afresh."""
-        for handle in self._unit_handles:
-            handle.remove()
-        self._unit_handles.clear()
+        self._unit_hooks.remove()
         self.gather_units = gather_units
         self._forward = _Trace(self._prefetch_chunks)
         self._backward = _Trace(self._prefetch_chunks)
@@ -200,8 +202,8 @@ class GatherScheduler:
                 # (see root_pre_forward).
                 self._root_unit = (pre, post)
                 continue
-            self._unit_handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
-            self._unit_handles.append(unit.module.register_forward_hook(post))
+            self._unit_hooks.add(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._unit_hooks.add(unit.module.register_forward_hook(post))
 
     def root_pre_forward(self) -> None:
         """The model's root unit, if it is one, is about to run: the model's root pre-hook
@@ -563,10 +565,7 @@ class GatherScheduler:
                 chunk.payload.release(keep_secondary=keep_secondary)
 
     def remove(self) -> None:
-        for handle in [*self._handles, *self._unit_handles]:
-            handle.remove()
-        self._handles.clear()
-        self._unit_handles.clear()
+        self._hooks.remove()
 
 
 def _refuse_sharded_arguments(unit: GatherUnit, arguments: Any) -> None:

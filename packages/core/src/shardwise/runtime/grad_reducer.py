@@ -58,6 +58,7 @@ from shardwise.chunk.reduction import (
 from shardwise.gemini import GeminiManager, Room
 from shardwise.runtime.backward_end import BackwardEnd
 from shardwise.runtime.gather_units import UnitMap
+from shardwise.runtime.hooks import HookSet
 
 
 class GradReducer:
@@ -92,6 +93,10 @@ class GradReducer:
             here (see [Note: conditional units] in runtime/gather_units.py).
         learn_order: after the first synchronised backward, reduce in the order chunks
             completed there (rank 0's); otherwise keep the initial (or suggested) order.
+        backward_end: the model's end of backward, which runs `end_of_backward`; one of its
+            own when not given.
+        hooks: where the gradient hooks are kept (see [Note: one owner of an engine's hooks]
+            in runtime/hooks.py); a set of their own when not given.
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class GradReducer:
         units: UnitMap | None = None,
         learn_order: bool = True,
         backward_end: BackwardEnd | None = None,
+        hooks: HookSet | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
         self.reduce_in_backward = reduce_in_backward
@@ -137,7 +143,7 @@ class GradReducer:
         # average across them (see reduce_across_replicas).
         self._replicas_differ = False
         self._hybrid = chunk_manager.topology.hybrid
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooks = hooks if hooks is not None else HookSet()
         self._governed = units.governed if units is not None else {}
         self._unit_names = units.names if units is not None else []
         # Per chunk holding unit tensors: its other trainable tensors, and the units it waits on.
@@ -167,7 +173,7 @@ class GradReducer:
         for chunk in self._order:
             for index, info in enumerate(chunk.tensors):
                 if info.param.requires_grad:  # autograd accumulates on the compute face
-                    self._handles.append(
+                    self._hooks.add(
                         info.compute.register_post_accumulate_grad_hook(
                             self._grad_hook(chunk, index)
                         )
@@ -397,6 +403,4 @@ class GradReducer:
             self._replicas_differ = False
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()

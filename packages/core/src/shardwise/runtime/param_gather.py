@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from shardwise.chunk import Chunk, ChunkManager
+from shardwise.runtime.hooks import HookSet
 
 
 class DeferredParamGather:
@@ -30,16 +30,20 @@ class DeferredParamGather:
     Args:
         module: the user's model.
         chunk_manager: its chunks (kept gathered: stages 1 and 2).
+        hooks: where the pre-hooks are kept (see [Note: one owner of an engine's hooks] in
+            runtime/hooks.py); a set of their own when not given.
     """
 
-    def __init__(self, module: nn.Module, chunk_manager: ChunkManager) -> None:
+    def __init__(
+        self, module: nn.Module, chunk_manager: ChunkManager, hooks: HookSet | None = None
+    ) -> None:
         self._chunks = list(chunk_manager.trainable_chunks())
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooks = hooks if hooks is not None else HookSet()
         for submodule in module.modules():
             owned = [p for p in submodule.parameters(recurse=False) if chunk_manager.manages(p)]
             chunks = list({id(c): c for c in (chunk_manager.locate(p)[0] for p in owned)}.values())
             if chunks:
-                self._handles.append(submodule.register_forward_pre_hook(self._waiter(chunks)))
+                self._hooks.add(submodule.register_forward_pre_hook(self._waiter(chunks)))
 
     @staticmethod
     def _waiter(chunks: list[Chunk]) -> Any:
@@ -54,6 +58,4 @@ class DeferredParamGather:
             chunk.payload.wait_publish()
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
