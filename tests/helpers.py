@@ -27,8 +27,10 @@ CHUNK_NUMEL = 3001  # several chunks, none a multiple of the world size: padding
 
 
 class BranchyGPT(nn.Module):
-    """A GPT plus a branch that runs only for batches whose first token is even (so on some
-    ranks and not others) or never, and optionally a frozen layer."""
+    """A GPT plus a branch that runs always, never, or only for batches whose first token is
+    even ("some_ranks": on the even ranks, see `batch_slice`), and optionally a frozen layer.
+    Stage 3 refuses a module that runs on some ranks only outside its gather units (see
+    [Note: conditional units] in runtime/gather_units.py)."""
 
     def __init__(self, branch: str = "never", frozen: bool = False) -> None:
         super().__init__()
@@ -43,7 +45,7 @@ class BranchyGPT(nn.Module):
         logits, _ = self.gpt(idx)
         if self.frozen is not None:
             logits = self.frozen(logits)
-        if self.mode == "some_ranks" and int(idx[0, 0]) % 2 == 0:
+        if self.mode == "always" or (self.mode == "some_ranks" and int(idx[0, 0]) % 2 == 0):
             logits = logits + self.branch(logits)
         return nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
@@ -57,8 +59,9 @@ def make_model(branch: str = "never", frozen: bool = False) -> BranchyGPT:
 
 def batch_slice(step: int, micro: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx, targets = gpt_batch(CONFIG, GLOBAL_BATCH, SEQ, step * 100 + micro)
-    # Make the branch decision differ between slices: even/odd first tokens alternate.
-    idx[:, 0] = torch.arange(GLOBAL_BATCH) % CONFIG.vocab_size
+    # Make the branch decision differ between slices: the first token of rank r's slice is r,
+    # so even ranks take the branch and odd ones skip it.
+    idx[:, 0] = torch.arange(GLOBAL_BATCH) // (GLOBAL_BATCH // world)
     return idx.chunk(world)[rank], targets.chunk(world)[rank]
 
 

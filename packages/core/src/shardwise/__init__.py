@@ -7,17 +7,13 @@ master copy is stepped by any elementwise torch optimizer.
 
 import importlib.metadata
 
-# First, before anything of shardwise allocates a tensor: importing it prefers huge pages for
-# large host tensors (see [Note: huge pages for host memory] in host_memory.py).
-from shardwise import host_memory  # noqa: F401
-
-# isort: split
 from shardwise import checkpoint, telemetry
 from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler
 from shardwise.chunk import ChunkManager
 from shardwise.comm import CommOp, CommStats
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.gemini import GeminiManager
+from shardwise.host_memory import prefer_huge_pages
 from shardwise.initialize import launch, launch_from_torch
 from shardwise.optim import CPUAdam, HybridAdam
 from shardwise.zero import (
@@ -80,6 +76,7 @@ __all__ = [
     "checkpoint",
     "launch",
     "launch_from_torch",
+    "prefer_huge_pages",
     "telemetry",
     "wrap_model",
     "wrap_optimizer",

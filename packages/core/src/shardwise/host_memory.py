@@ -1,19 +1,16 @@
-"""Huge pages for large host-memory tensors, on by default.
+"""Huge pages for large host-memory tensors, when a program asks for them.
 
 [Note: huge pages for host memory]
-A sharded step allocates chunk-sized host buffers again and again (gathered parameters,
-gradients to reduce, the optimizer's temporaries), and the C library hands every large one
-back to the kernel when it is freed, so each new one is fresh memory: the first write to each
-4 KiB page faults and the kernel zeroes it. On a CPU host that cost dominates a stage-3 step
-(a 256 MB tensor allocated and filled: 0.17 s in 4 KiB pages, 0.04 s in 2 MiB pages). torch's
-CPU allocator asks for transparent huge pages (`madvise(MADV_HUGEPAGE)`) on allocations of
-2 MiB and more when `THP_MEM_ALLOC_ENABLE=1`, which it reads once, at its first allocation.
-Importing shardwise therefore sets it when the process has not chosen (the variable unset) and
-the kernel allows huge pages on request: it takes effect when shardwise is imported before
-anything allocates a tensor on the host (before building the model), and in every process
-started from this one (torchrun's workers, DataLoader workers). `THP_MEM_ALLOC_ENABLE=0` keeps
-4 KiB pages. A 117M GPT on 2 ranks: stage 3's step 30-35% shorter, FSDP2's 29-30%, DDP's
-within noise (benchmarks/RESULTS.md). Nothing else changes: the same tensors, touched alike.
+torch's CPU allocator asks the kernel for transparent huge pages (`madvise(MADV_HUGEPAGE)`)
+on allocations of 2 MiB and more when `THP_MEM_ALLOC_ENABLE=1`, which it reads once, at its
+first allocation: a fresh 256 MB tensor then faults and is zeroed in 2 MiB pages, not 4 KiB
+ones (filled: 0.04 s against 0.17 s). That is a setting of the whole process (every tensor of
+every library in it, and the processes it starts), so shardwise does not make it on import:
+the engine gets the same speed for its own buffers by reusing them (see [Note: a pool of host
+buffers] in chunk/buffer_pool.py). A program that wants huge pages for the rest too sets the
+variable in its environment, or calls `prefer_huge_pages()` first thing, before it builds a
+model or allocates any tensor (its effect reaches the processes it starts: torchrun's workers,
+DataLoader workers).
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ def kernel_grants_huge_pages(mode_file: Path = THP_MODE) -> bool:
 def prefer_huge_pages(environ: MutableMapping[str, str] | None = None) -> bool:
     """Set THP_MEM_ALLOC_ENABLE=1 in `environ` (the process's) unless it is set already or the
     kernel would not grant huge pages (see [Note: huge pages for host memory]); whether it
-    set it."""
+    set it. Call it before anything allocates a tensor: torch reads the variable once."""
     environ = os.environ if environ is None else environ
     if not sys.platform.startswith("linux") or THP_VARIABLE in environ:
         return False
@@ -47,7 +44,3 @@ def prefer_huge_pages(environ: MutableMapping[str, str] | None = None) -> bool:
         return False
     environ[THP_VARIABLE] = "1"
     return True
-
-
-# On import, as early as shardwise can (see the note above).
-prefer_huge_pages()

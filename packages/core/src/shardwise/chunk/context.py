@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed import ProcessGroup
 
+from shardwise.chunk.buffer_pool import BufferPool
 from shardwise.chunk.states import ChunkDtypes
 from shardwise.chunk.wire import WireFormats
 from shardwise.comm import CommStats
@@ -30,6 +31,9 @@ class ChunkContext:
             after it, which keeps fp16 sums of many ranks from overflowing.
         wire: how parameters are gathered and gradients reduced (see [Note: wire formats] in
             chunk/wire/formats.py).
+        buffers: where gathered payloads and gradient buffers in host memory come from and
+            go back to (see [Note: a pool of host buffers] in chunk/buffer_pool.py); None:
+            the allocator.
     """
 
     dtypes: ChunkDtypes
@@ -38,6 +42,7 @@ class ChunkContext:
     stats: CommStats
     predivide_factor: float = 1.0
     wire: WireFormats = field(default_factory=WireFormats)
+    buffers: BufferPool | None = None
 
     @property
     def group(self) -> ProcessGroup | None:

@@ -51,6 +51,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from shardwise.chunk.context import ChunkContext
 from shardwise.chunk.grad_buffer import owns_storage, zero_unwritten
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident
@@ -76,6 +77,7 @@ class OwningChunk(Protocol):
     keep_gathered: bool
     master: torch.Tensor
     placement: ChunkPlacement
+    context: ChunkContext
 
     @property
     def payload(self) -> _Payload: ...
@@ -148,8 +150,11 @@ class GradSide:
             self.full = grad.detach().view(-1)
             self._written = {index}
         elif self.full is None:  # see [Note: gradient buffers start uninitialised]
-            self.full = torch.empty(
-                chunk.padded_numel, dtype=chunk.dtypes.reduce, device=chunk.device
+            pool = chunk.context.buffers  # see [Note: a pool of host buffers]
+            self.full = (
+                pool.empty(chunk.padded_numel, chunk.dtypes.reduce)
+                if pool is not None
+                else torch.empty(chunk.padded_numel, dtype=chunk.dtypes.reduce, device=chunk.device)
             )
             self._written = set()
         target = self.full[info.offset : info.offset + info.numel]
@@ -237,7 +242,10 @@ class GradSide:
             assert self.full is not None
             self.full.zero_()
         else:
-            self.full = None
+            full, self.full = self.full, None
+            pool = self._chunk.context.buffers
+            if pool is not None:
+                pool.give_back(full)  # see [Note: a pool of host buffers] in buffer_pool.py
         self.end_pass()
 
     def _take_reduced(self, reduced: torch.Tensor) -> None:

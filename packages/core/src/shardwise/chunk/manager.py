@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise.chunk.accounting import resident_bytes
+from shardwise.chunk.buffer_pool import BufferPool
 from shardwise.chunk.chunk import Chunk
 from shardwise.chunk.context import ChunkContext
 from shardwise.chunk.states import ChunkDtypes
@@ -53,6 +54,8 @@ class ChunkManager:
         topology: hybrid sharding's groups (see [Note: hybrid sharding] in
             comm/topology.py); the chunks are then sharded over its shard group and `group`
             must be left unset.
+        buffer_pool: keep the host buffers chunks free for the next ones (see [Note: a pool of
+            host buffers] in chunk/buffer_pool.py); None: every buffer from the allocator.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class ChunkManager:
         predivide_factor: float = 1.0,
         wire: WireFormats | None = None,
         topology: Topology | None = None,
+        buffer_pool: BufferPool | None = None,
     ) -> None:
         if not isinstance(chunk_size_numel, int) or chunk_size_numel < 1:
             raise ValueError(f"chunk_size_numel must be a positive int, got {chunk_size_numel!r}")
@@ -95,7 +99,10 @@ class ChunkManager:
             stats=self.stats,
             predivide_factor=self.predivide_factor,
             wire=self.wire,
+            buffers=buffer_pool,
         )
+        # Its spare limit grows with the largest chunk (see `register`).
+        self.buffer_pool = buffer_pool
         # What chose `chunk_size_numel` (the search's reason, or the setting), for summaries.
         self.chunk_size_reason = f"chunk_size_numel {chunk_size_numel} as given"
         self.chunks: list[Chunk] = []
@@ -168,6 +175,10 @@ class ChunkManager:
                     self._where[id(info.compute)] = (closed, position)
         assert all(chunk.closed for chunk in new_chunks)
         self.chunks.extend(new_chunks)
+        if self.buffer_pool is not None:
+            self.buffer_pool.keep_room_for(
+                [c.padded_numel * _largest_element_size(self.dtypes) for c in new_chunks]
+            )
 
     def locate(self, param: torch.Tensor) -> tuple[Chunk, int]:
         """The chunk holding `param` and the tensor's index in it."""
@@ -208,6 +219,13 @@ class ChunkManager:
 
     def __repr__(self) -> str:
         return f"ChunkManager(chunks={len(self.chunks)}, chunk_size_numel={self.chunk_size_numel})"
+
+
+def _largest_element_size(dtypes: ChunkDtypes) -> int:
+    return max(
+        torch.empty((), dtype=dtype).element_size()
+        for dtype in (dtypes.payload, dtypes.compute, dtypes.reduce)
+    )
 
 
 @dataclass(slots=True)

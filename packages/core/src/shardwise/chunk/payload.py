@@ -16,6 +16,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardwise import comm
+from shardwise.chunk.context import ChunkContext
 from shardwise.chunk.parameters import mark_pending, mark_settled
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident, resident_changed
@@ -42,6 +43,7 @@ class OwningChunk(Protocol):
     stats: CommStats
     keep_gathered: bool
     placement: ChunkPlacement
+    context: ChunkContext
 
     @property
     def grads(self) -> _GradSide: ...
@@ -256,13 +258,23 @@ class Payload:
         # resident changes]).
         assert buffer is self.full or buffer is self.full_compute
         nbytes = buffer.numel() * buffer.element_size()
-        if buffer.untyped_storage().size() != nbytes:
-            buffer.untyped_storage().resize_(nbytes)
-            resident_changed(self._chunk, transient=True)
+        storage = buffer.untyped_storage()
+        if storage.size() == nbytes:
+            return
+        pool = self._chunk.context.buffers
+        if pool is not None and storage.size() == 0:
+            pool.fill(buffer)  # see [Note: a pool of host buffers] in buffer_pool.py
+        else:
+            storage.resize_(nbytes)
+        resident_changed(self._chunk, transient=True)
 
     def _free(self, buffer: torch.Tensor) -> None:
         assert buffer is self.full or buffer is self.full_compute
-        buffer.untyped_storage().resize_(0)
+        pool = self._chunk.context.buffers
+        if pool is not None:
+            pool.free(buffer)
+        else:
+            buffer.untyped_storage().resize_(0)
         resident_changed(self._chunk, transient=True)
 
     # ---- after the optimizer step ----------------------------------------------------------

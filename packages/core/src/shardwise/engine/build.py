@@ -17,6 +17,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import ChunkDtypes, ChunkManager
+from shardwise.chunk.buffer_pool import BufferPool
 from shardwise.chunk.search import default_chunk_search
 from shardwise.comm import CommStats, ReduceScatterMethod
 from shardwise.comm.topology import Topology, replicated, topology_for
@@ -83,6 +84,9 @@ def chunk_manager_for(config: EngineConfig, stats: CommStats, reason: str = "") 
         predivide_factor=config.reduction.predivide_factor,
         wire=config.communication.wire_formats(method),
         topology=topology,
+        # See [Note: a pool of host buffers] in chunk/buffer_pool.py; its limit follows the
+        # chunks as they are packed.
+        buffer_pool=BufferPool(0) if config.pools_host_buffers else None,
     )
     if reason:
         manager.chunk_size_reason = reason

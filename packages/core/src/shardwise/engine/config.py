@@ -161,6 +161,26 @@ def _int_at_least(name: str, value: object, least: int) -> None:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
+def _keeps_to_a_budget(placement: Placement) -> bool:
+    return placement.policy.needs_budget or placement.device_budget_bytes is not None
+
+
+def _check_buffer_pool(config: EngineConfig) -> None:
+    if config.placement.host_buffer_pool is not True:
+        return
+    if config.device.type != "cpu":
+        raise ValueError(
+            f"host_buffer_pool=True keeps host buffers for a CPU device; the device is "
+            f"{config.device}, whose allocator already reuses its memory: leave it unset"
+        )
+    if _keeps_to_a_budget(config.placement):
+        raise ValueError(
+            "host_buffer_pool=True with a device budget (placement_policy='auto' or "
+            "device_budget_bytes): spare buffers would take from the budget the placement "
+            "keeps to. Leave it unset, or drop the budget"
+        )
+
+
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -233,6 +253,10 @@ class Placement:
     """The most bytes of model state host memory may hold per rank: optimizer sides that the
     placement keeps in host memory beyond it go to the disk tier, the last in chunk order
     first (optimizer state counted as 8 bytes an element, Adam's, before it exists)."""
+    host_buffer_pool: bool | None = None
+    """Keep the chunk-sized buffers a step frees for the next ones instead of returning them
+    to the allocator (see [Note: a pool of host buffers] in chunk/buffer_pool.py): a CPU
+    device only, without a device budget. None: on wherever it applies."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, PlacementPolicy):
@@ -246,6 +270,11 @@ class Placement:
                 f"device_budget_bytes must be a positive int, got {self.device_budget_bytes!r}"
             )
         _check_bool("pin_memory", self.pin_memory)
+        if self.host_buffer_pool is not None and not isinstance(self.host_buffer_pool, bool):
+            raise TypeError(
+                f"host_buffer_pool must be a bool, or None for the default, got "
+                f"{self.host_buffer_pool!r}"
+            )
         fraction = self.disk_fraction
         if (
             isinstance(fraction, bool)
@@ -466,6 +495,17 @@ class EngineConfig:
         if self.stage < 3:
             _check_low_level_placement(self.stage, self.placement)
         _check_communication(self)
+        _check_buffer_pool(self)
+
+    @property
+    def pools_host_buffers(self) -> bool:
+        """Whether chunk buffers are kept for reuse (see [Note: a pool of host buffers] in
+        chunk/buffer_pool.py): as `placement.host_buffer_pool` says, and where it is None on
+        a CPU device whose placement keeps to no budget."""
+        wanted = self.placement.host_buffer_pool
+        if wanted is not None:
+            return wanted
+        return self.device.type == "cpu" and not _keeps_to_a_budget(self.placement)
 
     @property
     def offloads_optimizer(self) -> bool:

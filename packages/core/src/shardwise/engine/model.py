@@ -484,6 +484,8 @@ class ZeroModel(nn.Module):
         self.wait_param_gathers()
         if self._to_pack is None:  # packed (see [Note: packed once the bucket size is known])
             release_parameters(self._chunk_manager)
+            if self._chunk_manager.buffer_pool is not None:
+                self._chunk_manager.buffer_pool.drain()
         self._remove_hooks()
         self._hooks.remove()
         object.__setattr__(self.module, _WRAPPED_MARK, False)
@@ -544,6 +546,12 @@ class ZeroModel(nn.Module):
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds now (parameters, master weights, gradients)."""
         return self.chunk_manager.resident_bytes()
+
+    def pooled_bytes(self) -> int:
+        """Bytes of host buffers kept spare for the next gathers and gradients (see [Note: a
+        pool of host buffers] in chunk/buffer_pool.py): held by the engine, not model state."""
+        pool = self.chunk_manager.buffer_pool
+        return pool.spare_bytes if pool is not None else 0
 
     def extra_repr(self) -> str:
         manager = self.chunk_manager

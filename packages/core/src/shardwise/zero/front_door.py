@@ -39,6 +39,7 @@ GEMINI_CONFIG_KEYS = (
     "device",
     "placement_policy",
     "pin_memory",
+    "host_buffer_pool",
     "force_outputs_fp32",
     "strict_ddp_mode",
     "chunk_size_numel",
@@ -73,6 +74,7 @@ LOW_LEVEL_KEYS = (
     "device",
     "placement_policy",
     "pin_memory",
+    "host_buffer_pool",
     "mixed_precision",
     "process_group",
     "force_outputs_fp32",
@@ -232,6 +234,7 @@ def _placement(options: Mapping[str, Any]) -> Placement:
         policy=policy,
         device_budget_bytes=options.get("device_budget_bytes"),
         pin_memory=options.get("pin_memory", False),
+        host_buffer_pool=options.get("host_buffer_pool"),
         # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py).
         disk_fraction=options.get("nvme_offload_fraction", 0.0),
         disk_dir=options.get("nvme_offload_dir"),
