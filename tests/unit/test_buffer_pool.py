@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from shardwise import zero_model_wrapper
-from shardwise.chunk.buffer_pool import BufferPool
+from shardwise.chunk.buffer_pool import BufferPool, pool_supported, size_class
 from shardwise.engine.config import EngineConfig, Placement
 from shardwise.gemini import placement_policy
 
+needs_pool = pytest.mark.skipif(not pool_supported(), reason="this torch cannot move memory")
 
+
+@needs_pool
 def test_a_freed_buffer_serves_the_next_of_its_size_through_the_same_storage() -> None:
     pool = BufferPool(1 << 20)
     payload = torch.arange(1024.0)
@@ -33,6 +36,7 @@ def test_a_freed_buffer_serves_the_next_of_its_size_through_the_same_storage() -
     assert other.shape == (10,) and pool.reused == 2
 
 
+@needs_pool
 def test_a_buffer_another_tensor_views_is_not_taken_back() -> None:
     pool = BufferPool(1 << 20)
     grads = torch.ones(256)
@@ -44,6 +48,7 @@ def test_a_buffer_another_tensor_views_is_not_taken_back() -> None:
     assert pool.spare_bytes == 1024 and grads.untyped_storage().nbytes() == 0
 
 
+@needs_pool
 def test_the_spare_limit_holds_and_drain_frees_everything() -> None:
     pool = BufferPool(0)
     pool.keep_room_for([4096, 1024])
@@ -69,6 +74,7 @@ def _config(**placement: object) -> EngineConfig:
     )
 
 
+@needs_pool
 def test_the_pool_applies_on_a_cpu_device_without_a_budget() -> None:
     assert _config().pools_host_buffers
     assert _config(policy="cpu").pools_host_buffers
@@ -81,6 +87,7 @@ def test_the_pool_applies_on_a_cpu_device_without_a_budget() -> None:
         _config(host_buffer_pool="yes")
 
 
+@needs_pool
 def test_gemini_config_takes_host_buffer_pool_at_every_stage() -> None:
     for stage in (1, 2, 3):
         model = zero_model_wrapper(
@@ -90,3 +97,27 @@ def test_gemini_config_takes_host_buffer_pool_at_every_stage() -> None:
         assert model.pooled_bytes() == 0
     model = zero_model_wrapper(torch.nn.Linear(4, 4), 3, {"device": "cpu"})
     assert model.chunk_manager.buffer_pool is not None
+
+
+@needs_pool
+def test_buffers_of_one_size_class_serve_each_other() -> None:
+    """Chunks of one model differ by a few elements: a spare serves any buffer of its class."""
+    assert size_class(4096) == 4096  # small sizes are their own class
+    for nbytes in (50_384_896, 50_647_040, 2**26 - 4, 2**20 + 4):
+        assert nbytes <= size_class(nbytes) <= nbytes * 1.016
+    assert size_class(50_384_896) == size_class(50_647_040)
+    pool = BufferPool(1 << 30)
+    small = pool.empty(12_596_224, torch.float32)  # allocated at its class's size
+    assert small.untyped_storage().nbytes() == size_class(50_384_896)
+    pool.give_back(small)
+    large = pool.empty(12_661_760, torch.float32)
+    assert pool.reused == 1 and large.shape == (12_661_760,)
+    # A buffer freed from outside the pool holds its own size only: too small for a larger
+    # buffer of its class, which gets a new one.
+    pool.free(torch.empty(12_596_224))
+    pool.free(large)
+    payload = torch.empty(12_661_760)
+    payload.untyped_storage().resize_(0)  # a released payload
+    pool.fill(payload)
+    assert pool.reused == 2 and payload.untyped_storage().nbytes() >= 50_647_040
+    assert pool.spare_bytes == 50_384_896

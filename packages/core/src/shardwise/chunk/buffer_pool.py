@@ -11,7 +11,13 @@ process's allocator settings or the order of imports. It moves memory between st
 `UntypedStorage._swap_data_ptr_`, so a payload keeps its storage object (the one its
 parameters, and tensors autograd saved, view): emptying the storage to the pool looks to every
 view exactly as resizing it to zero did, and no view can reach memory the pool hands out again.
-A gradient buffer is taken back only where nothing else views it (`owns_storage`).
+A gradient buffer is taken back only where nothing else views it.
+
+Chunks of one model differ in size by a few elements (a layer's parameters rarely fill a chunk
+exactly), so the pool files buffers by size class (sizes rounded up to 1/64 of their power of
+two) and allocates a new one at its class's size: any spare of a class serves any buffer of it,
+at most 1.6% larger than the buffer needs (the storage holds those bytes; the tensor spans its
+own elements).
 
 What it holds is bounded (`spare_limit_bytes`, by default two buffers of the manager's largest
 chunk) and counted (`spare_bytes`, reported by `ZeroModel.pooled_bytes()`, apart from model state);
@@ -27,7 +33,11 @@ from collections import defaultdict
 
 import torch
 
-from shardwise.chunk.grad_buffer import owns_storage
+
+def pool_supported() -> bool:
+    """Whether this torch moves memory between storage objects (`_swap_data_ptr_`, in torch
+    2.13; not in 2.11), which the pool needs."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class BufferPool:
@@ -50,29 +60,34 @@ class BufferPool:
         """Raise the spare limit to two of the largest of `buffer_bytes` (the chunks just
         packed), if it is lower: enough that each buffer a pass frees serves the next."""
         if buffer_bytes:
-            self.spare_limit_bytes = max(self.spare_limit_bytes, 2 * max(buffer_bytes))
+            self.spare_limit_bytes = max(self.spare_limit_bytes, 2 * size_class(max(buffer_bytes)))
 
     def fill(self, tensor: torch.Tensor) -> None:
-        """Give `tensor`'s empty storage the bytes `tensor` spans, spare memory if the pool
-        has a buffer of that size (its contents are undefined, as a fresh allocation's)."""
+        """Give `tensor`'s empty storage at least the bytes `tensor` spans: a spare buffer of
+        their size class, or a new one of the class's size (its contents are undefined, as a
+        fresh allocation's)."""
         storage = tensor.untyped_storage()
-        nbytes = tensor.numel() * tensor.element_size()
         if storage.nbytes() != 0:
             raise RuntimeError(f"fill() of a storage holding {storage.nbytes()} bytes")
+        nbytes = tensor.numel() * tensor.element_size()
         spare = self._take(nbytes)
         if spare is None:
-            storage.resize_(nbytes)
+            storage.resize_(size_class(nbytes))
         else:
             _move_memory(spare, storage)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new 1-D host tensor of `numel` elements, in spare memory if there is some."""
+        """A new 1-D host tensor of `numel` elements, over a spare buffer of its size class
+        if there is one, else over a new one of the class's size."""
         tensor = torch.empty(0, dtype=dtype)
-        spare = self._take(numel * tensor.element_size())
+        nbytes = numel * tensor.element_size()
+        spare = self._take(nbytes)
+        storage = tensor.untyped_storage()
         if spare is None:
-            return torch.empty(numel, dtype=dtype)
-        _move_memory(spare, tensor.untyped_storage())
-        return tensor.set_(tensor.untyped_storage(), 0, (numel,), (1,))
+            storage = torch.UntypedStorage(size_class(nbytes))
+        else:
+            _move_memory(spare, storage)
+        return tensor.set_(storage, 0, (numel,), (1,))
 
     def free(self, tensor: torch.Tensor) -> None:
         """Empty `tensor`'s storage (every view of it sees no element, as after
@@ -86,13 +101,13 @@ class BufferPool:
             return
         spare = torch.UntypedStorage(0)
         _move_memory(storage, spare)
-        self._spares[nbytes].append(spare)
+        self._spares[size_class(nbytes)].append(spare)
         self.spare_bytes += nbytes
 
     def give_back(self, tensor: torch.Tensor | None) -> None:
         """Keep a dropped buffer's memory spare, if no other tensor views it (a gradient
         buffer `.grad` still shows stays with its holders)."""
-        if tensor is not None and tensor.device.type == "cpu" and owns_storage(tensor):
+        if tensor is not None and tensor.device.type == "cpu" and _only_view(tensor):
             self.free(tensor)
 
     def drain(self) -> None:
@@ -101,12 +116,32 @@ class BufferPool:
         self.spare_bytes = 0
 
     def _take(self, nbytes: int) -> torch.UntypedStorage | None:
-        spares = self._spares.get(nbytes)
-        if not spares:
-            return None
-        self.spare_bytes -= nbytes
-        self.reused += 1
-        return spares.pop()
+        """A spare of `nbytes`' size class holding at least `nbytes` (one freed from outside
+        the pool may hold fewer than its class), out of the pool."""
+        spares = self._spares.get(size_class(nbytes), [])
+        for index in range(len(spares) - 1, -1, -1):
+            if spares[index].nbytes() >= nbytes:
+                spare = spares.pop(index)
+                self.spare_bytes -= spare.nbytes()
+                self.reused += 1
+                return spare
+        return None
+
+
+def size_class(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of 1/64 of its power of two (at most 1.6% more), for
+    sizes above 64 KiB; smaller ones are their own class."""
+    if nbytes <= 1 << 16:
+        return nbytes
+    step = 1 << (nbytes.bit_length() - 7)
+    return -(-nbytes // step) * step
+
+
+def _only_view(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is the only tensor over its storage, from its start."""
+    storage = tensor.untyped_storage()
+    # The storage's references: this tensor's and the Python object `storage` just made.
+    return tensor.storage_offset() == 0 and torch._C._storage_Use_Count(storage._cdata) <= 2
 
 
 def _move_memory(source: torch.UntypedStorage, empty: torch.UntypedStorage) -> None:
@@ -116,4 +151,4 @@ def _move_memory(source: torch.UntypedStorage, empty: torch.UntypedStorage) -> N
     empty._swap_data_ptr_(source)  # type: ignore[attr-defined]  # torch's, untyped
 
 
-__all__ = ["BufferPool"]
+__all__ = ["BufferPool", "pool_supported", "size_class"]

@@ -259,7 +259,8 @@ class Payload:
         assert buffer is self.full or buffer is self.full_compute
         nbytes = buffer.numel() * buffer.element_size()
         storage = buffer.untyped_storage()
-        if storage.size() == nbytes:
+        # The pool's buffers may hold a few more bytes than the payload spans (a size class).
+        if storage.size() == nbytes or (storage.size() > nbytes and self._chunk.context.buffers):
             return
         pool = self._chunk.context.buffers
         if pool is not None and storage.size() == 0:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shardwise.chunk import ChunkDtypes
+from shardwise.chunk.buffer_pool import pool_supported
 from shardwise.chunk.search import (
     DEFAULT_MIN_CHUNK_BYTES,
     DEFAULT_SEARCH_N_GRIDS,
@@ -172,6 +173,12 @@ def _check_buffer_pool(config: EngineConfig) -> None:
         raise ValueError(
             f"host_buffer_pool=True keeps host buffers for a CPU device; the device is "
             f"{config.device}, whose allocator already reuses its memory: leave it unset"
+        )
+    if not pool_supported():
+        raise ValueError(
+            f"host_buffer_pool=True needs a torch that moves memory between storages "
+            f"(UntypedStorage._swap_data_ptr_, torch 2.13); this is torch {torch.__version__}. "
+            f"Leave it unset"
         )
     if _keeps_to_a_budget(config.placement):
         raise ValueError(
@@ -505,7 +512,11 @@ class EngineConfig:
         wanted = self.placement.host_buffer_pool
         if wanted is not None:
             return wanted
-        return self.device.type == "cpu" and not _keeps_to_a_budget(self.placement)
+        return (
+            self.device.type == "cpu"
+            and not _keeps_to_a_budget(self.placement)
+            and pool_supported()
+        )
 
     @property
     def offloads_optimizer(self) -> bool:

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from helpers import BranchyGPT, Run, adamw, batch_slice, make_model, max_abs_diff, reference
 
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
-from shardwise.chunk.buffer_pool import BufferPool
+from shardwise.chunk.buffer_pool import BufferPool, pool_supported
 from shardwise.testing import run_ranks
+
+pytestmark = pytest.mark.skipif(not pool_supported(), reason="this torch cannot move memory")
 
 # One chunk for the whole model: the branch's parameters share it with parameters every rank's
 # gradient reaches, so on a rank that skips the branch part of the gradient buffer is unwritten,
