@@ -28,9 +28,9 @@ CHUNK_NUMEL = 3001  # several chunks, none a multiple of the world size: padding
 
 class BranchyGPT(nn.Module):
     """A GPT plus a branch that runs always, never, or only for batches whose first token is
-    even ("some_ranks": on the even ranks, see `batch_slice`), and optionally a frozen layer.
-    Stage 3 refuses a module that runs on some ranks only outside its gather units (see
-    [Note: conditional units] in runtime/gather_units.py)."""
+    even ("some_ranks": on the first half of the ranks, see `batch_slice`), and optionally a
+    frozen layer. Stage 3 refuses a module that runs on some ranks only outside its gather
+    units (see [Note: conditional units] in runtime/gather_units.py)."""
 
     def __init__(self, branch: str = "never", frozen: bool = False) -> None:
         super().__init__()
@@ -59,9 +59,11 @@ def make_model(branch: str = "never", frozen: bool = False) -> BranchyGPT:
 
 def batch_slice(step: int, micro: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx, targets = gpt_batch(CONFIG, GLOBAL_BATCH, SEQ, step * 100 + micro)
-    # Make the branch decision differ between slices: the first token of rank r's slice is r,
-    # so even ranks take the branch and odd ones skip it.
-    idx[:, 0] = torch.arange(GLOBAL_BATCH) // (GLOBAL_BATCH // world)
+    # Make the branch decision differ between slices, whatever the world size (the global
+    # batch must not depend on it): the first half of the batch starts with token 0, the
+    # second with 1, so at 2 ranks rank 0 takes the branch and rank 1 skips it, at 4 ranks
+    # ranks 0-1 take it and 2-3 skip it.
+    idx[:, 0] = torch.arange(GLOBAL_BATCH) // (GLOBAL_BATCH // 2)
     return idx.chunk(world)[rank], targets.chunk(world)[rank]
 
 

@@ -168,7 +168,8 @@ def test_each_plugin_trains_lora_as_the_plain_loop_and_saves_what_peft_loads(
         assert state.keys() == ref_state.keys()
         for key, value in ref_state.items():
             assert torch.equal(state[key], value), key
-    assert ref_losses[-1] < ref_losses[0]
+    # Training did something: every adapter moved from its initial value (the losses are of
+    # three different batches, so their order says nothing).
     untrained = _peft_model().state_dict()
     adapters = [k for k in ref_state if _trained_by_peft(k)]
     assert any("modules_to_save" in k for k in adapters)
