@@ -96,7 +96,9 @@ def test_a_pooled_run_equals_the_torch_loop_in_fp32(stage: int) -> None:
         assert losses == pytest.approx(expected_losses, abs=LOSS_TOL)
         assert max_abs_diff(state, expected_state) < PARAM_TOL
         assert counts["reused"] > 0  # buffers did come from the pool
-        assert 0 < counts["spare"] <= counts["limit"]
+        # What is spare at the end depends on when the last reductions' gloo work let go of
+        # their buffers (one still viewed is not taken back); never more than the limit.
+        assert counts["spare"] <= counts["limit"]
         assert counts["spare_after_release"] == 0
 
 
