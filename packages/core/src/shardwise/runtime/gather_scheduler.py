@@ -149,7 +149,7 @@ class GatherScheduler:
         self._finish_reductions = finish_reductions
         self._warmed_up = False
         self._used_in_pass: dict[int, set[int]] = {}
-        self._in_backward = False
+        self._pass = Pass.FORWARD  # the pass the gathers serve now
         self._keep_for_backward: frozenset[int] = frozenset()
         self._hooks = hooks if hooks is not None else HookSet()
         self._unit_hooks = self._hooks.part()  # replaced with the units (`_install`)
@@ -276,10 +276,10 @@ class GatherScheduler:
 
         @_outside_compiled
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            trace = self._backward if self._in_backward else self._forward
+            trace = self._backward if self._pass is Pass.BACKWARD else self._forward
             trace.visit(chunk_ids)
             self.trail.add(visit)
-            self._gather(chunks, self._serving, f"before forward of {type(module).__name__}")
+            self._gather(chunks, self._pass, f"before forward of {type(module).__name__}")
             for chunk, index in places:
                 chunk.set_compute(index)
             if self._open.get(key, 0) == 0:
@@ -296,10 +296,6 @@ class GatherScheduler:
             return None
 
         return hook
-
-    @property
-    def _serving(self) -> Pass:
-        return Pass.BACKWARD if self._in_backward else Pass.FORWARD
 
     def _face_if_sharded(self, value: Any) -> Any:
         if isinstance(value, ShardedParameter) and value._on_use is not None:
@@ -337,7 +333,7 @@ class GatherScheduler:
             self._close(unit)
             for chunk, index in places:
                 chunk.set_hold(index)
-            if not self._in_backward:
+            if self._pass is not Pass.BACKWARD:
                 close = self._closes
                 self._closes += 1
                 if not self._forward.recorded:
@@ -398,7 +394,7 @@ class GatherScheduler:
         model's own forward outside every unit counts as the model's), and hand back the
         compute face (see [Note: gather units])."""
         chunk, index = self.chunk_manager.locate(param)
-        self._gather([chunk], self._serving, f"on use of {chunk.tensors[index].name}")
+        self._gather([chunk], self._pass, f"on use of {chunk.tensors[index].name}")
         self._pinned.add(chunk.chunk_id)
         user = self._active[-1].name if self._active else ""
         self._used_in.setdefault(chunk.tensors[index].name, set()).add(user)
@@ -434,8 +430,8 @@ class GatherScheduler:
         chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
 
         def hook(grad: torch.Tensor) -> None:
-            if not self._in_backward:
-                self._in_backward = True
+            if self._pass is not Pass.BACKWARD:
+                self._pass = Pass.BACKWARD
                 self._backward.begin()
                 self._backward_end.queue()
                 if self._on_backward is not None:
@@ -487,7 +483,7 @@ class GatherScheduler:
                     )
 
         def backward_done(grads: Any) -> None:
-            if not opened[0] or not self._in_backward:
+            if not opened[0] or self._pass is not Pass.BACKWARD:
                 return
             opened[0] = False
             for chunk in frozen:
@@ -503,7 +499,7 @@ class GatherScheduler:
     def end_backward(self) -> None:
         """Autograd finished a backward pass (see [Note: one end of backward] in
         runtime/backward_end.py): release what is still gathered, settle the recorded order."""
-        self._in_backward = False
+        self._pass = Pass.FORWARD
         self.units.end_backward()
         self._backward.finish()
         # Nothing computes once backward has ended. A module's re-run forward under
@@ -539,7 +535,7 @@ class GatherScheduler:
             chunk = self.chunk_manager.chunks[chunk_id]
             if chunk.payload.state is ChunkState.SHARDED and not chunk.payload.gather_pending:
                 if self._gemini is not None:
-                    self._settle(self._gemini.before_prefetch([chunk], self._serving))
+                    self._settle(self._gemini.before_prefetch([chunk], self._pass))
                 chunk.payload.start_gather()
                 if self._gemini is not None:
                     self._settle(self._gemini.check_budget(f"after prefetching chunk {chunk_id}"))
