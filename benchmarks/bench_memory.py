@@ -1,8 +1,9 @@
 """Memory of each engine at sizes where model state dominates, measured from outside.
 
     python benchmarks/bench_memory.py compare --sizes 117m,168m --out mem.json --results RESULTS.md
-    python benchmarks/bench_memory.py largest --engines ddp,zero2,fsdp2,zero3-cuda --out big.json
     python benchmarks/bench_memory.py compare --smoke --out s.json        (tiny, seconds)
+
+(bench_largest.py, the largest model per engine, launches this file's `one` for each attempt.)
 
 compare: for every engine (torch DDP and FSDP2, shardwise stages 1-3 with the defaults a user
 gets; stage 3 under the "cuda", "cpu" and "auto" placements), each in a run of its own under
@@ -25,23 +26,17 @@ stage 3 and FSDP2) and the largest unit an engine gathers at once (payload and g
 stage-3 chunk, an FSDP2 group, a stage-1/2 or DDP gradient bucket). On CUDA each phase also
 reads `torch.cuda.max_memory_allocated`.
 
-largest: grows the GPT's depth at width `--n-embd` (doubling, then bisecting) until 3 steps
-fail or the two ranks' resident sets together pass `--limit-gib`; each attempt runs in its own
-processes, bounded by `--attempt-timeout`, and a watchdog polling the process tree's resident
-set stops it before the host runs short. `--layers 160,192` tries those depths instead of
-searching; `--largest-steps` sets the steps of an attempt.
-
 Engines beyond the defaults: `zero2-offload` (stage 2 with `cpu_offload`), `zero3-disk` (stage
 3, "cpu" placement, every fp32 master and optimizer state on the disk tier under `--disk-dir`),
 `zero3-disk-bf16` (the same with bf16 parameter storage, fp32 compute and masters),
 `fsdp2-bf16` (FSDP2 over a bf16 model, gathered and computing in fp32: its 16-bit storage, with
-torch's AdamW keeping bf16 state), `zero3-cuda-wholestep` (the optimizer stepping every shard
-in one call, as before the chunk-by-chunk step). `--meta` builds the model on the meta device
-and lets the engine initialise it shard by shard (never whole); `--foreach` gives every engine
-torch's foreach AdamW (CUDA's default) instead of the fused one; `--chunk-numel` sets stage 3's
-chunk size (default: searched). Each phase also records the bytes the rank's process wrote and
-read (`/proc/self/io`'s wchar and rchar: the disk tier's files, measured from outside the
-engine).
+torch's AdamW, fused unless `--foreach` as for every engine, keeping its state in bf16),
+`zero3-cuda-wholestep` (the optimizer stepping every shard in one call, as before the
+chunk-by-chunk step). `--meta` builds the model on the meta device and lets the engine
+initialise it shard by shard (never whole); `--foreach` gives every engine torch's foreach
+AdamW (CUDA's default) instead of the fused one; `--chunk-numel` sets stage 3's chunk size
+(default: searched). Each phase also records the bytes the rank's process wrote and read
+(`/proc/self/io`'s wchar and rchar: the disk tier's files, measured from outside the engine).
 """
 
 from __future__ import annotations
@@ -143,7 +138,7 @@ def _model_config(size: str) -> GPTConfig:
 
 
 def _layers_size(size: str) -> tuple[int, int, int]:
-    # "L<layers>x<width>": the shapes `largest` tries.
+    # "L<layers>x<width>": the shapes bench_largest.py tries.
     layers, width = size.removeprefix("L").split("x")
     return int(layers), int(width), 32768
 
@@ -191,7 +186,7 @@ def _build(
         if meta:
             _init_sharded(model, device)
         block_numel = sum(p.numel() for p in model.blocks[0].parameters())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        optimizer = _adamw(model.parameters(), foreach)
 
         def bf16_forward(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             optimizer.zero_grad()
@@ -366,7 +361,7 @@ def run_one(args: argparse.Namespace) -> None:
 # ---- the driver --------------------------------------------------------------------------------
 
 
-def _launch(
+def launch(
     engine: str,
     size: str,
     steps: int,
@@ -376,9 +371,11 @@ def _launch(
     cpu: bool,
     extra: list[str] | None = None,
     ranks: int = 2,
+    env: dict[str, str] | None = None,
 ) -> tuple[str, float]:
     """Run one engine in processes of its own; stop it when its tree's resident set passes
-    `limit_gib` or it runs past `timeout`. Returns (outcome, highest resident GiB seen)."""
+    `limit_gib` or it runs past `timeout`. `env`: the run's environment (default: this one's).
+    Returns (outcome, highest resident GiB seen)."""
     command = [
         sys.executable,
         "-m",
@@ -398,15 +395,18 @@ def _launch(
         *(["--cpu"] if cpu else []),
         *(extra or []),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    environment = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
     # Output to a file, not a pipe: a rank orphaned by a failed launcher would hold a pipe open.
     with tempfile.TemporaryFile() as log_file:
         process = subprocess.Popen(
-            command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            env=environment,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         outcome, highest = _watch(process, timeout, limit_gib)
-        # The launcher's session: whatever is left of it (all of it when over a limit; a rank
-        # the launcher left behind when another failed) goes.
+        # The launcher's session: whatever is left of it goes (its ranks went in _watch).
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, 9)
         process.wait()
@@ -421,11 +421,15 @@ def _launch(
 
 def _watch(process: subprocess.Popen[bytes], timeout: float, limit_gib: float) -> tuple[str, float]:
     """Poll the resident set of `process`'s tree until it ends, passes `limit_gib` or runs
-    past `timeout`: ("" when it ended by itself, or what it passed; the highest GiB seen)."""
+    past `timeout`: ("" when it ended by itself, or what it passed; the highest GiB seen).
+    Then every process seen below `process` goes: torchrun starts each rank in a session of
+    its own, out of reach of the launcher's, and a rank outliving its attempt would hold its
+    memory (and the disk tier's files) through the next."""
     import psutil
 
     deadline = time.monotonic() + timeout
-    highest = 0.0
+    highest, outcome = 0.0, ""
+    seen: dict[int, psutil.Process] = {}
     try:
         root = psutil.Process(process.pid)
     except psutil.Error:  # ended already
@@ -434,18 +438,26 @@ def _watch(process: subprocess.Popen[bytes], timeout: float, limit_gib: float) -
         resident = 0
         with contextlib.suppress(psutil.Error):
             for member in [root, *root.children(recursive=True)]:
+                seen.setdefault(member.pid, member)
                 with contextlib.suppress(psutil.Error):
                     resident += member.memory_info().rss
         highest = max(highest, resident / 2**30)
         if resident > limit_gib * 2**30:
-            return f"over the {limit_gib:g} GiB limit", highest
+            outcome = f"over the {limit_gib:g} GiB limit"
+            break
         if time.monotonic() > deadline:
-            return f"past the {timeout:g} s limit", highest
+            outcome = f"past the {timeout:g} s limit"
+            break
         time.sleep(0.05)
-    return "", highest
+    below = [member for pid, member in seen.items() if pid != process.pid]
+    for member in below:
+        with contextlib.suppress(psutil.Error):
+            member.kill()
+    psutil.wait_procs(below, timeout=60)
+    return outcome, highest
 
 
-def _passed_on(args: argparse.Namespace) -> list[str]:
+def passed_on(args: argparse.Namespace) -> list[str]:
     """The options a launched run takes from the driver's."""
     return [
         *(["--meta"] if args.meta else []),
@@ -463,8 +475,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         for size in sizes:
             for engine in engines:
                 out = Path(scratch) / f"{engine}-{size}.json"
-                launch = functools.partial(
-                    _launch,
+                once = functools.partial(
+                    launch,
                     engine,
                     size,
                     args.steps,
@@ -472,15 +484,15 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                     args.attempt_timeout,
                     args.limit_gib,
                     args.cpu,
-                    extra=_passed_on(args),
+                    extra=passed_on(args),
                     ranks=args.ranks,
                 )
-                outcome, _ = launch()
+                outcome, _ = once()
                 if outcome.startswith("past the"):
                     # A launch that never got going (its rendezvous, say) is tried once more;
                     # the log of the first went to stderr, and a second hang still fails.
                     print(f"{engine} at {size}: {outcome}; trying once more", file=sys.stderr)
-                    outcome, _ = launch()
+                    outcome, _ = once()
                 if outcome != "ok":
                     raise SystemExit(f"{engine} at {size}: {outcome}")
                 run = json.loads(out.read_text())
@@ -505,77 +517,11 @@ def _row(run: dict[str, Any]) -> str:
     )
 
 
-def largest(args: argparse.Namespace) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    width = args.n_embd
-    with tempfile.TemporaryDirectory() as scratch:
-        for engine in args.engines.split(","):
-            attempts: list[dict[str, Any]] = []
-
-            def fits(layers: int, engine: str = engine, attempts: list[Any] = attempts) -> bool:
-                out = Path(scratch) / f"{engine}-{layers}.json"
-                outcome, highest = _launch(
-                    engine,
-                    f"L{layers}x{width}",
-                    args.largest_steps,
-                    out,
-                    args.attempt_timeout,
-                    args.limit_gib,
-                    args.cpu,
-                    # Few tokens: the model state decides what fits, and steps stay short.
-                    extra=["--seq", "16", "--sequences", "1", *_passed_on(args)],
-                    ranks=args.ranks,
-                )
-                run = json.loads(out.read_text()) if outcome == "ok" else None
-                attempts.append(
-                    {
-                        "layers": layers,
-                        "outcome": outcome,
-                        "params": run["params"] if run else None,
-                        "highest_gib": round(highest, 2),
-                        "step_seconds": run["ranks"][0]["step_seconds"] if run else None,
-                        "io_per_step": run["ranks"][0]["io_per_step"] if run else None,
-                    }
-                )
-                print(f"{engine} {layers} layers: {outcome} ({highest:.1f} GiB)", flush=True)
-                return outcome == "ok"
-
-            if args.layers:
-                for layers in (int(n) for n in args.layers.split(",")):
-                    fits(layers)
-            else:
-                low, high = 0, args.start_layers
-                while fits(high):
-                    low, high = high, high * 2
-                while high - low > max(1, low // 8):
-                    middle = (low + high) // 2
-                    if fits(middle):
-                        low = middle
-                    else:
-                        high = middle
-            best = max(
-                (a for a in attempts if a["outcome"] == "ok"),
-                key=lambda a: a["layers"],
-                default=None,
-            )
-            found[engine] = {"largest": best, "attempts": attempts}
-    return {
-        "kind": "largest",
-        "width": width,
-        "steps": args.largest_steps,
-        "limit_gib": args.limit_gib,
-        "engines": found,
-    }
-
-
 def write_results(
     result: dict[str, Any], path: Path, command: str, block: str | None = None
 ) -> None:
     """Replace (or add) this benchmark's block (or the one named `block`) in the results
     file."""
-    if result["kind"] == "largest":
-        _write_block(path, block or "bench_memory_largest", _largest_lines(result, command))
-        return
     lines = [
         "## Memory at scale (each engine in a run of its own, measured from outside)",
         "",
@@ -593,32 +539,10 @@ def write_results(
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *(_row(run) for run in result["runs"]),
     ]
-    _write_block(path, block or "bench_memory", lines)
+    write_block(path, block or "bench_memory", lines)
 
 
-def _largest_lines(result: dict[str, Any], command: str) -> list[str]:
-    lines = [
-        "## Largest model each engine trains on this host",
-        "",
-        f"Written by `{command}`: GPTs of width {result['width']} (vocabulary 32768, untied "
-        f"head), {result.get('steps', 3)} steps of one 16-token sequence per rank, 2 ranks, "
-        f"AdamW, the two ranks' resident sets kept under {result['limit_gib']:g} GiB by a "
-        f"watchdog.",
-        "",
-        "| engine | largest (layers) | parameters | peak GiB (2 ranks) | attempts |",
-        "| --- | ---: | ---: | ---: | --- |",
-    ]
-    for engine, found in result["engines"].items():
-        best = found["largest"] or {"layers": 0, "params": 0, "highest_gib": 0.0}
-        tried = ", ".join(f"{a['layers']}: {a['outcome']}" for a in found["attempts"])
-        lines.append(
-            f"| {engine} | {best['layers']} | {best['params'] or 0:,} | "
-            f"{best['highest_gib']:.1f} | {tried} |"
-        )
-    return lines
-
-
-def _write_block(path: Path, name: str, lines: list[str]) -> None:
+def write_block(path: Path, name: str, lines: list[str]) -> None:
     """Replace (or add) the block `name` of the results file."""
     begin_mark, end_mark = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
     block = "\n".join([begin_mark, *lines, end_mark])
@@ -631,9 +555,12 @@ def _write_block(path: Path, name: str, lines: list[str]) -> None:
     path.write_text(text)
 
 
+_write_block = write_block  # the name the other benchmarks import
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", choices=["compare", "largest", "one"])
+    parser.add_argument("part", choices=["compare", "one"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--engine", help="for `one`")
@@ -643,38 +570,21 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT: checks the plumbing")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU where CUDA is there")
     parser.add_argument("--results", type=Path, help="write the compare table into this file")
-    parser.add_argument(
-        "--limit-gib",
-        type=float,
-        default=20.0,
-        help="the two ranks' resident sets together may not pass this",
-    )
+    parser.add_argument("--limit-gib", type=float, default=20.0, help="all ranks' resident sets")
     parser.add_argument("--attempt-timeout", type=float, default=600.0, help="seconds per run")
-    parser.add_argument("--n-embd", type=int, default=1024, help="for `largest`")
-    parser.add_argument("--start-layers", type=int, default=8, help="for `largest`")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (`one`)")
-    parser.add_argument(
-        "--ranks", type=int, default=2, help="ranks per run (1 on a machine with one GPU)"
-    )
+    parser.add_argument("--ranks", type=int, default=2, help="ranks per run (1 with one GPU)")
     parser.add_argument("--sequences", type=int, default=2, help="sequences per rank (`one`)")
-    parser.add_argument(
-        "--meta", action="store_true", help="build the model on the meta device (never whole)"
-    )
+    parser.add_argument("--meta", action="store_true", help="build it on the meta device")
     parser.add_argument("--foreach", action="store_true", help="foreach AdamW instead of fused")
     parser.add_argument("--disk-dir", help="the disk tier's directory (zero3-disk engines)")
-    parser.add_argument(
-        "--chunk-numel", type=int, help="stage 3's chunk size in elements (default: searched)"
-    )
-    parser.add_argument("--layers", help="for `largest`: depths to try, e.g. 160,192")
-    parser.add_argument("--largest-steps", type=int, default=3, help="for `largest`")
-    parser.add_argument(
-        "--results-block", help="the block of --results to write (default: this part's own)"
-    )
+    parser.add_argument("--chunk-numel", type=int, help="stage 3's chunk size (elements)")
+    parser.add_argument("--results-block", help="the block of --results (default: its own)")
     args = parser.parse_args()
     if args.part == "one":
         run_one(args)
         return
-    result = compare(args) if args.part == "compare" else largest(args)
+    result = compare(args)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if args.results is not None:
         write_results(
