@@ -32,11 +32,11 @@ Engines beyond the defaults: `zero2-offload` (stage 2 with `cpu_offload`), `zero
 `fsdp2-bf16` (FSDP2 over a bf16 model, gathered and computing in fp32: its 16-bit storage, with
 torch's AdamW, fused unless `--foreach` as for every engine, keeping its state in bf16),
 `zero3-cuda-wholestep` (the optimizer stepping every shard in one call, as before the
-chunk-by-chunk step). `--meta` builds the model on the meta device and lets the engine
-initialise it shard by shard (never whole); `--foreach` gives every engine torch's foreach
-AdamW (CUDA's default) instead of the fused one; `--chunk-numel` sets stage 3's chunk size
-(default: searched). Each phase also records the bytes the rank's process wrote and read
-(`/proc/self/io`'s wchar and rchar: the disk tier's files, measured from outside the engine).
+chunk-by-chunk step), `-nopool` (`host_buffer_pool=False`). `--meta` builds the model on the
+meta device and lets the engine initialise it shard by shard (never whole); `--foreach` gives
+every engine torch's foreach AdamW (CUDA's default) instead of the fused one; `--chunk-numel`
+sets stage 3's chunk size (default: searched). Each phase also records the bytes the rank's
+process wrote and read (`/proc/self/io`'s wchar and rchar: the disk tier's files).
 """
 
 from __future__ import annotations
@@ -63,11 +63,8 @@ from shardwise.testing import GPT, GPTConfig, gpt_batch
 
 ENGINES = ("ddp", "fsdp2", "zero1", "zero2", "zero3-cuda", "zero3-cpu", "zero3-auto")
 MORE_ENGINES = (
-    "zero2-offload",
-    "zero3-disk",
-    "zero3-disk-bf16",
-    "fsdp2-bf16",
-    "zero3-cuda-wholestep",
+    *("zero2-offload", "zero3-disk", "zero3-disk-bf16", "fsdp2-bf16", "zero3-cuda-wholestep"),
+    *("zero3-cuda-nopool", "zero2-nopool"),
 )
 MIB = 2**20
 # GPT shapes by name: (layers, width, vocabulary); untied head, 8 heads of 128.
@@ -235,6 +232,7 @@ def _build(
             config["device_budget_bytes"] = budget
         if placement == "disk":
             config.update(nvme_offload_fraction=1.0, nvme_offload_dir=disk_dir)
+    config["host_buffer_pool"] = False if "nopool" in parts else None
     if "bf16" in parts:
         config["mixed_precision"] = MixedPrecision(
             param_dtype=torch.bfloat16, compute_dtype=torch.float32

@@ -19,8 +19,14 @@ two) and allocates a new one at its class's size: any spare of a class serves an
 at most 1.6% larger than the buffer needs (the storage holds those bytes; the tensor spans its
 own elements).
 
-What it holds is bounded (`spare_limit_bytes`, by default two buffers of the manager's largest
-chunk) and counted (`spare_bytes`, reported by `ZeroModel.pooled_bytes()`, apart from model state);
+Spares live within a pass: the runtime drains the pool when a forward ends and when a backward
+ends (`Runtime.end_forward`, the last step of the end of backward), so a spare never sits
+through the activations' peak at the turn of the pass or through the optimizer step: within a
+pass a released buffer serves the next gather or gradient at once, and the process holds no
+more than without the pool. Kept spare across passes, two buffers raised a 117M GPT's stage-3
+peak by 163 MiB per rank (benchmarks/RESULTS.md, "A pool of host buffers"). What it holds is
+bounded (`spare_limit_bytes`, by default two buffers of the manager's largest chunk) and
+counted (`spare_bytes`, reported by `ZeroModel.pooled_bytes()`, apart from model state);
 `drain()` frees it (`ZeroModel.release_module()` does). It serves CPU buffers only: CUDA's
 caching allocator already reuses device memory. A placement that holds the device to a budget
 ("auto", a `device_budget_bytes`) gets no pool, so that nothing outside the chunks' own

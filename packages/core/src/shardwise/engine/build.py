@@ -185,10 +185,13 @@ def build_runtime(
         backward_end=backward_end,
         hooks=hooks.part(),
     )
-    # See [Note: one end of backward] in runtime/backward_end.py.
+    # See [Note: one end of backward] in runtime/backward_end.py. The spare buffers go last,
+    # once the reductions have given theirs back (see [Note: a pool of host buffers]).
+    pool = chunk_manager.buffer_pool
     backward_end.steps = [
         *([scheduler.end_backward] if scheduler is not None else []),
         reducer.end_of_backward,
+        *([pool.drain] if pool is not None else []),
     ]
     if gemini is not None:
         gemini.attach_reducer(reducer)
@@ -198,6 +201,7 @@ def build_runtime(
         scheduler=scheduler,
         param_gather=param_gather,
         backward_end=backward_end,
+        buffer_pool=pool,
     )
 
 
