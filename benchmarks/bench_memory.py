@@ -32,7 +32,7 @@ Engines beyond the defaults: `zero2-offload` (stage 2 with `cpu_offload`), `zero
 `fsdp2-bf16` (FSDP2 over a bf16 model, gathered and computing in fp32: its 16-bit storage, with
 torch's AdamW, fused unless `--foreach` as for every engine, keeping its state in bf16),
 `zero3-cuda-wholestep` (the optimizer stepping every shard in one call, as before the
-chunk-by-chunk step), `-nopool` (`host_buffer_pool=False`). `--meta` builds the model on the
+chunk-by-chunk step), `-pool` (`host_buffer_pool=True`). `--meta` builds the model on the
 meta device and lets the engine initialise it shard by shard (never whole); `--foreach` gives
 every engine torch's foreach AdamW (CUDA's default) instead of the fused one; `--chunk-numel`
 sets stage 3's chunk size (default: searched). Each phase also records the bytes the rank's
@@ -64,7 +64,7 @@ from shardwise.testing import GPT, GPTConfig, gpt_batch
 ENGINES = ("ddp", "fsdp2", "zero1", "zero2", "zero3-cuda", "zero3-cpu", "zero3-auto")
 MORE_ENGINES = (
     *("zero2-offload", "zero3-disk", "zero3-disk-bf16", "fsdp2-bf16", "zero3-cuda-wholestep"),
-    *("zero3-cuda-nopool", "zero2-nopool"),
+    *("zero3-cuda-pool", "zero2-pool"),
 )
 MIB = 2**20
 # GPT shapes by name: (layers, width, vocabulary); untied head, 8 heads of 128.
@@ -232,7 +232,7 @@ def _build(
             config["device_budget_bytes"] = budget
         if placement == "disk":
             config.update(nvme_offload_fraction=1.0, nvme_offload_dir=disk_dir)
-    config["host_buffer_pool"] = False if "nopool" in parts else None
+    config["host_buffer_pool"] = "pool" in parts
     if "bf16" in parts:
         config["mixed_precision"] = MixedPrecision(
             param_dtype=torch.bfloat16, compute_dtype=torch.float32
@@ -266,7 +266,7 @@ def model_state_bytes(engine: str, params: int, world: int) -> float:
         "zero1": 4 + 4 + 8 / world,  # whole parameters and gradients, sharded moments
         "zero2": 4 + 12 / world,
         "fsdp2": 16 / world,
-    }.get(engine, 16 / world)
+    }.get(engine.removesuffix("-pool"), 16 / world)
     return per_param * params
 
 

@@ -11,8 +11,8 @@ block `torch.compile`d before wrapping), `+telemetry` (stream telemetry to a fil
 `+offload` (stages 1-2: `cpu_offload`, the optimizer side in host memory), `+int8` / `+fp8`
 (parameters gathered and gradients reduced in that quantized format), `+wholestep` (the
 optimizer steps every shard in one call, as before the step went chunk by chunk: the
-reference of that change), `+nopool` (stages 1-3 with `host_buffer_pool=False`: every chunk
-buffer from the allocator, as before the engine kept freed ones for reuse) and `-rs`, `-a2a`,
+reference of that change), `+pool` (stages 1-3 with `host_buffer_pool=True`: the chunk-sized
+buffers a step frees kept for the next ones) and `-rs`, `-a2a`,
 `-ar` (shardwise's gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce).
 `zero3-disk` is stage 3 with "cpu" placement and every master and optimizer state on the disk
 tier (under `$SHARDWISE_BENCH_DISK_DIR`, else the system's temporary directory).
@@ -82,7 +82,7 @@ class EngineSpec:
     offload: bool = False
     whole_step: bool = False
     wire: str = "dtype"
-    pool: bool = True
+    pool: bool = False
 
     @property
     def name(self) -> str:
@@ -92,7 +92,7 @@ class EngineSpec:
             + ("+offload" if self.offload else "")
             + ("" if self.wire == "dtype" else f"+{self.wire}")
             + ("+wholestep" if self.whole_step else "")
-            + ("" if self.pool else "+nopool")
+            + ("+pool" if self.pool else "")
             + ("+compile" if self.compiled else "")
             + ("+defaults" if self.defaults else "")
             + ("+telemetry" if self.telemetry else "")
@@ -115,8 +115,8 @@ class EngineSpec:
         name = name.removesuffix("+defaults")
         compiled = name.endswith("+compile")
         name = name.removesuffix("+compile")
-        pool = not name.endswith("+nopool")
-        name = name.removesuffix("+nopool")
+        pool = name.endswith("+pool")
+        name = name.removesuffix("+pool")
         whole_step = name.endswith("+wholestep")
         name = name.removesuffix("+wholestep")
         wire = "dtype"
@@ -225,8 +225,8 @@ def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Co
         "gather_format": spec.wire,
         "reduce_format": spec.wire,
     }
-    if not spec.pool:
-        config["host_buffer_pool"] = False
+    if spec.pool:
+        config["host_buffer_pool"] = True
     if stage == 3:
         config.update(placement_policy="cpu" if spec.placement == "disk" else spec.placement)
         if spec.placement == "disk":

@@ -83,6 +83,7 @@ def _train(run: Run, pool: bool) -> tuple[list[float], dict[str, torch.Tensor], 
         losses.append(float(total / run.world))
         spare_between_steps.append(wrapped.pooled_bytes())
     counts = {
+        "limit": buffers.spare_limit_bytes if buffers is not None else 0,
         "reused": buffers.reused if buffers is not None else 0,
         "spare_between_steps": spare_between_steps,
     }
@@ -98,8 +99,8 @@ def test_a_pooled_run_equals_the_torch_loop_in_fp32(stage: int, branch: str) -> 
         assert max_abs_diff(state, expected_state) < PARAM_TOL
         if stage == 3:  # released payloads serve the next gathers and gradients
             assert counts["reused"] > 0
-        # Spares live within a pass: nothing is held between steps.
-        assert counts["spare_between_steps"] == [0] * run.steps
+        # Between steps the pool holds at most its limit.
+        assert max(counts["spare_between_steps"]) <= counts["limit"]
 
 
 def test_a_pooled_run_equals_an_unpooled_one_with_16_bit_storage() -> None:

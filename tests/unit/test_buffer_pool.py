@@ -5,13 +5,17 @@ holds; and the configuration decides where a pool applies."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from shardwise import zero_model_wrapper
 from shardwise.chunk.buffer_pool import BufferPool, pool_supported, size_class
+from shardwise.chunk.host_memory import advise_huge_pages
 from shardwise.engine.config import EngineConfig, Placement
 from shardwise.gemini import placement_policy
+from shardwise.host_memory import kernel_grants_huge_pages
 
 needs_pool = pytest.mark.skipif(not pool_supported(), reason="this torch cannot move memory")
 
@@ -75,14 +79,13 @@ def _config(**placement: object) -> EngineConfig:
 
 
 @needs_pool
-def test_the_pool_applies_on_a_cpu_device_without_a_budget() -> None:
-    assert _config().pools_host_buffers
-    assert _config(policy="cpu").pools_host_buffers
-    assert not _config(host_buffer_pool=False).pools_host_buffers
-    assert not _config(device_budget_bytes=2**30).pools_host_buffers
-    assert not _config(policy="auto", device_budget_bytes=2**30).pools_host_buffers
-    with pytest.raises(ValueError, match="host_buffer_pool=True with a device budget"):
-        _config(policy="auto", device_budget_bytes=2**30, host_buffer_pool=True)
+def test_the_pool_is_on_request_and_refused_under_a_budget() -> None:
+    assert not _config().pools_host_buffers
+    assert _config(host_buffer_pool=True).pools_host_buffers
+    assert _config(policy="cpu", host_buffer_pool=True).pools_host_buffers
+    for policy in ("cuda", "auto"):
+        with pytest.raises(ValueError, match="host_buffer_pool=True with a device budget"):
+            _config(policy=policy, device_budget_bytes=2**30, host_buffer_pool=True)
     with pytest.raises(TypeError, match="host_buffer_pool must be a bool"):
         _config(host_buffer_pool="yes")
 
@@ -90,13 +93,20 @@ def test_the_pool_applies_on_a_cpu_device_without_a_budget() -> None:
 @needs_pool
 def test_gemini_config_takes_host_buffer_pool_at_every_stage() -> None:
     for stage in (1, 2, 3):
-        model = zero_model_wrapper(
-            torch.nn.Linear(4, 4), stage, {"device": "cpu", "host_buffer_pool": False}
-        )
+        model = zero_model_wrapper(torch.nn.Linear(4, 4), stage, {"device": "cpu"})
         assert model.chunk_manager.buffer_pool is None
         assert model.pooled_bytes() == 0
-    model = zero_model_wrapper(torch.nn.Linear(4, 4), 3, {"device": "cpu"})
-    assert model.chunk_manager.buffer_pool is not None
+        model = zero_model_wrapper(
+            torch.nn.Linear(4, 4), stage, {"device": "cpu", "host_buffer_pool": True}
+        )
+        assert model.chunk_manager.buffer_pool is not None
+
+
+def test_the_engines_buffers_ask_for_huge_pages_where_granted() -> None:
+    """See [Note: huge pages for the engine's buffers] in chunk/host_memory.py."""
+    granted = kernel_grants_huge_pages() and sys.platform.startswith("linux")
+    assert advise_huge_pages(torch.empty(4 << 20).untyped_storage()) is granted
+    assert advise_huge_pages(torch.empty(16).untyped_storage()) is False  # under 4 MiB
 
 
 @needs_pool

@@ -1,36 +1,36 @@
-"""Chunk-sized host buffers kept for reuse by the engine that freed them.
+"""Chunk-sized host buffers kept for reuse by the engine that freed them, on request.
 
 [Note: a pool of host buffers]
 A sharded step on a CPU host frees and allocates chunk-sized buffers over and over: every
 gather fills a payload's storage and every release empties it, every backward allocates each
 chunk's gradient buffer and the reduction frees it. The C library gives a large freed block
-straight back to the kernel, so each new one is fresh memory whose 4 KiB pages fault and are
-zeroed on first write (a 256 MB buffer filled: 0.17 s). The pool keeps what a chunk frees and
-hands it to the next buffer of the same size instead: no fault, no zeroing, whatever the
-process's allocator settings or the order of imports. It moves memory between storages with
-`UntypedStorage._swap_data_ptr_`, so a payload keeps its storage object (the one its
-parameters, and tensors autograd saved, view): emptying the storage to the pool looks to every
-view exactly as resizing it to zero did, and no view can reach memory the pool hands out again.
-A gradient buffer is taken back only where nothing else views it.
+straight back to the kernel, so each new one is fresh memory the kernel faults in and zeroes
+on first write. The engine's own buffers are faulted in 2 MiB pages (see [Note: huge pages for
+the engine's buffers] in chunk/host_memory.py), which takes most of that cost away; with
+`host_buffer_pool=True` the engine also keeps what a chunk frees and hands it to the next
+buffer of its size class, so that no page is faulted or zeroed again. It moves memory between
+storages with `UntypedStorage._swap_data_ptr_`, so a payload keeps its storage object (the
+one its parameters, and tensors autograd saved, view): emptying the storage to the pool looks
+to every view exactly as resizing it to zero did, and no view can reach memory the pool hands
+out again. A gradient buffer is taken back only where nothing else views it.
+
+The cost is memory, which is why the pool is off unless asked for: a spare is memory the
+process would otherwise have given back while the step went on, so it adds to the peak
+whenever it waits through other allocations (activations, autograd's gradients) for the next
+buffer of its class. On a 117M GPT (2 ranks, stage 3, 4 KiB pages) two spares kept across
+passes made the step 24% shorter and the peak 163 MiB higher per rank; drained at the end of
+each pass and evicted by any allocation they could not serve, they saved no time and still
+added 84 MiB (benchmarks/RESULTS.md, "A pool of host buffers").
 
 Chunks of one model differ in size by a few elements (a layer's parameters rarely fill a chunk
 exactly), so the pool files buffers by size class (sizes rounded up to 1/64 of their power of
 two) and allocates a new one at its class's size: any spare of a class serves any buffer of it,
 at most 1.6% larger than the buffer needs (the storage holds those bytes; the tensor spans its
-own elements).
-
-Spares live within a pass: the runtime drains the pool when a forward ends and when a backward
-ends (`Runtime.end_forward`, the last step of the end of backward), so a spare never sits
-through the activations' peak at the turn of the pass or through the optimizer step: within a
-pass a released buffer serves the next gather or gradient at once, and the process holds no
-more than without the pool. Kept spare across passes, two buffers raised a 117M GPT's stage-3
-peak by 163 MiB per rank (benchmarks/RESULTS.md, "A pool of host buffers"). What it holds is
-bounded (`spare_limit_bytes`, by default two buffers of the manager's largest chunk) and
-counted (`spare_bytes`, reported by `ZeroModel.pooled_bytes()`, apart from model state);
-`drain()` frees it (`ZeroModel.release_module()` does). It serves CPU buffers only: CUDA's
-caching allocator already reuses device memory. A placement that holds the device to a budget
-("auto", a `device_budget_bytes`) gets no pool, so that nothing outside the chunks' own
-buffers takes from the budget.
+own elements). What it holds is bounded (`spare_limit_bytes`: two buffers of the manager's
+largest chunk) and counted (`spare_bytes`, reported by `ZeroModel.pooled_bytes()`, apart from
+model state); `drain()` frees it (`ZeroModel.release_module()` does). It serves CPU buffers
+only: CUDA's caching allocator already reuses device memory; and not under a placement that
+holds the device to a budget ("auto", a `device_budget_bytes`), whose budget it would take from.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+
+from shardwise.chunk.host_memory import advise_huge_pages
 
 
 def pool_supported() -> bool:
@@ -79,6 +81,7 @@ class BufferPool:
         spare = self._take(nbytes)
         if spare is None:
             storage.resize_(size_class(nbytes))
+            advise_huge_pages(storage)
         else:
             _move_memory(spare, storage)
 
@@ -91,6 +94,7 @@ class BufferPool:
         storage = tensor.untyped_storage()
         if spare is None:
             storage = torch.UntypedStorage(size_class(nbytes))
+            advise_huge_pages(storage)
         else:
             _move_memory(spare, storage)
         return tensor.set_(storage, 0, (numel,), (1,))

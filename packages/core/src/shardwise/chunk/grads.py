@@ -53,6 +53,7 @@ import torch
 
 from shardwise.chunk.context import ChunkContext
 from shardwise.chunk.grad_buffer import owns_storage, zero_unwritten
+from shardwise.chunk.host_memory import advise_huge_pages
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import ChunkDtypes, GradLayout, GradState, Pool, TensorInfo, TensorState
@@ -151,11 +152,14 @@ class GradSide:
             self._written = {index}
         elif self.full is None:  # see [Note: gradient buffers start uninitialised]
             pool = chunk.context.buffers  # see [Note: a pool of host buffers]
-            self.full = (
-                pool.empty(chunk.padded_numel, chunk.dtypes.reduce)
-                if pool is not None
-                else torch.empty(chunk.padded_numel, dtype=chunk.dtypes.reduce, device=chunk.device)
-            )
+            if pool is not None:
+                self.full = pool.empty(chunk.padded_numel, chunk.dtypes.reduce)
+            else:
+                full = torch.empty(
+                    chunk.padded_numel, dtype=chunk.dtypes.reduce, device=chunk.device
+                )
+                advise_huge_pages(full.untyped_storage())  # before anything writes to it
+                self.full = full
             self._written = set()
         target = self.full[info.offset : info.offset + info.numel]
         self.received.add(index)

@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.chunk.context import ChunkContext
+from shardwise.chunk.host_memory import advise_huge_pages
 from shardwise.chunk.parameters import mark_pending, mark_settled
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident, resident_changed
@@ -267,6 +268,7 @@ class Payload:
             pool.fill(buffer)  # see [Note: a pool of host buffers] in buffer_pool.py
         else:
             storage.resize_(nbytes)
+            advise_huge_pages(storage)  # see [Note: huge pages for the engine's buffers]
         resident_changed(self._chunk, transient=True)
 
     def _free(self, buffer: torch.Tensor) -> None:

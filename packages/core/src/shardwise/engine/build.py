@@ -84,8 +84,8 @@ def chunk_manager_for(config: EngineConfig, stats: CommStats, reason: str = "") 
         predivide_factor=config.reduction.predivide_factor,
         wire=config.communication.wire_formats(method),
         topology=topology,
-        # See [Note: a pool of host buffers] in chunk/buffer_pool.py; its limit follows the
-        # chunks as they are packed.
+        # See [Note: a pool of host buffers] in chunk/buffer_pool.py (on request); its limit
+        # follows the chunks as they are packed.
         buffer_pool=BufferPool(0) if config.pools_host_buffers else None,
     )
     if reason:
@@ -185,13 +185,10 @@ def build_runtime(
         backward_end=backward_end,
         hooks=hooks.part(),
     )
-    # See [Note: one end of backward] in runtime/backward_end.py. The spare buffers go last,
-    # once the reductions have given theirs back (see [Note: a pool of host buffers]).
-    pool = chunk_manager.buffer_pool
+    # See [Note: one end of backward] in runtime/backward_end.py.
     backward_end.steps = [
         *([scheduler.end_backward] if scheduler is not None else []),
         reducer.end_of_backward,
-        *([pool.drain] if pool is not None else []),
     ]
     if gemini is not None:
         gemini.attach_reducer(reducer)
@@ -201,7 +198,6 @@ def build_runtime(
         scheduler=scheduler,
         param_gather=param_gather,
         backward_end=backward_end,
-        buffer_pool=pool,
     )
 
 

@@ -167,7 +167,7 @@ def _keeps_to_a_budget(placement: Placement) -> bool:
 
 
 def _check_buffer_pool(config: EngineConfig) -> None:
-    if config.placement.host_buffer_pool is not True:
+    if not config.placement.host_buffer_pool:
         return
     if config.device.type != "cpu":
         raise ValueError(
@@ -260,10 +260,10 @@ class Placement:
     """The most bytes of model state host memory may hold per rank: optimizer sides that the
     placement keeps in host memory beyond it go to the disk tier, the last in chunk order
     first (optimizer state counted as 8 bytes an element, Adam's, before it exists)."""
-    host_buffer_pool: bool | None = None
+    host_buffer_pool: bool = False
     """Keep the chunk-sized buffers a step frees for the next ones instead of returning them
-    to the allocator (see [Note: a pool of host buffers] in chunk/buffer_pool.py): a CPU
-    device only, without a device budget. None: on wherever it applies."""
+    to the allocator (see [Note: a pool of host buffers] in chunk/buffer_pool.py): a shorter
+    step for a higher peak, on a CPU device without a device budget."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, PlacementPolicy):
@@ -277,11 +277,7 @@ class Placement:
                 f"device_budget_bytes must be a positive int, got {self.device_budget_bytes!r}"
             )
         _check_bool("pin_memory", self.pin_memory)
-        if self.host_buffer_pool is not None and not isinstance(self.host_buffer_pool, bool):
-            raise TypeError(
-                f"host_buffer_pool must be a bool, or None for the default, got "
-                f"{self.host_buffer_pool!r}"
-            )
+        _check_bool("host_buffer_pool", self.host_buffer_pool)
         fraction = self.disk_fraction
         if (
             isinstance(fraction, bool)
@@ -507,16 +503,8 @@ class EngineConfig:
     @property
     def pools_host_buffers(self) -> bool:
         """Whether chunk buffers are kept for reuse (see [Note: a pool of host buffers] in
-        chunk/buffer_pool.py): as `placement.host_buffer_pool` says, and where it is None on
-        a CPU device whose placement keeps to no budget."""
-        wanted = self.placement.host_buffer_pool
-        if wanted is not None:
-            return wanted
-        return (
-            self.device.type == "cpu"
-            and not _keeps_to_a_budget(self.placement)
-            and pool_supported()
-        )
+        chunk/buffer_pool.py), as asked (checked where it cannot apply)."""
+        return self.placement.host_buffer_pool
 
     @property
     def offloads_optimizer(self) -> bool:

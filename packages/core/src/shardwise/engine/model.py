@@ -391,8 +391,6 @@ class ZeroModel(nn.Module):
             if not self._forward_was_recorded:
                 # Backward meets chunks roughly in reverse forward order: reduce them so.
                 self.reducer.suggest_order(self.scheduler.forward_order()[::-1])
-        if self._runtime is not None:
-            self._runtime.end_forward()
         if self.config.force_outputs_fp32:
             output = tree_map(lambda x: _cast_floating(x, torch.float32), output)
         return output

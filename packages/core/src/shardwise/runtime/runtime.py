@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import weakref
 
-from shardwise.chunk.buffer_pool import BufferPool
 from shardwise.runtime.backward_end import BackwardEnd
 from shardwise.runtime.gather_scheduler import GatherScheduler
 from shardwise.runtime.grad_reducer import GradReducer
@@ -37,23 +36,15 @@ class Runtime:
         scheduler: GatherScheduler | None,
         param_gather: DeferredParamGather | None,
         backward_end: BackwardEnd,
-        buffer_pool: BufferPool | None = None,
     ) -> None:
         self.hooks = hooks
         self.reducer = reducer
         self.scheduler = scheduler
         self.param_gather = param_gather
         self.backward_end = backward_end
-        self.buffer_pool = buffer_pool
         # The finalizer holds the hook set alone (handles, which hold no part of the engine),
         # so it keeps nothing alive and runs once: at close() or at collection.
         self._remove_hooks = weakref.finalize(self, hooks.remove)
-
-    def end_forward(self) -> None:
-        """A forward pass ended: its spare buffers go back (see [Note: a pool of host buffers]
-        in chunk/buffer_pool.py; the end of backward does the same)."""
-        if self.buffer_pool is not None:
-            self.buffer_pool.drain()
 
     def close(self) -> None:
         """Remove every hook of this runtime (once; closing again does nothing)."""

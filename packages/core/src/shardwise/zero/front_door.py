@@ -234,7 +234,7 @@ def _placement(options: Mapping[str, Any]) -> Placement:
         policy=policy,
         device_budget_bytes=options.get("device_budget_bytes"),
         pin_memory=options.get("pin_memory", False),
-        host_buffer_pool=options.get("host_buffer_pool"),
+        host_buffer_pool=options.get("host_buffer_pool", False),
         # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py).
         disk_fraction=options.get("nvme_offload_fraction", 0.0),
         disk_dir=options.get("nvme_offload_dir"),
