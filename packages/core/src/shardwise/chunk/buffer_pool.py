@@ -18,7 +18,7 @@ The cost is memory, which is why the pool is off unless asked for: a spare is me
 process would otherwise have given back while the step went on, so it adds to the peak
 whenever it waits through other allocations (activations, autograd's gradients) for the next
 buffer of its class. On a 117M GPT (2 ranks, stage 3, 4 KiB pages) two spares kept across
-passes made the step 24% shorter and the peak 163 MiB higher per rank; drained at the end of
+passes made the step 12% shorter and the peak 143 MiB higher per rank; drained at the end of
 each pass and evicted by any allocation they could not serve, they saved no time and still
 added 84 MiB (benchmarks/RESULTS.md, "A pool of host buffers").
 
