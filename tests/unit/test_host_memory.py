@@ -39,15 +39,7 @@ def test_a_choice_already_made_is_kept() -> None:
 def test_importing_shardwise_leaves_the_allocator_alone() -> None:
     # In a fresh interpreter, torch imported first and then shardwise, as users write it.
     code = "import os, torch, shardwise; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={"PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "None"
+    assert _printed_by_a_fresh_interpreter(code) == "None"
 
 
 @pytest.mark.skipif(not kernel_grants_huge_pages(), reason="the kernel grants no huge pages")
@@ -59,6 +51,11 @@ def test_asked_for_it_is_set_where_unset() -> None:
         "import os, shardwise; shardwise.prefer_huge_pages(); import torch; torch.ones(1); "
         "print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
     )
+    assert _printed_by_a_fresh_interpreter(code) == "1"
+
+
+def _printed_by_a_fresh_interpreter(code: str) -> str:
+    """What `code` prints in a new interpreter whose environment has no THP variable."""
     done = subprocess.run(
         [sys.executable, "-c", code],
         env={"PATH": "/usr/bin:/bin"},
@@ -67,4 +64,4 @@ def test_asked_for_it_is_set_where_unset() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "1"
+    return done.stdout.strip()
