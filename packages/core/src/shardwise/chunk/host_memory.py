@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from shardwise.host_memory import kernel_grants_huge_pages
+
 
 @cache
 def _libc() -> Any:
@@ -54,7 +56,7 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 @cache
 def _madvise() -> Any:
     """libc's madvise where huge pages are granted on request, else None."""
-    if not sys.platform.startswith("linux") or not _huge_pages_on_request():
+    if not sys.platform.startswith("linux") or not kernel_grants_huge_pages():
         return None
     libc = _libc()
     if libc is None or not hasattr(libc, "madvise"):
@@ -63,12 +65,6 @@ def _madvise() -> Any:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     return madvise
-
-
-def _huge_pages_on_request() -> bool:
-    from shardwise.host_memory import kernel_grants_huge_pages
-
-    return kernel_grants_huge_pages()
 
 
 def advise_huge_pages(storage: torch.UntypedStorage) -> bool:
