@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-VOCAB, SEQ = 96, 16  # as in trainer_run.py
+VOCAB, SEQ = 96, 16  # as in trainer_support.py
 PROBE = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
 
 
