@@ -129,6 +129,14 @@ def launch_chromium(playwright: Any) -> Any:
     return playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
 
 
+def page_recording_errors(browser: Any, width: int = 1400) -> tuple[Any, list[str]]:
+    """A new page of `browser` (width x 1000) and the list its uncaught script errors go to."""
+    page = browser.new_page(viewport={"width": width, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    return page, errors
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dashboard_support import Server, launch_chromium
+from dashboard_support import Server, launch_chromium, page_recording_errors
 from dashboard_training import CHUNK_EVERY, train
 
 from shardwise.testing import run_ranks
@@ -82,9 +82,7 @@ def test_a_training_run_appears_live_in_the_browser(tmp_path: Path) -> None:
     try:
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            errors: list[str] = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
+            page, errors = page_recording_errors(browser)
             page.on(
                 "console",
                 lambda message: errors.append(message.text) if message.type == "error" else None,

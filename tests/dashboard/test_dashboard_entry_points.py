@@ -15,7 +15,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from dashboard_support import Server, launch_chromium
+from dashboard_support import Server, launch_chromium, page_recording_errors
 from helpers import CHUNK_NUMEL, batch_slice, make_model
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -135,9 +135,7 @@ def test_every_entry_point_appears_in_the_browser_with_nothing_in_the_script(
     try:
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            errors: list[str] = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
+            page, errors = page_recording_errors(browser)
             page.goto(server.url + "/")
             page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
 

@@ -11,6 +11,7 @@ from dashboard_support import (
     Server,
     chunks_event,
     launch_chromium,
+    page_recording_errors,
     post_events,
     started_event,
     step_event,
@@ -92,9 +93,7 @@ def test_a_thousand_ranks_fit_one_screen_and_update_live(tmp_path: Path) -> None
     try:
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            errors: list[str] = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
+            page, errors = page_recording_errors(browser)
             began = time.perf_counter()
             page.goto(server.url + "/#run=big")
             page.wait_for_selector(

@@ -11,6 +11,7 @@ from dashboard_support import (
     chunks_event,
     finished_event,
     launch_chromium,
+    page_recording_errors,
     post_events,
     started_event,
 )
@@ -45,9 +46,7 @@ def test_the_page_keeps_up_with_eight_ranks_at_ten_steps_per_second(tmp_path: Pa
     try:
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            errors: list[str] = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
+            page, errors = page_recording_errors(browser)
             page.goto(server.url + "/")
             page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
             post_events(

@@ -14,6 +14,7 @@ from dashboard_support import (
     Server,
     chunks_event,
     launch_chromium,
+    page_recording_errors,
     post_events,
     started_event,
     step_event,
@@ -97,9 +98,7 @@ def test_the_page_draws_each_ranks_timeline_and_extends_it_live(tmp_path: Path) 
         post_events(server.url, history)
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright)
-            page = browser.new_page(viewport={"width": 1300, "height": 1000})
-            errors: list[str] = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
+            page, errors = page_recording_errors(browser, width=1300)
             page.goto(server.url + "/#run=tl")
             timeline = 'canvas[data-timeline="placement"][data-rank="0"]'
             # History: ten snapshots, two cells change between each pair.
@@ -203,9 +202,7 @@ def test_the_disk_tier_shows_in_the_chunk_map_timeline_and_charts(tmp_path: Path
         assert timeline["optim"] == ["SSHH"] * 6
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright)
-            page = browser.new_page(viewport={"width": 1300, "height": 1000})
-            errors: list[str] = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
+            page, errors = page_recording_errors(browser, width=1300)
             page.goto(server.url + "/#run=disk")
             canvas = 'canvas[data-timeline="placement"][data-rank="0"]'
             page.wait_for_function(
