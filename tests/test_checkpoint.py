@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -325,3 +327,43 @@ def test_a_save_and_a_load_log_each_ranks_progress(tmp_path: Path) -> None:
         for verb in ("saved", "read"):
             lines = [m for m in messages if m.startswith(f"rank {rank}: {verb} ")]
             assert len(lines) >= 2 and "(100%" in lines[-1], messages
+
+
+def _bars_of_save_and_load(path: str) -> list[str]:
+    """What a save and a load drew on this rank's stderr (not a terminal), with progress=True,
+    with the default and with progress=False."""
+    model = make_model()
+    wrapped = zero_model_wrapper(
+        model, 3, {"device": torch.device("cpu"), "chunk_size_numel": CHUNK_NUMEL}
+    )
+    optimizer = zero_optim_wrapper(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    drawn = []
+    for case, progress in enumerate((True, None, False)):
+        with contextlib.redirect_stderr(io.StringIO()) as stderr:
+            checkpoint.save(f"{path}-{case}", wrapped, optimizer, progress=progress)
+            checkpoint.load(f"{path}-{case}", wrapped, optimizer, progress=progress)
+        drawn.append(stderr.getvalue())
+    return drawn
+
+
+def _has_bar(text: str, description: str) -> bool:
+    return any(description in line and "100%" in line for line in text.split("\r"))
+
+
+@pytest.mark.parametrize("environment", [None, "1"])
+def test_a_save_and_a_load_draw_a_bar_on_rank_0_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, environment: str | None
+) -> None:
+    # With default logging the INFO lines are not shown: rank 0 draws a bar where asked
+    # (progress=True, or SHARDWISE_PROGRESS=1 for the default), and no other rank does.
+    if environment is None:
+        monkeypatch.delenv("SHARDWISE_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("SHARDWISE_PROGRESS", environment)
+    rank_0, rank_1 = run_ranks(_bars_of_save_and_load, 2, str(tmp_path / "ck"))
+    asked, default, refused = rank_0
+    for description in ("checkpoint save", "checkpoint load"):
+        assert _has_bar(asked, description), asked
+        assert _has_bar(default, description) == (environment == "1"), default
+        assert description not in refused, refused
+        assert not any(description in text for text in rank_1), rank_1

@@ -7,6 +7,8 @@ optimizer left as they were before the step.
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 from typing import Any
 
@@ -432,3 +434,31 @@ def test_placing_state_on_the_disk_tier_logs_its_progress(tmp_path: Path) -> Non
     assert messages[0].startswith("placing ") and str(tmp_path) in messages[0], messages
     written = [m for m in messages[1:] if m.startswith("disk tier: ")]
     assert written and " of " in written[-1] and written[-1].split()[2] == written[-1].split()[4]
+
+
+def _placement_bars(directory: str) -> list[str]:
+    """What placing state on the disk tier drew on this rank's stderr (not a terminal)."""
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        _placement_log(directory)
+    return [stderr.getvalue()]
+
+
+@pytest.mark.parametrize("environment", [None, "1", "0"])
+def test_placing_state_on_the_disk_tier_draws_a_bar_on_rank_0_where_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, environment: str | None
+) -> None:
+    # SHARDWISE_PROGRESS=1 draws rank 0's bar in a captured stderr; unset (stderr is not a
+    # terminal) or 0, no bar; never one on another rank.
+    if environment is None:
+        monkeypatch.delenv("SHARDWISE_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("SHARDWISE_PROGRESS", environment)
+    (rank_0,), (rank_1,) = run_ranks(_placement_bars, 2, str(tmp_path))
+    drawn = [line for line in rank_0.split("\r") if "disk tier write" in line]
+    if environment == "1":
+        assert drawn and "100%" in drawn[-1], rank_0
+        total = drawn[-1].split("|")[2].split()[0]  # "n/n"
+        assert total.split("/")[0] == total.split("/")[1], drawn[-1]
+    else:
+        assert not drawn, rank_0
+    assert "disk tier write" not in rank_1, rank_1

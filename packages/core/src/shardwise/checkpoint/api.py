@@ -45,6 +45,7 @@ from shardwise.checkpoint.sharded_tensor import local_part, sharded_1d
 from shardwise.comm.topology import replica_index
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.optimizer import ZeroOptimizer
+from shardwise.logging.progress_bar import progress_wanted
 
 
 def save(
@@ -54,6 +55,7 @@ def save(
     extra: Any = None,
     *,
     replace_file: bool = False,
+    progress: bool | None = None,
 ) -> None:
     """Save model, optimizer, loss scaler and `extra` to `path`, every rank writing its own
     shards in parallel; `path` then names the new checkpoint, atomically. A collective.
@@ -66,7 +68,11 @@ def save(
         replace_file: an ordinary file at `path` (another kind of checkpoint of the same name)
             is replaced when the new checkpoint is published; otherwise it is refused, as an
             ordinary directory always is.
+        progress: draw a progress bar of rank 0's bytes on its stderr; None (the default)
+            follows SHARDWISE_PROGRESS, else shows it when stderr is a terminal (see
+            [Note: when the bar shows] in logging/progress_bar.py).
     """
+    bar = progress_wanted(progress)
     _check_pair(model, optimizer)
     ranks = _ranks_of(model)
     target = Path(path)
@@ -100,7 +106,7 @@ def save(
             dcp_save(
                 state,
                 storage_writer=FileSystemWriter(version),
-                planner=ProgressSavePlanner(),
+                planner=ProgressSavePlanner(bar=bar),
                 process_group=topology.shard,
             )
     description = {
@@ -121,6 +127,7 @@ def load(
     optimizer: ZeroOptimizer | None = None,
     *,
     verify_checksums: bool = True,
+    progress: bool | None = None,
 ) -> Any:
     """Load a checkpoint written by `save` into `model` (and `optimizer`), whatever world size,
     stage or chunk size wrote it, and return the saved `extra`. A collective.
@@ -128,7 +135,17 @@ def load(
     Raises `CheckpointError` (a ValueError) on every rank alike when the checkpoint is
     missing, incomplete, corrupted, or was saved from a model with other parameter names or
     shapes, naming the first problem.
+
+    Args:
+        path: the checkpoint (as given to `save`).
+        model: the wrapped model (any stage, world size or chunk size).
+        optimizer: its `ZeroOptimizer`, to load optimizer and loss-scaler state too.
+        verify_checksums: check every file against the manifest first.
+        progress: draw a progress bar of rank 0's bytes on its stderr; None (the default)
+            follows SHARDWISE_PROGRESS, else shows it when stderr is a terminal (see
+            [Note: when the bar shows] in logging/progress_bar.py).
     """
+    bar = progress_wanted(progress)
     _check_pair(model, optimizer)
     ranks = _ranks_of(model)
     source = Path(path)
@@ -161,7 +178,7 @@ def load(
         dcp_load(
             state,
             storage_reader=FileSystemReader(source),
-            planner=ProgressLoadPlanner(),
+            planner=ProgressLoadPlanner(bar=bar),
             process_group=topology.shard,
         )
     except CheckpointException as error:

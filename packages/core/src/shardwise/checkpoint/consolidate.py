@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from shardwise.checkpoint.commit import CheckpointError, Ranks, read_manifest, verify_files
 from shardwise.checkpoint.progress import ProgressLoadPlanner
+from shardwise.logging.progress_bar import progress_wanted
 
 # The key of a saver's `extra` (a dict) holding, per optimizer parameter group, the names of
 # its parameters in group order (see [Note: consolidated checkpoints]).
@@ -100,7 +101,8 @@ def read_whole(
         dcp_load(
             state,
             storage_reader=FileSystemReader(source),
-            planner=ProgressLoadPlanner(),
+            # A caller that follows the phases gets rank 0's bar of the bytes read as well.
+            planner=ProgressLoadPlanner(bar=progress is not None and progress_wanted()),
             no_dist=True,
         )
     state["objects"].seek(0)

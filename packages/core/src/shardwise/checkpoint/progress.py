@@ -5,7 +5,9 @@ A big model's sharded save or load takes minutes in one call (`dcp.save`, `dcp.l
 says nothing until it returns. Its planners see every tensor as it goes: the save planner
 hands each one to the writer (`resolve_data`), the load planner receives each one read
 (`commit_tensor`). These planners are torch's defaults, counting: at each tenth of this rank's
-bytes, and at the end, the `shardwise.checkpoint` logger says how far the rank is, at INFO.
+bytes, and at the end, the `shardwise.checkpoint` logger says how far the rank is, at INFO; and
+rank 0 draws a progress bar of its bytes where one is wanted (see [Note: when the bar shows] in
+logging/progress_bar.py), which the caller decides before the first collective.
 """
 
 from __future__ import annotations
@@ -20,20 +22,29 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 
+from shardwise.logging.progress_bar import progress_bar
+
 _log = logging.getLogger("shardwise.checkpoint")
 
 
 class _Tally:
-    """Bytes done out of `total`, logged at each tenth and at the end."""
+    """Bytes done out of `total`, logged at each tenth and at the end, and drawn on a bar
+    where `bar` is (closed when all are done)."""
 
-    def __init__(self, verb: str, total: int) -> None:
+    def __init__(self, verb: str, total: int, *, description: str, bar: bool) -> None:
         self.verb, self.total, self.done = verb, total, 0
         self._next = total / 10
         self._started = time.perf_counter()
         self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._bar = progress_bar(total, description, shown=bar)
+        if total == 0:
+            self._bar.close()
 
     def add(self, nbytes: int) -> None:
         self.done += nbytes
+        self._bar.update(nbytes)
+        if self.done >= self.total:
+            self._bar.close()
         if self.done >= self._next or self.done >= self.total:
             while self._next <= self.done:
                 self._next += self.total / 10 or 1
@@ -45,11 +56,17 @@ class _Tally:
 
 
 class ProgressSavePlanner(DefaultSavePlanner):
-    """torch's default save planner, logging this rank's progress (see the module note)."""
+    """torch's default save planner, logging this rank's progress (see the module note) and
+    drawing it on a bar where `bar` (the caller's `progress_wanted()`)."""
+
+    def __init__(self, *, bar: bool = False) -> None:
+        super().__init__()
+        self._bar = bar
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
-        self._tally = _Tally("saved", sum(_written_bytes(item) for item in plan.items))
+        total = sum(_written_bytes(item) for item in plan.items)
+        self._tally = _Tally("saved", total, description="checkpoint save", bar=self._bar)
         return plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
@@ -60,11 +77,17 @@ class ProgressSavePlanner(DefaultSavePlanner):
 
 
 class ProgressLoadPlanner(DefaultLoadPlanner):
-    """torch's default load planner, logging this rank's progress (see the module note)."""
+    """torch's default load planner, logging this rank's progress (see the module note) and
+    drawing it on a bar where `bar` (the caller's `progress_wanted()`)."""
+
+    def __init__(self, *, bar: bool = False) -> None:
+        super().__init__()
+        self._bar = bar
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
-        self._tally = _Tally("read", sum(self._read_bytes(item) for item in plan.items))
+        total = sum(self._read_bytes(item) for item in plan.items)
+        self._tally = _Tally("read", total, description="checkpoint load", bar=self._bar)
         return plan
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:

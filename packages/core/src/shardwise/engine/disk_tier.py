@@ -25,6 +25,7 @@ from shardwise.chunk.accounting import resident_bytes_by_pool
 from shardwise.chunk.disk_pool import DiskPool
 from shardwise.chunk.host_memory import give_back_freed_memory
 from shardwise.engine.config import Placement
+from shardwise.logging.progress_bar import progress_bar, progress_wanted
 from shardwise.optim import HybridAdam
 
 _log = logging.getLogger(__name__)
@@ -136,12 +137,15 @@ def place_on_disk(chunks: list[Chunk], disk: DiskPool) -> DiskPool:
     (`release_disk`, the optimizer's `close()`), when it is collected (every chunk on it is:
     an optimizer collected without `close()` leaves the masters there for the model) or when
     the process exits."""
-    # Progress for a big model, whose first write of every master and state takes minutes.
+    # Progress for a big model, whose first write of every master and state takes minutes:
+    # logged at each tenth, and drawn on rank 0's bar (see [Note: when the bar shows]).
     started, total, every = time.perf_counter(), len(chunks), max(1, len(chunks) // 10)
     _log.info("placing %d chunks' masters and optimizer state in %s", total, disk.path)
+    bar = progress_bar(total, "disk tier write", shown=progress_wanted(), unit="chunk")
     try:
         for done, chunk in enumerate(chunks, 1):
             chunk.move_optim(Pool.DISK, disk=disk)
+            bar.update(1)
             if done % every == 0 or done == total:
                 _log.info(
                     "disk tier: %d of %d chunks written (%.1f s)",
@@ -150,6 +154,8 @@ def place_on_disk(chunks: list[Chunk], disk: DiskPool) -> DiskPool:
     except BaseException:
         release_disk(chunks, disk)
         raise
+    finally:
+        bar.close()
     give_back_freed_memory()  # the masters written out
     return disk
 
