@@ -232,6 +232,10 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         if self._training and args.save_strategy == "best":
             self._engine()[2].gather()
             self._saving_to = os.path.abspath(_checkpoint_dir(args, state))
+        loss = _eval_loss(kwargs.get("metrics") or {})
+        if self._recorder is not None and loss is not None and state.global_step > 0:
+            # The dashboard's evaluation loss, after the step it followed (0-based there).
+            self._recorder.evaluated(state.global_step - 1, loss)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -295,6 +299,15 @@ def _compile_options(args: TrainingArguments) -> dict[str, Any] | None:
     if args.torch_compile_mode:
         options["mode"] = args.torch_compile_mode
     return options
+
+
+def _eval_loss(metrics: dict[str, Any]) -> float | None:
+    """The evaluation loss the Trainer logged: "eval_loss", or an evaluation set's
+    "eval_<name>_loss" when it has several."""
+    if "eval_loss" in metrics:
+        return float(metrics["eval_loss"])
+    losses = [value for key, value in metrics.items() if key.endswith("_loss")]
+    return float(losses[0]) if losses else None
 
 
 def _engine_clips(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

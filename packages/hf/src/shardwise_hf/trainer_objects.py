@@ -195,7 +195,7 @@ class EngineLossScaler:
         return self.optimizer.zero
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        self.zero.last_loss = loss.detach()
+        self.zero.add_loss(loss)  # the Trainer's loss for telemetry
         scale = self.zero.loss_scale
         return loss * scale if scale != 1.0 else loss
 

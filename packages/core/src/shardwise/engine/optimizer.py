@@ -135,7 +135,9 @@ class ZeroOptimizer:
         self.norm_type = float(norm_type)
         self.last_grad_norm = 0.0
         self.last_step_skipped = False
-        self.last_loss: torch.Tensor | None = None
+        # This step's loss as telemetry reports it: the sum of the losses handed to backward
+        # since the last step (see add_loss).
+        self.step_loss: torch.Tensor | None = None
         self.last_loss_scale = grad_scaler.scale
         self.num_steps = 0
         self._replan_after_step = False
@@ -262,8 +264,16 @@ class ZeroOptimizer:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` times the current loss scale; gradients reach the shards."""
         scale = self.grad_scaler.scale
-        self.last_loss = loss.detach()
+        self.add_loss(loss)
         (loss * scale if scale != 1.0 else loss).backward()
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Count `loss`, as handed to backward, in this step's loss (`step_loss`, which
+        telemetry reports): the sum over the step's micro-batches, so under gradient
+        accumulation it is their mean when each was divided by the number of micro-batches,
+        as the HF Trainer and Lightning divide it: the loss they log."""
+        loss = loss.detach()
+        self.step_loss = loss if self.step_loss is None else self.step_loss + loss
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         scale = self.grad_scaler.scale
@@ -432,6 +442,7 @@ class ZeroOptimizer:
         self.num_steps += 1
         for hook in self._step_hooks:
             hook(self)
+        self.step_loss = None  # the next step's micro-batches add up from zero
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards (they are kept allocated: `set_to_none` is accepted for

@@ -117,7 +117,8 @@ class TelemetryRecorder:
         sent = self.model.comm_stats.snapshot()
         moved = self._moved()
         index = optimizer.num_steps - 1
-        loss = float(optimizer.last_loss) if optimizer.last_loss is not None else None
+        # The sum of the step's micro-batch losses (see ZeroOptimizer.add_loss).
+        loss = float(optimizer.step_loss) if optimizer.step_loss is not None else None
         self.emitter.emit(
             events.step(
                 self.emitter.run_id,
