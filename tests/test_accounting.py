@@ -158,6 +158,7 @@ def _cached_counts_agree_with_a_fresh_count() -> int:
     from shardwise import zero_model_wrapper, zero_optim_wrapper
     from shardwise.chunk import Pool
     from shardwise.chunk.accounting import device_resident_bytes, transient_bytes
+    from shardwise.gemini import Room
 
     model = make_model()
     config = {
@@ -173,7 +174,7 @@ def _cached_counts_agree_with_a_fresh_count() -> int:
     checks = 0
     check = gemini.check_budget
 
-    def checked(where: str) -> None:
+    def checked(where: str, *reductions: Any) -> Room:
         nonlocal checks
         fresh = sum(
             device_resident_bytes(c)
@@ -184,7 +185,7 @@ def _cached_counts_agree_with_a_fresh_count() -> int:
         in_flight = sum(transient_bytes(c) for c in gemini.chunk_manager.chunks)
         assert gemini.tally.transient_bytes() == in_flight, where
         checks += 1
-        check(where)
+        return check(where, *reductions)
 
     gemini.check_budget = checked  # type: ignore[method-assign]
     for step in range(3):

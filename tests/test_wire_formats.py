@@ -89,6 +89,7 @@ def _budget_checks_count_the_wire() -> int:
     included (they are resident while a gather runs: see [Note: resident changes])."""
     from shardwise.chunk import Pool
     from shardwise.chunk.accounting import device_resident_bytes
+    from shardwise.gemini import Room
 
     wrapped = zero_model_wrapper(
         make_model(),
@@ -106,7 +107,7 @@ def _budget_checks_count_the_wire() -> int:
     assert gemini is not None
     checks, check = 0, gemini.check_budget
 
-    def checked(where: str) -> None:
+    def checked(where: str, *reductions: Any) -> Room:
         nonlocal checks
         fresh = sum(
             device_resident_bytes(c)
@@ -115,7 +116,7 @@ def _budget_checks_count_the_wire() -> int:
         )
         assert gemini.tally.device_bytes() == fresh, where
         checks += 1
-        check(where)
+        return check(where, *reductions)
 
     gemini.check_budget = checked  # type: ignore[method-assign]
     for step in range(2):

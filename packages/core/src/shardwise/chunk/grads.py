@@ -131,6 +131,8 @@ class GradSide:
         # Tensors whose gradient the uninitialised `full` holds; None once it is all valid.
         self._written: set[int] | None = None
         self._ready = 0
+        # `full` holds local gradients no reduction has taken yet.
+        self._unreduced = False
 
     def _enter(self, state: GradState, *starts: GradState) -> None:
         """Move to `state`, from one of `starts` (any state of this layout when none given)."""
@@ -163,6 +165,7 @@ class GradSide:
             self._written = set()
         target = self.full[info.offset : info.offset + info.numel]
         self.received.add(index)
+        self._unreduced = True
         if self.exposes:
             # `.grad` is a view of `target` (see exposed()): autograd accumulated into it in
             # place, or made a new tensor that holds the sum so far.
@@ -246,11 +249,16 @@ class GradSide:
             assert self.full is not None
             self.full.zero_()
         else:
-            full, self.full = self.full, None
-            pool = self._chunk.context.buffers
-            if pool is not None:
-                pool.give_back(full)  # see [Note: a pool of host buffers] in buffer_pool.py
+            self._drop_full()
+        self._unreduced = False
         self.end_pass()
+
+    def _drop_full(self) -> None:
+        full, self.full = self.full, None
+        self._written = None
+        pool = self._chunk.context.buffers
+        if pool is not None and full is not None:
+            pool.give_back(full)  # see [Note: a pool of host buffers] in buffer_pool.py
 
     def _take_reduced(self, reduced: torch.Tensor) -> None:
         raise NotImplementedError
@@ -331,8 +339,12 @@ class OwnBufferGrads(GradSide):
 
     def zero_grad(self) -> None:
         """The next reduced gradients overwrite the shard instead of adding to it, which
-        spares a pass over it (zeroed at the step if none came)."""
+        spares a pass over it (zeroed at the step if none came). Local gradients not reduced
+        yet (a pass under no_sync, a backward that raised) are dropped with it."""
         super().zero_grad()
+        if self.full is not None:
+            self._drop_full()
+        self._unreduced = False
         self._enter(GradState.STALE)
 
 
@@ -371,13 +383,21 @@ class SliceOfFullGrads(GradSide):
             self.full[begin + numel :].zero_()
         else:  # the reduced slice is in host memory: the next backward starts from zero
             self.full.zero_()
+        self._unreduced = False
         self._enter(GradState.CLOSED, GradState.OPEN)  # add() refused gradients otherwise
         self.end_pass()
 
     def zero_grad(self) -> None:
-        """The next backward adds onto this rank's slice: it starts from zero."""
+        """The next backward adds onto this rank's slice: it starts from zero; so does the
+        rest of `full` where local gradients no reduction took are left in it (passes
+        before the step, or a backward that raised), else it is zero already."""
         super().zero_grad()
-        self.shard.zero_()
+        assert self.full is not None
+        if self._unreduced:
+            self.full.zero_()
+        if not (self._unreduced and self.shard_in_full):
+            self.shard.zero_()
+        self._unreduced = False
         self._enter(GradState.OPEN)
 
 

@@ -25,15 +25,10 @@ from shardwise.engine.config import EngineConfig, gradient_reduction_method
 from shardwise.gemini import GeminiManager
 from shardwise.prepare.ignore import is_ignored
 from shardwise.prepare.slicing import whole_numel
-from shardwise.runtime.backward_end import BackwardEnd
-from shardwise.runtime.gather_scheduler import GatherScheduler
-from shardwise.runtime.gather_units import UnitMap, find_gather_units
-from shardwise.runtime.grad_reducer import GradReducer
+from shardwise.runtime.gather_units import find_gather_units
 from shardwise.runtime.hooks import HookSet
-from shardwise.runtime.param_gather import DeferredParamGather
 from shardwise.runtime.rank_sync import RankSync, VisitTrail
-from shardwise.runtime.runtime import Runtime
-from shardwise.runtime.unit_plan import plan_gather_units
+from shardwise.runtime.runtime import Runtime, RuntimeSettings
 
 _log = logging.getLogger(__name__)
 
@@ -127,77 +122,33 @@ def build_runtime(
     trail: VisitTrail | None,
     hooks: HookSet,
 ) -> Runtime:
-    """The parts that run the passes of `module`, its parameters packed into `chunk_manager`:
-    the gather schedule (stage 3), the deferred parameter gathers, the gradient reducer and
-    the end of backward running their steps in order; their hooks kept in `hooks`."""
-    # One callback ends each backward pass, its steps filled in below in their order.
-    backward_end = BackwardEnd()
-    reducer: GradReducer | None = None
-
-    def finish_reductions() -> None:
-        # The schedule runs this only once a pass has started, when the reducer exists.
-        assert reducer is not None
-        reducer.finish_in_flight()
-
-    scheduler: GatherScheduler | None = None
-    units: UnitMap | None = None
-    if config.stage == 3:
-        conditional = find_gather_units(module, config.gather_units)
-        units = UnitMap(module, chunk_manager, conditional)
-        scheduler = GatherScheduler(
-            module,
-            chunk_manager,
-            plan=lambda used_in, blocks: plan_gather_units(
-                module, chunk_manager, conditional, used_in, blocks=blocks
-            ),
-            prefetch=config.overlap.prefetch,
-            prefetch_chunks=config.overlap.prefetch_chunks,
-            gemini=gemini,
-            finish_reductions=finish_reductions,
-            on_backward=lambda: rank_sync.backward_started(config.device),
-            units=units,
-            trail=trail,
-            backward_end=backward_end,
-            hooks=hooks.part(),
-        )
-    param_gather = None
-    if config.defers_param_gather:
-        param_gather = DeferredParamGather(module, chunk_manager, hooks.part())
+    """The parts that run the passes of `module`, its parameters packed into `chunk_manager`,
+    as `config` says: the runtime builds them in order (runtime/runtime.py); their hooks are
+    kept in `hooks`."""
     # Stage 1 too, where it keeps the average for `.grad` (see [Note: stage 1 averages in
     # backward] in chunk/grads.py); otherwise its only reduction is the step's.
     stage_1_averages = averages_in_backward(
         config.stage, chunk_manager.dtypes, chunk_manager.topology
     )
-    reducer = GradReducer(
-        chunk_manager,
+    settings = RuntimeSettings(
+        device=config.device,
+        conditional_units=(
+            find_gather_units(module, config.gather_units) if config.stage == 3 else None
+        ),
+        prefetch=config.overlap.prefetch,
+        prefetch_chunks=config.overlap.prefetch_chunks,
+        defers_param_gather=config.defers_param_gather,
         reduce_in_backward=config.stage >= 2 or stage_1_averages,
         # A placement planning every gather against its budget ("auto") waits for each.
-        overlap=(
+        overlap_reductions=(
             config.overlap.communication and config.placement.policy.allows_overlapped_reduction
         ),
         # See [Note: gradients in flight] in runtime/grad_reducer.py.
         max_in_flight=1 if config.stage == 3 else 2,
         bucket_bytes=config.reduction.bucket_bytes,
-        on_reduced=scheduler.release_done if scheduler else None,
-        on_complete=scheduler.release_done if scheduler else None,
-        gemini=gemini,
-        units=units,
-        backward_end=backward_end,
-        hooks=hooks.part(),
     )
-    # See [Note: one end of backward] in runtime/backward_end.py.
-    backward_end.steps = [
-        *([scheduler.end_backward] if scheduler is not None else []),
-        reducer.end_of_backward,
-    ]
-    if gemini is not None:
-        gemini.attach_reducer(reducer)
     return Runtime(
-        hooks=hooks,
-        reducer=reducer,
-        scheduler=scheduler,
-        param_gather=param_gather,
-        backward_end=backward_end,
+        module, chunk_manager, gemini, settings, rank_sync=rank_sync, trail=trail, hooks=hooks
     )
 
 

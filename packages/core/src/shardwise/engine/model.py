@@ -123,7 +123,6 @@ class ZeroModel(nn.Module):
         )
         # See [Note: packed once the bucket size is known].
         self._to_pack: ChunkManager | None = chunk_manager
-        self._forward_was_recorded = False
         self._compiled_as_a_whole = False  # see [Note: a model compiled as a whole]
         self._compiled_parts: bool | None = None
         # Built once the parameters are packed (`_install_hooks`).
@@ -167,11 +166,16 @@ class ZeroModel(nn.Module):
         return self._chunk_manager
 
     @property
-    def reducer(self) -> GradReducer:
-        """Routes gradients into the chunks and reduces them over ranks."""
+    def runtime(self) -> Runtime:
+        """What runs the passes (packing the parameters first, at stages 1 and 2)."""
         self._ensure_packed()
         assert self._runtime is not None
-        return self._runtime.reducer
+        return self._runtime
+
+    @property
+    def reducer(self) -> GradReducer:
+        """Routes gradients into the chunks and reduces them over ranks."""
+        return self.runtime.reducer
 
     @property
     def scheduler(self) -> GatherScheduler | None:
@@ -364,33 +368,20 @@ class ZeroModel(nn.Module):
         if self._module_state is ModuleState.WHOLE:
             self.shard_module()  # the module's values, as the user left them, are computed with
         self._ensure_packed()
-        if self.param_gather is not None and self._holds_compiled_code():
-            self.param_gather.wait_all()  # see [Note: a model compiled as a whole]
-        # Before any gather of this pass: see [Note: ranks in step] in runtime/rank_sync.py.
-        self.rank_sync.forward_started(self.config.device)
+        assert self._runtime is not None
+        # Deferred gathers are waited for first in compiled code: see [Note: a model compiled
+        # as a whole].
+        self._runtime.before_forward(wait_param_gathers=self._holds_compiled_code())
         compute = self._dtypes.compute
         if compute != torch.float32:
             args, kwargs = tree_map(lambda x: _cast_floating(x, compute), (args, kwargs))
-        if self.scheduler is not None:
-            self._forward_was_recorded = bool(self.scheduler.forward_order())
-            self.scheduler.begin_forward()
-            if self.gemini_manager is not None:
-                self.gemini_manager.begin_forward()
-            self.scheduler.root_pre_forward()
         return args, kwargs
 
     @torch._dynamo.disable  # type: ignore[untyped-decorator]
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         # Runs when the forward raised too (always_call): chunks are released either way.
-        self.wait_param_gathers()
-        if self.scheduler is not None:
-            self.scheduler.root_post_forward(output)
-            if self.gemini_manager is not None:
-                self.gemini_manager.end_forward()
-            self.scheduler.end_forward()
-            if not self._forward_was_recorded:
-                # Backward meets chunks roughly in reverse forward order: reduce them so.
-                self.reducer.suggest_order(self.scheduler.forward_order()[::-1])
+        assert self._runtime is not None
+        self._runtime.after_forward(output)
         if self.config.force_outputs_fp32:
             output = tree_map(lambda x: _cast_floating(x, torch.float32), output)
         return output
@@ -398,12 +389,16 @@ class ZeroModel(nn.Module):
     def wait_param_gathers(self) -> None:
         """Make every parameter whole now (stages 1-2 with `overlap_param_gather`: the step's
         all-gathers may still be running until the next forward has used each module)."""
-        if self.param_gather is not None:
-            self.param_gather.wait_all()
+        if self._runtime is not None:
+            self._runtime.wait_param_gathers()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients, as `optimizer.zero_grad()` does (a loop may call either):
-        the chunks' gradients, and `.grad` of parameters the engine leaves to the user."""
+        the chunks' gradients, and `.grad` of parameters the engine leaves to the user; a
+        backward pass that raised midway is forgotten with them (see [Note: the phase of the
+        pass] in runtime/phase.py)."""
+        if self._runtime is not None:
+            self._runtime.forget()
         for chunk in self.chunk_manager.trainable_chunks():
             chunk.grads.zero_grad()
         super().zero_grad(set_to_none)
@@ -539,6 +534,7 @@ class ZeroModel(nn.Module):
         it reduces what backward left unreduced (`no_sync`, and stage 1 where it reduces at
         the step), so call it after the last backward before `step()`. With `only_rank_0`,
         other ranks get an empty dict."""
+        self.runtime.settle()
         self.reducer.reduce_all()
         keep = not only_rank_0 or comm.rank(self.config.topology.process_group) == 0
         return gather_full_grads(self.chunk_manager, keep=keep)

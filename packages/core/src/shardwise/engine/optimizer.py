@@ -288,6 +288,7 @@ class ZeroOptimizer:
         if self._closed:
             raise ValueError("this ZeroOptimizer was closed; step the one that replaced it")
         parts = self._parts
+        parts.runtime.settle()
         parts.reducer.reduce_all()
         grads = [chunk.grads.for_step() for chunk in self._chunks]
         scale = self.grad_scaler.scale
@@ -446,7 +447,9 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards (they are kept allocated: `set_to_none` is accepted for
-        compatibility and zeroes all the same)."""
+        compatibility and zeroes all the same); a backward pass that raised midway is
+        forgotten with them (see [Note: the phase of the pass] in runtime/phase.py)."""
+        self._parts.runtime.forget()
         for chunk in self._chunks:
             chunk.grads.zero_grad()
 

@@ -21,6 +21,7 @@ from shardwise.comm import CommStats
 from shardwise.gemini import GeminiManager
 from shardwise.runtime.grad_reducer import GradReducer
 from shardwise.runtime.rank_sync import RankSync
+from shardwise.runtime.runtime import Runtime
 
 if TYPE_CHECKING:  # the model module builds on this one's callers, not on it
     from shardwise.engine.model import ZeroModel
@@ -31,6 +32,9 @@ class StepParts:
     """The model's parts an optimizer step uses.
 
     Attributes:
+        runtime: runs the model's passes; settles a backward that raised before the step,
+            forgets it at `zero_grad()` (see [Note: the phase of the pass] in
+            runtime/phase.py).
         reducer: reduces what backward left, before the step reads the gradient shards.
         rank_sync: the ranks' pass checks, whose signature rides in the norm's all-reduce.
         comm_stats: where the step's collectives are counted.
@@ -43,6 +47,7 @@ class StepParts:
         gemini: the memory manager ("auto" placement plans again after an overrun), if any.
     """
 
+    runtime: Runtime
     reducer: GradReducer
     rank_sync: RankSync
     comm_stats: CommStats
@@ -57,10 +62,11 @@ class StepParts:
 def step_parts(model: ZeroModel) -> StepParts:
     """What an optimizer's step uses of `model`, its chunks packed first (`model.reducer`
     packs them)."""
-    reducer = model.reducer
+    runtime = model.runtime
     topology = model.chunk_manager.topology
     return StepParts(
-        reducer=reducer,
+        runtime=runtime,
+        reducer=runtime.reducer,
         rank_sync=model.rank_sync,
         comm_stats=model.comm_stats,
         process_group=model.config.topology.process_group,

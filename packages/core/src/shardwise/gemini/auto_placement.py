@@ -60,7 +60,7 @@ import torch
 
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, Pool
 from shardwise.chunk.accounting import gathered_bytes, gathered_held_bytes
-from shardwise.gemini.collaborators import NoReductions, ReductionsInFlight
+from shardwise.gemini.collaborators import NO_REDUCTIONS, ReductionsInFlight
 from shardwise.gemini.passes import Pass
 from shardwise.gemini.room import Room
 from shardwise.gemini.tracer import MemoryTracer
@@ -117,9 +117,6 @@ class AutoPlacer:
         # repeat the warm-up need no room made before their gathers (see [Note: auto
         # placement]).
         self.plan_holds = False
-        # The model's gradient reductions in flight, once the model attaches its reducer
-        # (GeminiManager.attach_reducer): what they hold, which finishing them frees.
-        self.reductions: ReductionsInFlight = NoReductions()
         # A decision paused for the caller to finish the reductions in flight (see [Note: room
         # after the reductions] in room.py), resumed by `resume()`.
         self._paused: Callable[[], Room] | None = None
@@ -138,13 +135,26 @@ class AutoPlacer:
         self._position = 0
         self._planned_non_model = self.non_model[0] if self.non_model else 0
 
+    def restart_warmup(self) -> None:
+        """The warm-up's backward raised midway: forget the timeline it recorded, so the next
+        forward and backward record a whole step afresh (see [Note: the phase of the pass] in
+        runtime/phase.py)."""
+        assert not self.warm, "the warm-up has ended: its plan is made"
+        self.timeline.clear()
+        self.non_model.clear()
+        self._last_use.clear()
+        self._position = 0
+
     def non_model_now(self) -> int:
         """The non-model bytes on the device now: sampled during warm-up, then those traced at
         the same point of the warm-up step (asked at every check: kept, not looked up)."""
         return self._planned_non_model if self.warm else self.tracer.sample()
 
-    def before_gather(self, chunks: list[Chunk], serving: Pass) -> Room:
-        """Make room on the device for `chunks` (see [Note: auto placement])."""
+    def before_gather(
+        self, chunks: list[Chunk], serving: Pass, reductions: ReductionsInFlight = NO_REDUCTIONS
+    ) -> Room:
+        """Make room on the device for `chunks` (see [Note: auto placement]), weighing the
+        model's gradient `reductions` in flight (what they hold, which finishing them frees)."""
         position = self._position
         self._position += 1
         if self.warm:
@@ -159,12 +169,15 @@ class AutoPlacer:
                 self._last_use[chunk_id] = position
         # In backward the gradient buffers of the chunks gathered for a module arrive with
         # its gradients, right after the gather.
-        return self.make_room(chunks, with_grads=serving is Pass.BACKWARD, position=position)
+        return self.make_room(
+            chunks, with_grads=serving is Pass.BACKWARD, reductions=reductions, position=position
+        )
 
     def make_room(
         self,
         chunks: list[Chunk],
         with_grads: bool,
+        reductions: ReductionsInFlight = NO_REDUCTIONS,
         position: int | None = None,
         *,
         drained: bool = False,
@@ -193,12 +206,15 @@ class AutoPlacer:
         # moment later.)
         need = gathers
         if grads:
-            need += max(0, grads - self.reductions.retiring_bytes(chunks))
+            need += max(0, grads - reductions.retiring_bytes(chunks))
         room = self.budget - self.non_model_now()
         if self._device_bytes() + need <= room:
             return Room.MADE
-        if not drained and self._draining_helps(self._device_bytes() + need - room, need):
-            return self._pause(partial(self.make_room, chunks, with_grads, position, drained=True))
+        excess = self._device_bytes() + need - room
+        if not drained and self._draining_helps(excess, need, reductions):
+            return self._pause(
+                partial(self.make_room, chunks, with_grads, reductions, position, drained=True)
+            )
         needed = {c.chunk_id for c in chunks}
         excess = self._device_bytes() + need - room
         while excess > 0:
@@ -208,14 +224,20 @@ class AutoPlacer:
             excess -= self._move(victim, lambda c: c.move_payload(Pool.HOST))
         return Room.MADE
 
-    def relieve(self, excess: int, *, drained: bool = False) -> Room:
+    def relieve(
+        self,
+        excess: int,
+        reductions: ReductionsInFlight = NO_REDUCTIONS,
+        *,
+        drained: bool = False,
+    ) -> Room:
         """The device passed the budget by `excess` bytes after an allocation: evict shards,
         then optimizer sides, until it is back within or nothing is left to move. Where
         finishing the reductions in flight is worth it, answer `Room.AFTER_REDUCTIONS` first
         (`drained`: the caller has just finished them, and `excess` is what is left)."""
         if not drained:
             self.overruns += 1
-            if self._draining_helps(excess, 0):
+            if self._draining_helps(excess, 0, reductions):
                 return Room.AFTER_REDUCTIONS
         evictions = self.evictions
         position = max(self._position - 1, 0)
@@ -262,13 +284,13 @@ class AutoPlacer:
             self._grad_buffer[chunk.chunk_id] = nbytes
         return nbytes
 
-    def _draining_helps(self, excess: int, need: int) -> bool:
+    def _draining_helps(self, excess: int, need: int, reductions: ReductionsInFlight) -> bool:
         """Whether to finish the reductions in flight: when that makes the `excess` bytes of
         room, or when the model state (with `need` more bytes) passes the budget on its own.
         Otherwise the excess is activations that nothing frees: waiting would only take the
         reductions' overlap with backward away, at every gather and gradient of the step
         ("cpu" placement, which does not count activations, keeps it)."""
-        in_flight = self.reductions.in_flight_bytes()
+        in_flight = reductions.in_flight_bytes()
         if in_flight == 0:
             return False
         return excess <= in_flight or self._device_bytes() + need > self.budget

@@ -3,7 +3,8 @@
 The manager moves chunks' optimizer sides and counts device memory; one thing it cannot see
 lives above it: the gradient reductions still in flight (each holds a gathered chunk and its
 gradient buffer on the device). `GradReducer` implements `ReductionsInFlight`; the manager
-asks it through this, and never imports the runtime. (The optimizer's state of each chunk is
+passes itself with each call that may need room (`GeminiManager.before_gather`, `check_budget`,
+...), and the manager never imports the runtime. (The optimizer's state of each chunk is
 the chunk's own: see [Note: the chunk owns its optimizer state] in chunk/optimizer_state.py.)
 """
 
@@ -34,3 +35,7 @@ class NoReductions:
 
     def retiring_bytes(self, chunks: list[Chunk]) -> int:
         return 0
+
+
+# What a call made outside a model's passes (a test, the placement at wrap) weighs.
+NO_REDUCTIONS = NoReductions()

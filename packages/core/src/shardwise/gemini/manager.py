@@ -28,7 +28,7 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
 from shardwise.chunk.accounting import disk_bytes, resident_bytes_by_pool
 from shardwise.gemini.auto_placement import AutoPlacer
-from shardwise.gemini.collaborators import ReductionsInFlight
+from shardwise.gemini.collaborators import NO_REDUCTIONS, ReductionsInFlight
 from shardwise.gemini.device_tally import DeviceTally
 from shardwise.gemini.errors import DeviceBudgetExceeded
 from shardwise.gemini.passes import Pass
@@ -147,12 +147,6 @@ class GeminiManager:
                 pin_memory=pin_memory,
             )
 
-    def attach_reducer(self, reductions: ReductionsInFlight) -> None:
-        """The model's gradient reductions in flight: "auto" finishes them to free room, and
-        counts what they hold and what the next one's start frees."""
-        if self.auto is not None:
-            self.auto.reductions = reductions
-
     @property
     def prefetch_planned(self) -> bool:
         """Whether the schedule may gather the next chunk ahead: always, but under "auto"
@@ -162,11 +156,14 @@ class GeminiManager:
             return self.auto.warm and self.auto.prefetch
         return self.working_set is None or self.working_set.prefetch_fits
 
-    # Each call that may need room answers with a `Room`; on `Room.AFTER_REDUCTIONS` the caller
-    # finishes the gradient reductions in flight and calls `resume()` (see [Note: room after
-    # the reductions] in room.py).
+    # Each call that may need room passes the model's gradient `reductions` ("auto" counts
+    # what they hold and what the next one's start frees) and answers with a `Room`; on
+    # `Room.AFTER_REDUCTIONS` the caller finishes the reductions in flight and calls
+    # `resume()` (see [Note: room after the reductions] in room.py).
 
-    def before_prefetch(self, chunks: list[Chunk], serving: Pass) -> Room:
+    def before_prefetch(
+        self, chunks: list[Chunk], serving: Pass, reductions: ReductionsInFlight = NO_REDUCTIONS
+    ) -> Room:
         if self.auto is None:
             return Room.MADE
         # Room for the gather alone: a chunk prefetched in backward gets its gradient buffer
@@ -175,7 +172,9 @@ class GeminiManager:
         # it has not. Counting the buffer here would wait for the reduction at every backward
         # prefetch, and serialise them, where "cpu" placement keeps them overlapped in the
         # same memory.
-        return self._paused_by(self.auto.make_room(chunks, with_grads=False), self.auto.resume)
+        return self._paused_by(
+            self.auto.make_room(chunks, with_grads=False, reductions=reductions), self.auto.resume
+        )
 
     def resume(self) -> None:
         """Finish the decision that answered `Room.AFTER_REDUCTIONS`, once the caller has
@@ -203,13 +202,19 @@ class GeminiManager:
         if self.auto is not None:
             self.auto.tracer.stop()
 
-    def before_gather(self, chunks: list[Chunk], serving: Pass) -> Room:
+    def before_gather(
+        self, chunks: list[Chunk], serving: Pass, reductions: ReductionsInFlight = NO_REDUCTIONS
+    ) -> Room:
         if self.auto is None:
             return Room.MADE
-        return self._paused_by(self.auto.before_gather(chunks, serving), self.auto.resume)
+        return self._paused_by(
+            self.auto.before_gather(chunks, serving, reductions), self.auto.resume
+        )
 
-    def after_gather(self, chunks: list[Chunk], where: str) -> Room:
-        return self.check_budget(where)
+    def after_gather(
+        self, chunks: list[Chunk], where: str, reductions: ReductionsInFlight = NO_REDUCTIONS
+    ) -> Room:
+        return self.check_budget(where, reductions)
 
     def end_of_warmup(self) -> None:
         """After the first backward: a working set over the budget raises on every rank (see
@@ -219,6 +224,12 @@ class GeminiManager:
             self.working_set.end_warmup(self._agree_max, self._model_state_bytes())
         if self.auto is not None and not self.auto.warm:
             self.auto.end_warmup(self._move_optim_to_device, self._agree_max)
+
+    def restart_warmup(self) -> None:
+        """The first backward raised midway (see [Note: the phase of the pass] in
+        runtime/phase.py): "auto" records its timeline afresh in the next step."""
+        if self.auto is not None and not self.auto.warm:
+            self.auto.restart_warmup()
 
     @property
     def overran_since_plan(self) -> bool:
@@ -257,13 +268,13 @@ class GeminiManager:
             held[Pool.DISK] += disk_bytes(chunk)
         return {pool.value: nbytes for pool, nbytes in held.items()}
 
-    def check_budget(self, where: str) -> Room:
+    def check_budget(self, where: str, reductions: ReductionsInFlight = NO_REDUCTIONS) -> Room:
         """Record the device's bytes (model state, and under "auto" the traced non-model
         memory too); raise if the model state passes the budget. "auto" first makes room
         (see [Note: auto placement]) and raises only where nothing is left to move."""
-        return self._check_budget(where, drained=False)
+        return self._check_budget(where, reductions, drained=False)
 
-    def _check_budget(self, where: str, *, drained: bool) -> Room:
+    def _check_budget(self, where: str, reductions: ReductionsInFlight, *, drained: bool) -> Room:
         device = self.tally.device_bytes()
         self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)
         if self.auto is not None:
@@ -271,9 +282,10 @@ class GeminiManager:
             non_model = self.auto.non_model_now()
             excess = device + non_model - self.auto.budget
             if excess > 0:
-                if self.auto.relieve(excess, drained=drained) is Room.AFTER_REDUCTIONS:
+                if self.auto.relieve(excess, reductions, drained=drained) is Room.AFTER_REDUCTIONS:
                     return self._paused_by(
-                        Room.AFTER_REDUCTIONS, partial(self._check_budget, where, drained=True)
+                        Room.AFTER_REDUCTIONS,
+                        partial(self._check_budget, where, reductions, drained=True),
                     )
                 device = self.tally.device_bytes()
             self.peak_model_device_bytes = max(self.peak_model_device_bytes, device)

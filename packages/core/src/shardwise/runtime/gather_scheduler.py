@@ -30,9 +30,10 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, TensorState
 from shardwise.chunk.parameters import ShardedParameter, on_use
 from shardwise.gemini import GeminiManager, Pass, Room
-from shardwise.runtime.backward_end import BackwardEnd
 from shardwise.runtime.gather_units import UnitMap
+from shardwise.runtime.grad_reducer import GradReducer
 from shardwise.runtime.hooks import HookSet
+from shardwise.runtime.phase import PassState, Phase
 from shardwise.runtime.rank_sync import VisitTrail
 from shardwise.runtime.unit_plan import GatherUnit, compiled
 
@@ -99,22 +100,24 @@ class GatherScheduler:
         plan: the gather units of the model, given the uses outside their own units that its
             first forward found (per parameter name, the names of the units it was used in)
             and whether its repeated blocks are units (the model is compiled as a whole).
+        state: the phase of the pass, which the runtime moves (see [Note: the phase of the
+            pass] in runtime/phase.py).
         prefetch: gather the next chunk of the recorded order asynchronously.
         prefetch_chunks: how many chunks ahead a prefetch gathers (ColossalAI's
             `max_prefetch`); under "auto" each is made room for within the budget, as the
             first is.
         gemini: the memory manager to consult around every gather (room for the chunks,
             the budget check), if any.
-        finish_reductions: finishes the gradient reductions in flight, when the memory
-            manager answers that room needs it (see [Note: room after the reductions] in
-            gemini/room.py).
-        on_backward: called when a backward pass starts, before its first gather.
+        reductions: the model's gradient reductions, which the memory manager weighs and
+            which are finished when it answers that room needs it (see [Note: room after the
+            reductions] in gemini/room.py).
         units: the conditional blocks, whose backward signals their chunks' completion (see
             [Note: conditional units]); none when not given.
         trail: where the modules whose hooks ran are recorded, for the ranks' pass checks
             (`RankSync`); a trail of its own when not given.
-        backward_end: the model's end of backward, which runs `end_backward`; one of its own
-            when not given.
+        enter_backward: called from a backward pass's first reach of the schedule's hooks,
+            before its first gather: the runtime moves the phase, queues the end of backward
+            (which calls `end_backward`) and calls `begin_backward`.
         hooks: where the schedule's hooks are kept (see [Note: one owner of an engine's
             hooks] in runtime/hooks.py); a set of its own when not given.
     """
@@ -125,31 +128,28 @@ class GatherScheduler:
         chunk_manager: ChunkManager,
         *,
         plan: Callable[[dict[str, set[str]], bool], list[GatherUnit]],
+        state: PassState,
         prefetch: bool,
         prefetch_chunks: int = 1,
         gemini: GeminiManager | None = None,
-        finish_reductions: Callable[[], None] = lambda: None,
-        on_backward: Callable[[], None] | None = None,
+        reductions: GradReducer,
         units: UnitMap | None = None,
         trail: VisitTrail | None = None,
-        backward_end: BackwardEnd | None = None,
+        enter_backward: Callable[[], None],
         hooks: HookSet | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
-        # See [Note: one end of backward]: the model's, which runs end_backward in its place.
-        self._backward_end = backward_end or BackwardEnd([self.end_backward])
+        self._state = state
+        self._enter_backward = enter_backward
         self._module = module
         self._plan = plan
-        self._on_backward = on_backward
         # A policy may forbid prefetching; "auto" allows it once its plan has room for it
         # (GeminiManager.prefetch_planned).
         self.prefetch = prefetch and (gemini is None or gemini.policy.allows_prefetch)
         self._prefetch_chunks = prefetch_chunks
         self._gemini = gemini
-        self._finish_reductions = finish_reductions
-        self._warmed_up = False
+        self._reductions = reductions
         self._used_in_pass: dict[int, set[int]] = {}
-        self._pass = Pass.FORWARD  # the pass the gathers serve now
         self._keep_for_backward: frozenset[int] = frozenset()
         self._hooks = hooks if hooks is not None else HookSet()
         self._unit_hooks = self._hooks.part()  # replaced with the units (`_install`)
@@ -276,10 +276,10 @@ class GatherScheduler:
 
         @_outside_compiled
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            trace = self._backward if self._pass is Pass.BACKWARD else self._forward
+            trace = self._backward if self._serving is Pass.BACKWARD else self._forward
             trace.visit(chunk_ids)
             self.trail.add(visit)
-            self._gather(chunks, self._pass, f"before forward of {type(module).__name__}")
+            self._gather(chunks, self._serving, f"before forward of {type(module).__name__}")
             for chunk, index in places:
                 chunk.set_compute(index)
             if self._open.get(key, 0) == 0:
@@ -309,17 +309,17 @@ class GatherScheduler:
         if not sharded:
             return
         if self._gemini is not None:
-            self._settle(self._gemini.before_gather(sharded, serving))
+            self._settle(self._gemini.before_gather(sharded, serving, self._reductions))
         for chunk in sharded:
             chunk.payload.gather()
         if self._gemini is not None:
-            self._settle(self._gemini.after_gather(sharded, where))
+            self._settle(self._gemini.after_gather(sharded, where, self._reductions))
 
     def _settle(self, room: Room) -> None:
         """See [Note: room after the reductions] in gemini/room.py."""
         if room is Room.AFTER_REDUCTIONS:
             assert self._gemini is not None
-            self._finish_reductions()
+            self._reductions.finish_in_flight()
             self._gemini.resume()
 
     def _post_forward(self, unit: GatherUnit, visit: int) -> Any:
@@ -333,7 +333,7 @@ class GatherScheduler:
             self._close(unit)
             for chunk, index in places:
                 chunk.set_hold(index)
-            if self._pass is not Pass.BACKWARD:
+            if self._serving is not Pass.BACKWARD:
                 close = self._closes
                 self._closes += 1
                 if not self._forward.recorded:
@@ -394,7 +394,7 @@ class GatherScheduler:
         model's own forward outside every unit counts as the model's), and hand back the
         compute face (see [Note: gather units])."""
         chunk, index = self.chunk_manager.locate(param)
-        self._gather([chunk], self._pass, f"on use of {chunk.tensors[index].name}")
+        self._gather([chunk], self._serving, f"on use of {chunk.tensors[index].name}")
         self._pinned.add(chunk.chunk_id)
         user = self._active[-1].name if self._active else ""
         self._used_in.setdefault(chunk.tensors[index].name, set()).add(user)
@@ -430,12 +430,7 @@ class GatherScheduler:
         chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
 
         def hook(grad: torch.Tensor) -> None:
-            if self._pass is not Pass.BACKWARD:
-                self._pass = Pass.BACKWARD
-                self._backward.begin()
-                self._backward_end.queue()
-                if self._on_backward is not None:
-                    self._on_backward()
+            self._enter_backward()
             self._backward.visit(chunk_ids)
             self.trail.add(visit)
             self._gather(chunks, Pass.BACKWARD, "before backward")
@@ -483,7 +478,7 @@ class GatherScheduler:
                     )
 
         def backward_done(grads: Any) -> None:
-            if not opened[0] or self._pass is not Pass.BACKWARD:
+            if not opened[0] or self._serving is not Pass.BACKWARD:
                 return
             opened[0] = False
             for chunk in frozen:
@@ -496,12 +491,26 @@ class GatherScheduler:
             tensor.register_hook(backward_started)
         torch.autograd.graph.register_multi_grad_hook(inputs, backward_done)
 
-    def end_backward(self) -> None:
+    @property
+    def _serving(self) -> Pass:
+        """The pass the gathers serve now."""
+        return Pass.BACKWARD if self._state.phase is Phase.PRE_BACKWARD else Pass.FORWARD
+
+    def begin_backward(self) -> None:
+        """A backward pass starts (the runtime calls this before its first gather)."""
+        self._backward.begin()
+
+    def end_backward(self, *, completed: bool = True) -> None:
         """Autograd finished a backward pass (see [Note: one end of backward] in
-        runtime/backward_end.py): release what is still gathered, settle the recorded order."""
-        self._pass = Pass.FORWARD
+        runtime/backward_end.py): release what is still gathered, settle the recorded order.
+        A pass that raised midway (`completed` False) leaves no record: the next backward
+        records afresh where none was recorded yet, and the first pass's lessons wait for the
+        next forward (see [Note: the phase of the pass] in runtime/phase.py). Local."""
         self.units.end_backward()
-        self._backward.finish()
+        if completed:
+            self._backward.finish()
+        elif not self._backward.recorded:
+            self._backward = _Trace(self._prefetch_chunks)
         # Nothing computes once backward has ended. A module's re-run forward under
         # non-reentrant checkpointing stops as soon as it has recomputed what backward needs,
         # which may be before the module's own forward hook marks its tensors done.
@@ -513,14 +522,11 @@ class GatherScheduler:
         self._pinned.clear()
         self._frozen_users.clear()
         self.release_all()
-        if self._learning:
+        if self._learning and completed:
             self._finish_learning()
         if self.chunk_manager.topology.secondary is not None:  # hpZ
             for chunk in self.chunk_manager.chunks:
                 chunk.payload.drop_secondary()  # what backward did not gather (an unused branch)
-        if self._gemini is not None and not self._warmed_up:
-            self._warmed_up = True
-            self._gemini.end_of_warmup()
 
     # ---- shared ------------------------------------------------------------------------------
 
@@ -535,16 +541,13 @@ class GatherScheduler:
             chunk = self.chunk_manager.chunks[chunk_id]
             if chunk.payload.state is ChunkState.SHARDED and not chunk.payload.gather_pending:
                 if self._gemini is not None:
-                    self._settle(self._gemini.before_prefetch([chunk], self._pass))
+                    self._settle(
+                        self._gemini.before_prefetch([chunk], self._serving, self._reductions)
+                    )
                 chunk.payload.start_gather()
                 if self._gemini is not None:
-                    self._settle(self._gemini.check_budget(f"after prefetching chunk {chunk_id}"))
-
-    def release_done(self, chunk: Chunk) -> None:
-        """Backward needs `chunk`'s parameters no more: its gradients are complete, or
-        reduced."""
-        if not chunk.in_use and not chunk.keep_gathered:
-            chunk.payload.release()
+                    where = f"after prefetching chunk {chunk_id}"
+                    self._settle(self._gemini.check_budget(where, self._reductions))
 
     def release_all(
         self, keep: frozenset[int] = frozenset(), *, keep_secondary: bool = False

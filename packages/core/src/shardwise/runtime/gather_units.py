@@ -92,10 +92,15 @@ class UnitMap:
         module: the user's model.
         chunk_manager: its chunks.
         units: the units, as `find_gather_units` returns them.
+        on_done: called with a unit's index once its backward is done on this rank.
     """
 
     def __init__(
-        self, module: nn.Module, chunk_manager: ChunkManager, units: dict[str, nn.Module]
+        self,
+        module: nn.Module,
+        chunk_manager: ChunkManager,
+        units: dict[str, nn.Module],
+        on_done: Callable[[int], None] | None = None,
     ) -> None:
         self.names = list(units)
         self._index = {id(unit): i for i, unit in enumerate(units.values())}
@@ -121,7 +126,7 @@ class UnitMap:
             if len(unit_ids) == 1 and -1 not in unit_ids and chunk_manager.manages(param):
                 chunk, index = chunk_manager.locate(param)
                 self.governed[(chunk.chunk_id, index)] = next(iter(unit_ids))
-        self.on_done: Callable[[int], None] | None = None
+        self._on_done = on_done
         self._pending = [0] * len(self.names)
         self._unsignalled = [False] * len(self.names)
 
@@ -170,8 +175,8 @@ class UnitMap:
 
     def _call_done(self, unit: int) -> None:
         self._pending[unit] -= 1
-        if self._pending[unit] == 0 and not self._unsignalled[unit] and self.on_done is not None:
-            self.on_done(unit)
+        if self._pending[unit] == 0 and not self._unsignalled[unit] and self._on_done is not None:
+            self._on_done(unit)
 
     def end_backward(self) -> None:
         """Backward ended: the next forward's calls start counting afresh."""

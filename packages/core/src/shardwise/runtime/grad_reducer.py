@@ -93,8 +93,9 @@ class GradReducer:
             here (see [Note: conditional units] in runtime/gather_units.py).
         learn_order: after the first synchronised backward, reduce in the order chunks
             completed there (rank 0's); otherwise keep the initial (or suggested) order.
-        backward_end: the model's end of backward, which runs `end_of_backward`; one of its
-            own when not given.
+        enter_backward: called from every gradient hook: the first call of a pass queues
+            the end of backward, which calls `end_of_backward` (the model's runtime, see
+            runtime/runtime.py); when not given, the reducer queues its own.
         hooks: where the gradient hooks are kept (see [Note: one owner of an engine's hooks]
             in runtime/hooks.py); a set of their own when not given.
     """
@@ -112,7 +113,7 @@ class GradReducer:
         gemini: GeminiManager | None = None,
         units: UnitMap | None = None,
         learn_order: bool = True,
-        backward_end: BackwardEnd | None = None,
+        enter_backward: Callable[[], None] | None = None,
         hooks: HookSet | None = None,
     ) -> None:
         self.chunk_manager = chunk_manager
@@ -135,9 +136,9 @@ class GradReducer:
         self._completed: list[int] = []
         self._next = 0
         self._complete: set[int] = set()
-        # See [Note: one end of backward] in runtime/backward_end.py: the model's, which runs
-        # end_of_backward in its place; or, alone (ColoDDP), one of its own.
-        self._backward_end = backward_end or BackwardEnd([self.end_of_backward])
+        # See [Note: one end of backward] in runtime/backward_end.py: the model's runtime
+        # runs end_of_backward; alone (ColoDDP), the reducer queues its own.
+        self._enter_backward = enter_backward or BackwardEnd([self.end_of_backward]).queue
         self._unreduced_passes = False
         # Hybrid sharding: gradients were reduced within the shard groups since the last
         # average across them (see reduce_across_replicas).
@@ -168,8 +169,6 @@ class GradReducer:
                 self._chunks_of_unit.setdefault(unit, []).append(chunk)
         self._units_done: set[int] = set()
         self._plain_received: dict[int, set[int]] = {}
-        if units is not None:
-            units.on_done = self.unit_done
         for chunk in self._order:
             for index, info in enumerate(chunk.tensors):
                 if info.param.requires_grad:  # autograd accumulates on the compute face
@@ -209,7 +208,7 @@ class GradReducer:
         param.grad = chunk.grads.exposed(index)
         if allocates and self._gemini is not None:
             where = f"after the gradient of {chunk.tensors[index].name}"
-            if self._gemini.check_budget(where) is Room.AFTER_REDUCTIONS:
+            if self._gemini.check_budget(where, self) is Room.AFTER_REDUCTIONS:
                 self.finish_in_flight()
                 self._gemini.resume()
         if chunk.chunk_id in self._waits_on:
@@ -220,7 +219,7 @@ class GradReducer:
             self._chunk_complete(chunk)
 
     def _queue_end_of_backward(self) -> None:
-        self._backward_end.queue()
+        self._enter_backward()
 
     def _unit_chunk_complete(self, chunk_id: int) -> bool:
         # Only what every rank sees alike counts: the unit's backward being done, never which
@@ -361,11 +360,26 @@ class GradReducer:
                 chunk.grads.end_pass()
             self._unreduced_passes = True
             self._replicas_differ = self._hybrid
+        self._start_afresh()
+
+    def _start_afresh(self) -> None:
         self._next = 0
         self._complete.clear()
         self._completed.clear()
         self._units_done.clear()
         self._plain_received.clear()
+
+    def abandon_pass(self) -> None:
+        """A backward pass raised before autograd ended it, and its gradients are about to
+        be dropped (`zero_grad()`; see [Note: the phase of the pass] in runtime/phase.py):
+        wait for the reductions it issued (collectives every rank issued alike), forget the
+        chunks it completed and the bucket it was filling, and count the next pass's
+        gradients afresh. Issues no collective."""
+        self.finish_in_flight()
+        self._bucket, self._bucket_filled = [], 0
+        for chunk in self._order:
+            chunk.grads.end_pass()
+        self._start_afresh()
 
     def _expose_reached(self) -> None:
         """Show `.grad` of every tensor some rank's gradient reached, where the chunks show it
