@@ -2,13 +2,17 @@
 script: `zero_optim_wrapper`, both Booster ZeRO plugins and ShardedOptimizerV2 (the Lightning
 strategies and the Trainer callback are tested beside their own suites). One recorder per
 optimizer: a script that also calls `telemetry.enable` gets that recorder, and naming another
-destination then is refused."""
+destination then is refused. The run says which front door started it, from which script, under
+the name SHARDWISE_RUN_NAME gives it, and rank 0 alone prints its id and destination."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,15 +63,19 @@ def _sharded_v2() -> tuple[Any, Any, Callable[[Any], None]]:
 
 FRONT_DOORS: dict[str, Callable[[], tuple[Any, Any, Callable[[Any], None]]]] = {
     "zero_optim_wrapper": _zero_optim_wrapper,
-    "GeminiPlugin": lambda: _booster(GeminiPlugin(precision="fp32")),
-    "LowLevelZeroPlugin": lambda: _booster(LowLevelZeroPlugin(stage=2, precision="fp32")),
+    "Booster GeminiPlugin": lambda: _booster(GeminiPlugin(precision="fp32")),
+    "Booster LowLevelZeroPlugin": lambda: _booster(LowLevelZeroPlugin(stage=2, precision="fp32")),
     "ShardedOptimizerV2": _sharded_v2,
 }
+RUN_NAME = "lr-sweep 3e-4"
 
 
 def _streamed(name: str, path: str) -> dict[str, Any]:
     os.environ["SHARDWISE_TELEMETRY_FILE"] = path  # this rank's process only
-    model, optimizer, backward = FRONT_DOORS[name]()
+    os.environ["SHARDWISE_RUN_NAME"] = RUN_NAME
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        model, optimizer, backward = FRONT_DOORS[name]()
     for step in range(STEPS):  # no telemetry call in the script
         optimizer.zero_grad()
         backward(model(*batch_slice(step, 0, dist.get_rank(), 2)))
@@ -84,13 +92,31 @@ def _streamed(name: str, path: str) -> dict[str, Any]:
     del model, optimizer, backward, engine
     gc.collect()
     lines = Path(f"{path}.rank{dist.get_rank()}.jsonl").read_text().splitlines()
-    return {"types": [json.loads(line)["type"] for line in lines], "refused": refused}
+    events = [json.loads(line) for line in lines]
+    return {
+        "types": [e["type"] for e in events],
+        "refused": refused,
+        "started": events[0],
+        "said": said.getvalue(),
+    }
 
 
 @pytest.mark.parametrize("name", list(FRONT_DOORS))
 def test_every_front_door_streams_from_the_environment_alone(name: str, tmp_path: Path) -> None:
-    for seen in run_ranks(_streamed, 2, name, str(tmp_path / "events")):
+    results = run_ranks(_streamed, 2, name, str(tmp_path / "events"))
+    for seen in results:
         types = seen["types"]
         assert types.count("run_started") == 1 and types.count("run_finished") == 1, types
         assert types.count("step") == STEPS, types
         assert "already streams" in seen["refused"], seen
+        started = seen["started"]
+        assert started["entry_point"] == name and started["run_name"] == RUN_NAME, started
+        assert started["script"] == sys.argv[0], started
+    # Rank 0 says where the run goes, once; the other ranks keep quiet.
+    said = [seen["said"] for seen in results]
+    run_id = results[0]["started"]["run_id"]
+    assert said[0] == (
+        f"shardwise: telemetry of run {run_id} ('{RUN_NAME}', {name}, "
+        f"{os.path.basename(sys.argv[0])}) goes to {tmp_path / 'events'}.rank*.jsonl\n"
+    ), said
+    assert said[1] == "", said

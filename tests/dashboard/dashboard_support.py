@@ -42,8 +42,10 @@ def step_event(
     return event
 
 
-def started_event(run_id: str = "run-a", rank: int = 0, world_size: int = 2) -> dict[str, Any]:
-    return {
+def started_event(
+    run_id: str = "run-a", rank: int = 0, world_size: int = 2, **changes: Any
+) -> dict[str, Any]:
+    event = {
         "schema": 1,
         "type": "run_started",
         "run_id": run_id,
@@ -54,6 +56,8 @@ def started_event(run_id: str = "run-a", rank: int = 0, world_size: int = 2) -> 
         "num_params": 1234,
         "host": "node-0",
     }
+    event.update(changes)
+    return event
 
 
 def chunks_event(run_id: str = "run-a", rank: int = 0, step: int = 0) -> dict[str, Any]:

@@ -2,12 +2,17 @@
 SHARDWISE_DASHBOARD_URL set, a Lightning fit (GeminiStrategy), a Booster run (GeminiPlugin) and
 a `zero_optim_wrapper` loop, none of which calls `telemetry.enable`, each appear live in headless
 Chromium (opened before the runs began) as a finished run with one loss point per step on each
-rank."""
+rank. The runs list tells them apart (the front door that started each, its script, and the
+name SHARDWISE_RUN_NAME gave one), and the page rank 0 printed at the start opens its run."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import os
+import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,14 +42,22 @@ def _loop(model: Any, optimizer: Any, backward: Any) -> None:
         optimizer.step()
 
 
+RUN_NAME = "booster, lr 1e-2"
+
+
 def _zero_optim_wrapper_run(url: str) -> str:
     os.environ["SHARDWISE_DASHBOARD_URL"] = url  # this rank's process only
     return _dropped(_zero_optim_wrapper_loop())
 
 
-def _booster_run(url: str) -> str:
+def _booster_run(url: str) -> tuple[str, str]:
+    """The run's id, and what this rank printed to stderr as it started."""
     os.environ["SHARDWISE_DASHBOARD_URL"] = url
-    return _dropped(_booster_loop())
+    os.environ["SHARDWISE_RUN_NAME"] = RUN_NAME
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        run_id = _dropped(_booster_loop())
+    return run_id, said.getvalue()
 
 
 def _dropped(run_id: str) -> str:
@@ -126,6 +139,27 @@ def _shown(page: Any, run_id: str) -> None:
     )
 
 
+def _told_apart(page: Any, wrapper_id: str, booster_id: str, lightning_id: str) -> None:
+    """Each run's entry in the runs list names its front door and script; the named run its
+    name, above its id."""
+    shown = page.evaluate(
+        """() => Object.fromEntries([...document.querySelectorAll('#run-list li')].map(li =>
+            [li.dataset.runId, {text: li.innerText, entry: li.dataset.entryPoint,
+                                name: li.querySelector('.run-name').hidden ? '' : li.innerText
+                                    .split('\\n')[0]}]))"""
+    )
+    script = os.path.basename(sys.argv[0])
+    expected = {
+        wrapper_id: ("zero_optim_wrapper", ""),
+        booster_id: ("Booster GeminiPlugin", RUN_NAME),
+        lightning_id: ("Lightning GeminiStrategy", ""),
+    }
+    for run_id, (entry, name) in expected.items():
+        seen = shown[run_id]
+        assert (seen["entry"], seen["name"]) == (entry, name), shown
+        assert f"{entry} · {script}" in seen["text"] and run_id in seen["text"], shown
+
+
 def test_every_entry_point_appears_in_the_browser_with_nothing_in_the_script(
     tmp_path: Path,
 ) -> None:
@@ -140,7 +174,8 @@ def test_every_entry_point_appears_in_the_browser_with_nothing_in_the_script(
             page.wait_for_selector('#connection[data-state="live"]', timeout=15_000)
 
             wrapper_ids = run_ranks(_zero_optim_wrapper_run, WORLD, server.url, timeout_s=120)
-            booster_ids = run_ranks(_booster_run, WORLD, server.url, timeout_s=120)
+            booster = run_ranks(_booster_run, WORLD, server.url, timeout_s=120)
+            booster_ids, said = [b[0] for b in booster], [b[1] for b in booster]
             steps = run_ranks(_lightning_run, WORLD, server.url, timeout_s=180)
             assert steps == [STEPS] * WORLD
             for ids in (wrapper_ids, booster_ids):
@@ -156,6 +191,25 @@ def test_every_entry_point_appears_in_the_browser_with_nothing_in_the_script(
             assert len(lightning_ids) == 1, listed
             for run_id in (wrapper_ids[0], booster_ids[0], *lightning_ids):
                 _shown(page, run_id)
+            _told_apart(page, wrapper_ids[0], booster_ids[0], lightning_ids.pop())
+            # Rank 0 printed the run's page as it started (the other rank nothing): it opens it.
+            printed = re.findall(r"goes to (\S+)", said[0])
+            assert printed == [f"{server.url}/#run={booster_ids[0]}"] and not said[1], said
+            page.goto(printed[0])
+            page.wait_for_function(
+                "id => document.getElementById('run').dataset.runId === id",
+                arg=booster_ids[0],
+                timeout=15_000,
+            )
+            assert page.text_content("#run-title") == RUN_NAME
+            facts = page.evaluate(
+                """() => Object.fromEntries([...document.querySelectorAll('#run-facts div')]
+                    .map(row => [row.querySelector('dt').textContent,
+                                 row.querySelector('dd').textContent]))"""
+            )
+            assert facts["run id"] == booster_ids[0], facts
+            assert facts["entry point"] == "Booster GeminiPlugin", facts
+            assert facts["script"] == sys.argv[0], facts
             browser.close()
     finally:
         server.stop()

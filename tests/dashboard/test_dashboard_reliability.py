@@ -20,6 +20,7 @@ from dashboard_support import finished_event, free_port, started_event, step_eve
 from fastapi.testclient import TestClient
 
 from shardwise_dashboard.app import create_app
+from shardwise_dashboard.db_schema import DB_VERSION
 from shardwise_dashboard.settings import Settings
 from shardwise_dashboard.storage import RunStore
 
@@ -239,7 +240,7 @@ def test_a_version_1_history_file_is_migrated(tmp_path: Path) -> None:
         steps = client.get("/api/v1/overview/v1").json()["steps"]
         assert steps["step"] == [0, 1, 2] and steps["sent_bytes"]["max"] == [6144] * 3
     with sqlite3.connect(db) as migrated:
-        assert migrated.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert migrated.execute("PRAGMA user_version").fetchone()[0] == DB_VERSION
 
 
 def test_a_version_2_file_missing_an_index_gets_it_at_start(tmp_path: Path) -> None:
@@ -260,7 +261,7 @@ def test_a_version_2_file_missing_an_index_gets_it_at_start(tmp_path: Path) -> N
     with sqlite3.connect(db) as fixed:
         indexes = {row[0] for row in fixed.execute("SELECT name FROM sqlite_master")}
         assert {"step_metrics", "events_by_run"} <= indexes
-        assert fixed.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert fixed.execute("PRAGMA user_version").fetchone()[0] == DB_VERSION
 
 
 def _v1_step(step: int) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """What a Trainer run with ShardwiseCallback streams (tests/hf/telemetry_run.py, 2 forked
 ranks, SHARDWISE_TELEMETRY_FILE set): the loss of each step is the loss the Trainer logs for it
-under gradient accumulation, and its evaluations arrive as "eval" events."""
+under gradient accumulation, its evaluations arrive as "eval" events, and the run carries the
+Trainer's run_name and says the HF Trainer started it; rank 0 prints where it goes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 import transformers
 from forked_script import run_script
+from telemetry_run import RUN_NAME
 
 import shardwise_hf  # noqa: F401  (imported before the forks)
 
@@ -40,6 +42,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "events": events,
         "logged": json.loads((out / "logged.json").read_text()),
         "outputs": outputs,
+        "files": out / "events",
     }
 
 
@@ -54,6 +57,23 @@ def test_each_step_shows_the_loss_the_trainer_logs(run: dict[str, Any]) -> None:
         assert step == index + 1 and math.isclose(shown, loss, rel_tol=1e-6), (logged, losses)
         # Not the last micro-batch's half of it, as before.
         assert shown > 0.9 * loss, (logged, losses)
+
+
+def test_the_run_is_named_and_announced(run: dict[str, Any]) -> None:
+    started = [rank[0] for rank in run["events"]]
+    assert all(e["type"] == "run_started" for e in started), started
+    assert {(e["run_name"], e["entry_point"]) for e in started} == {(RUN_NAME, "HF Trainer")}
+    assert all(e["script"].endswith("telemetry_run.py") for e in started), started
+    said = [
+        [line for line in output.stderr.splitlines() if "shardwise: telemetry of run" in line]
+        for output in run["outputs"]
+    ]
+    run_id = started[0]["run_id"]
+    assert said[0] == [
+        f"shardwise: telemetry of run {run_id} ('{RUN_NAME}', HF Trainer, telemetry_run.py) "
+        f"goes to {run['files']}.rank*.jsonl"
+    ], said
+    assert said[1] == [], said
 
 
 def test_evaluations_are_streamed(run: dict[str, Any]) -> None:

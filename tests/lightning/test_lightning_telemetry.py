@@ -2,7 +2,8 @@
 the script: a user with SHARDWISE_DASHBOARD_URL (here SHARDWISE_TELEMETRY_FILE) set sees the
 fit, one event per optimizer step, reported finished when the fit ends. Under gradient
 accumulation a step's loss is the mean of its micro-batches' training_step losses, the loss
-Lightning logs for the step, not the last one divided by the number of micro-batches."""
+Lightning logs for the step, not the last one divided by the number of micro-batches. The run
+says it was started by the strategy ("Lightning GeminiStrategy")."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def _fit_streamed(name: str, path: str, micro: int = 1) -> dict[str, Any]:
     events = [json.loads(line) for line in lines]
     return {
         "types": [e["type"] for e in events],
+        "entry_point": events[0]["entry_point"],
         "steps": len(result.losses) // micro,
         "losses": [e["loss"] for e in events if e["type"] == "step"],
         "micro_losses": result.losses,
@@ -44,6 +46,7 @@ def test_a_fit_streams_from_the_environment_alone(name: str, tmp_path: Path) -> 
         types = seen["types"]
         assert types[0] == "run_started" and types[-1] == "run_finished", types
         assert types.count("step") == seen["steps"] > 0, seen
+        assert seen["entry_point"] == f"Lightning {STRATEGIES[name].__name__}", seen
 
 
 def test_accumulated_steps_report_the_mean_of_their_micro_batches(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ ON CONFLICT (run_id) DO UPDATE SET
 """
 
 DESCRIBE_RUN = """
-UPDATE runs SET world_size = :world_size, num_params = :num_params, config = :config
+UPDATE runs SET world_size = :world_size, num_params = :num_params, config = :config,
+    run_name = :run_name, entry_point = :entry_point, script = :script
 WHERE run_id = :run_id
 """
 
@@ -58,7 +59,7 @@ SELECT r.run_id, r.started, r.last_seen, r.world_size, r.num_params,
        count(k.rank), coalesce(sum(k.status = 'finished'), 0),
        coalesce(sum(k.status = 'failed'), 0), coalesce(max(k.last_step), -1),
        coalesce(sum(k.dropped), 0), coalesce(r.received, r.last_seen),
-       coalesce(sum(k.warning IS NOT NULL), 0)
+       coalesce(sum(k.warning IS NOT NULL), 0), r.run_name, r.entry_point, r.script
 FROM runs r LEFT JOIN ranks k ON k.run_id = r.run_id
 {where}
 GROUP BY r.run_id ORDER BY r.started DESC, r.run_id

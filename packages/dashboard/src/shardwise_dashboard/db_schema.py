@@ -2,7 +2,7 @@
 from older versions (run at start, in one transaction, by `RunStore`)."""
 
 # Version of the tables below; bumped when they change shape (see MIGRATIONS).
-DB_VERSION = 2
+DB_VERSION = 3
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -12,7 +12,10 @@ CREATE TABLE IF NOT EXISTS runs (
     world_size INTEGER,          -- from run_started; NULL until one arrives
     num_params INTEGER,
     config TEXT,                 -- JSON object
-    received REAL                -- this server's clock at the latest event: staleness
+    received REAL,               -- this server's clock at the latest event: staleness
+    run_name TEXT,               -- from run_started (NULL: not given, or an older shardwise)
+    entry_point TEXT,            -- the front door that started the run
+    script TEXT                  -- the command's script
 );
 CREATE TABLE IF NOT EXISTS ranks (
     run_id TEXT NOT NULL,
@@ -58,7 +61,9 @@ CREATE INDEX IF NOT EXISTS step_metrics ON events (
 ) WHERE type = 'step';
 """
 
-# From version 1 (before the overview): add the columns, fill them from the bodies.
+# From version 1 (before the overview): add the columns, fill them from the bodies. From
+# version 2 (before runs said what started them): the run_started bodies stored before never
+# held the three new columns' values, so they stay NULL.
 MIGRATIONS = {
     1: """
 ALTER TABLE runs ADD COLUMN received REAL;
@@ -91,5 +96,10 @@ UPDATE ranks SET first_overflow = (
     SELECT min(step) FROM events e
     WHERE e.run_id = ranks.run_id AND e.rank = ranks.rank AND e.type = 'step' AND e.overflow
 );
+""",
+    2: """
+ALTER TABLE runs ADD COLUMN run_name TEXT;
+ALTER TABLE runs ADD COLUMN entry_point TEXT;
+ALTER TABLE runs ADD COLUMN script TEXT;
 """,
 }

@@ -40,6 +40,13 @@ class RunSummary(BaseModel):
     """Ranks whose steps carried an engine warning."""
     last_step: int
     dropped: int
+    run_name: str | None
+    """The name the user gave the run (SHARDWISE_RUN_NAME, the Trainer's run_name)."""
+    entry_point: str | None
+    """The front door that started it ("zero_optim_wrapper", "Booster GeminiPlugin",
+    "Lightning GeminiStrategy", "HF Trainer", ...)."""
+    script: str | None
+    """The command's script (sys.argv[0] on rank 0)."""
 
 
 class RankDetail(BaseModel):

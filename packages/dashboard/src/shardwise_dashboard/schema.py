@@ -76,6 +76,18 @@ class RunStarted(_Base):
     config: dict[str, Any] = Field(description="The engine configuration (any JSON object).")
     num_params: NonNegativeInt
     host: Text = Field(max_length=255)
+    # Optional: ranks of a shardwise from before them never send these.
+    run_name: Name | None = Field(default=None, description="the name the user gave the run")
+    entry_point: Name | None = Field(
+        default=None,
+        description='the front door that started the run ("Lightning GeminiStrategy", ...)',
+    )
+    script: Text | None = Field(
+        default=None,
+        min_length=1,
+        max_length=255,
+        description="the command's script (sys.argv[0])",
+    )
 
     @field_validator("config")
     @classmethod

@@ -392,7 +392,7 @@ class RunStore:
 
     def _summary(self, row: tuple[Any, ...], now: float) -> dict[str, Any]:
         (run_id, started, last_seen, world_size, num_params, seen, finished, failed, step,
-         dropped, received, warnings) = row  # fmt: skip
+         dropped, received, warnings, run_name, entry_point, script) = row  # fmt: skip
         if failed:
             status = "failed"
         elif finished and finished >= (world_size if world_size is not None else seen):
@@ -413,6 +413,9 @@ class RunStore:
             "ranks_warned": warnings,
             "last_step": step,
             "dropped": dropped,
+            "run_name": run_name,
+            "entry_point": entry_point,
+            "script": script,
         }
 
     def _rank(self, row: tuple[Any, ...], now: float) -> dict[str, Any]:
@@ -503,6 +506,7 @@ def _summarise(
             "world_size": event["world_size"],
             "num_params": event["num_params"],
             "config": json.dumps(event["config"], allow_nan=False),
+            **{key: event.get(key) for key in ("run_name", "entry_point", "script")},
         }
         summary["host"] = event["host"]
     elif kind == "step":

@@ -197,7 +197,9 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             engine_state.load_matching(places, token, model, optimizer)
             self._resumed_at = state.global_step
         if self._recorder is None:
-            self._recorder = telemetry.enable(model, optimizer)
+            self._recorder = telemetry.enable(
+                model, optimizer, run_name=args.run_name, entry_point="HF Trainer"
+            )
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -293,7 +293,8 @@ class ShardwiseStrategyBase(DDPStrategy):
             max_norm=float(clip or 0.0),
             norm_type=2.0,
         )
-        self._recorder = telemetry.enable(self._zero_model, engine)
+        front_door = f"Lightning {type(self).__name__}"  # named on the dashboard
+        self._recorder = telemetry.enable(self._zero_model, engine, entry_point=front_door)
         self.optimizers = [cast(Optimizer, engine)]
 
     def zero_optimizer(self) -> ZeroOptimizer | None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from shardwise import telemetry
 from shardwise.booster.mixed_precision import (
     MixedPrecision,
     TorchAMPModule,
@@ -90,9 +91,11 @@ class Booster:
         (a scheduler over the optimizer keeps driving its learning rate)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        model, boosted, criterion, dataloader, lr_scheduler = self.plugin.configure(
-            model, optimizer, criterion, dataloader, lr_scheduler
-        )
+        # A run whose telemetry starts here says the Booster and its plugin started it.
+        with telemetry.front_door(f"Booster {type(self.plugin).__name__}"):
+            model, boosted, criterion, dataloader, lr_scheduler = self.plugin.configure(
+                model, optimizer, criterion, dataloader, lr_scheduler
+            )
         if self.mixed_precision is not None and not isinstance(model, TorchAMPModule):
             model, boosted, criterion = self.mixed_precision.configure(model, boosted, criterion)
         return model, boosted, criterion, dataloader, lr_scheduler

@@ -1,5 +1,6 @@
 """Per-rank telemetry events, a non-blocking emitter, and its sinks."""
 
+from shardwise.telemetry.destination import front_door
 from shardwise.telemetry.emitter import TelemetryEmitter
 from shardwise.telemetry.events import SCHEMA_VERSION
 from shardwise.telemetry.recorder import TelemetryRecorder, enable
@@ -12,4 +13,5 @@ __all__ = [
     "TelemetryEmitter",
     "TelemetryRecorder",
     "enable",
+    "front_door",
 ]

@@ -2,7 +2,10 @@
 
 Every event: {"schema": 1, "type": str, "run_id": str, "rank": int, "time": unix seconds}, and
 by type:
-- "run_started": world_size, config (any JSON), num_params, host
+- "run_started": world_size, config (any JSON), num_params, host, run_name (null, or the name
+  the user gave the run), entry_point (the front door that started it: "zero_optim_wrapper",
+  "Booster GeminiPlugin", "Lightning GeminiStrategy", "HF Trainer", ...), script (the command's
+  script, `sys.argv[0]`)
 - "step": step, loss (null if not finite or unknown), loss_scale, overflow, grad_norm (null if
   not finite), step_time_s, comm_bytes {collective kind: bytes sent this step},
   comm_bytes_unquantized {collective kind: what those collectives would have sent in the
@@ -25,7 +28,8 @@ within version 1, a type added beside them rather than a change to one: a dashbo
 it refuses a batch holding one (it names the type), and `HttpSink` then stops sending it there.
 The disk tier's fields ("to_disk", "from_disk", memory "disk", optim "disk") came later too; the
 dashboard reads events without them as zero. So did comm_bytes_unquantized, which it reads as
-unknown (null) when absent.
+unknown (null) when absent. So did run_started's run_name, entry_point and script, which it
+reads as unknown when absent (a dashboard from before them refuses a run_started holding them).
 """
 
 from __future__ import annotations
@@ -54,14 +58,28 @@ def finite_or_none(value: float | None) -> float | None:
 
 
 def run_started(
-    run_id: str, rank: int, *, world_size: int, config: dict[str, Any], num_params: int, host: str
+    run_id: str,
+    rank: int,
+    *,
+    world_size: int,
+    config: dict[str, Any],
+    num_params: int,
+    host: str,
+    run_name: str | None = None,
+    entry_point: str | None = None,
+    script: str | None = None,
 ) -> dict[str, Any]:
+    """A rank joined a run; `run_name`, `entry_point` and `script` tell runs apart on the
+    dashboard (a script's path keeps its last 255 characters)."""
     return {
         **_base("run_started", run_id, rank),
         "world_size": world_size,
         "config": config,
         "num_params": num_params,
         "host": host,
+        "run_name": run_name[:128] if run_name else None,
+        "entry_point": entry_point[:128] if entry_point else None,
+        "script": script[-255:] if script else None,
     }
 
 

@@ -4,8 +4,11 @@
 
 With no argument it reads SHARDWISE_DASHBOARD_URL (and SHARDWISE_DASHBOARD_TOKEN) or
 SHARDWISE_TELEMETRY_FILE (a JSON-lines file per rank: `{path}.rank{r}.jsonl`); with neither set it
-returns None and costs nothing. Each step adds one event to a bounded queue (see TelemetryEmitter);
-chunk snapshots go out at the first step and every `chunk_every` steps;
+returns None and costs nothing. SHARDWISE_RUN_NAME names the run on the dashboard and
+SHARDWISE_RUN_ID sets its id (else rank 0 picks one from the time); rank 0 prints the run's id
+and where it goes (the run's page on the dashboard) when it starts. Each step adds one event to
+a bounded queue (see TelemetryEmitter); chunk snapshots go out at the first step and every
+`chunk_every` steps;
 `recorder.evaluated(step, loss)` reports an evaluation (the training loop calls it: only it knows
 when it evaluates). The run is reported finished by `finish()`, when its model and optimizer are
 dropped, or at exit, and failed (with the exception) when an uncaught exception ends the process,
@@ -26,6 +29,7 @@ from shardwise import comm
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.optimizer import ZeroOptimizer
 from shardwise.telemetry import events
+from shardwise.telemetry.destination import announce, run_page, started_by
 from shardwise.telemetry.emitter import TelemetryEmitter
 from shardwise.telemetry.sinks import HttpSink, JsonlSink, Sink
 
@@ -60,7 +64,9 @@ class TelemetryRecorder:
         self._hook_seconds = 0.0
         optimizer.add_step_hook(self._on_step)
 
-    def started(self, config: dict[str, Any]) -> None:
+    def started(
+        self, config: dict[str, Any], *, run_name: str | None = None, entry_point: str | None = None
+    ) -> None:
         self.emitter.emit(
             events.run_started(
                 self.emitter.run_id,
@@ -69,6 +75,9 @@ class TelemetryRecorder:
                 config=config,
                 num_params=sum(c.numel for c in self.model.chunk_manager.chunks),
                 host=socket.gethostname(),
+                run_name=run_name,
+                entry_point=entry_point,
+                script=sys.argv[0] if sys.argv and sys.argv[0] else None,
             )
         )
 
@@ -181,11 +190,15 @@ def enable(
     path: str | None = None,
     token: str | None = None,
     run_id: str | None = None,
+    run_name: str | None = None,
+    entry_point: str = "shardwise.telemetry.enable",
     chunk_every: int = 10,
 ) -> TelemetryRecorder | None:
     """Stream this rank's telemetry to a dashboard (`url`) or a JSON-lines file (`path`), or
     as the environment says (see the module note). A collective when the run id is chosen
     here (rank 0's is shared). Returns None, having done nothing, when nothing is configured.
+    `run_name` (else SHARDWISE_RUN_NAME) names the run on the dashboard, beside the front door
+    that started it (`entry_point`) and the script; rank 0 prints the run's id and its page.
 
     One recorder per optimizer: every front door (`zero_optim_wrapper`, the Booster's ZeRO
     plugins, the Lightning strategies, the Trainer callback) calls this with no destination
@@ -195,12 +208,13 @@ def enable(
     existing_ref = _RECORDER_OF.get(optimizer)
     existing = existing_ref() if existing_ref is not None else None
     if existing is not None and not existing._end.done:
-        if url or path or token or run_id:
+        if url or path or token or run_id or run_name:
             raise ValueError(
                 f"telemetry already streams this optimizer's run to {existing.emitter.sink!r} "
                 f"(started as it was wrapped, from SHARDWISE_DASHBOARD_URL or "
-                f"SHARDWISE_TELEMETRY_FILE): call enable() without url, path, token or run_id "
-                f"to get that recorder, or unset the variables to choose the destination here"
+                f"SHARDWISE_TELEMETRY_FILE): call enable() without url, path, token, run_id or "
+                f"run_name to get that recorder, or unset the variables to choose the "
+                f"destination here (SHARDWISE_RUN_ID and SHARDWISE_RUN_NAME name the run)"
             )
         if chunk_every < 1:
             raise ValueError(f"chunk_every must be >= 1, got {chunk_every}")
@@ -238,7 +252,14 @@ def enable(
         config["gather_format"] = wire.gather
         config["reduce_format"] = wire.reduce
         config["quant_block_numel"] = wire.block_numel
-    recorder.started(config)
+    run_name = run_name or os.environ.get("SHARDWISE_RUN_NAME") or None
+    entry_point = started_by(entry_point)
+    recorder.started(config, run_name=run_name, entry_point=entry_point)
+    if rank == 0:
+        where = run_page(url, run_id) if url else f"{path}.rank*.jsonl"
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+        said = ", ".join(f for f in (repr(run_name) if run_name else "", entry_point, script) if f)
+        announce(f"telemetry of run {run_id} ({said}) goes to {where}")
     _RECORDER_OF[optimizer] = weakref.ref(recorder)
     # Called when the recorder is collected, or at exit if it lives that long.
     weakref.finalize(recorder, recorder._end)

@@ -288,7 +288,8 @@ class ShardedOptimizerV2(ZeroOptimizer):
         self.verbose = verbose
         self._margin_pending = self.gpu_margin_mem_ratio > 0
         self.chunks_moved_to_device = 0
-        telemetry.enable(sharded_model, self)  # streams when the environment says where
+        # Streams when the environment says where.
+        telemetry.enable(sharded_model, self, entry_point="ShardedOptimizerV2")
 
     def step(self) -> bool:
         """See `ZeroOptimizer.step`; the first step first fills the device margin (see

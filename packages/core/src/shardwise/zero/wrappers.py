@@ -133,7 +133,8 @@ def zero_optim_wrapper(
         norm_type=norm_type,
         warn_after_skipped_steps=warn_after_skipped_steps,
     )
-    telemetry.enable(model, engine)  # streams when the environment says where
+    # Streams when the environment says where.
+    telemetry.enable(model, engine, entry_point="zero_optim_wrapper")
     return engine
 
 

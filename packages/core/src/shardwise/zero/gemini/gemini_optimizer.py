@@ -109,7 +109,8 @@ class GeminiOptimizer(ZeroOptimizerWrapper):
             max_norm=max_norm,
             norm_type=norm_type,
         )
-        telemetry.enable(module, engine)  # streams when the environment says where
+        # Streams when the environment says where.
+        telemetry.enable(module, engine, entry_point="GeminiOptimizer")
         super().__init__(engine)
         self.module = module
 
