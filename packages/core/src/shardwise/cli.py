@@ -21,16 +21,17 @@ import math
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-
-from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
-from shardwise.planner import ModelSpec, plan
+if TYPE_CHECKING:
+    from shardwise.planner import ModelSpec
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 _NUMBER = r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The command line's dtype names -> torch's (torch is imported where a command needs it, so
+# that `shardwise --version` and `--help` answer at once).
+_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _MODEL_FORM = "package.module:factory, a callable building the model with no arguments"
 _PLAN_EPILOG = """\
 sizes carry a unit: 80GB, 80GiB, 512MiB, 1.5TB (B, KB, MB, GB, TB, KiB, MiB, GiB,
@@ -120,6 +121,10 @@ def _model_spec(target: str) -> ModelSpec:
     its `ModelSpec`.
 
     Raises ValueError, naming `target` and what was expected, where it builds no module."""
+    import torch
+
+    from shardwise.planner import ModelSpec
+
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"--model must be {_MODEL_FORM}; got {target!r}")
@@ -174,12 +179,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _version() -> str:
     """`shardwise --version`: the installed distribution's version (shardwise.__version__),
-    and torch's."""
+    and torch's, read from the installed metadata where torch is not imported yet (importing
+    it takes seconds)."""
     try:
         version = importlib.metadata.version("shardwise")
     except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
         version = "0+unknown"
-    return f"shardwise {version} (torch {torch.__version__})"
+    if "torch" in sys.modules:
+        torch_version = str(sys.modules["torch"].__version__)
+    else:
+        try:
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:  # a torch built on PYTHONPATH
+            import torch
+
+            torch_version = str(torch.__version__)
+    return f"shardwise {version} (torch {torch_version})"
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -252,8 +267,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     planner.add_argument(
         "--quant-block-numel",
         type=int,
-        default=DEFAULT_QUANT_BLOCK_NUMEL,
-        help="values per quantization block",
+        help="values per quantization block (default: the engine's, 256)",
     )
     planner.add_argument("--json", action="store_true", help="machine-readable output")
     merger = commands.add_parser(
@@ -273,6 +287,11 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 def _plan(args: argparse.Namespace) -> int:
     """Plan, print the plan (after any line on what it assumed), and return 0 if a
     configuration fits, else 1. User mistakes raise ValueError."""
+    import torch
+
+    from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+    from shardwise.planner import ModelSpec, plan
+
     if args.model:
         spec = _model_spec(args.model)
     else:
@@ -292,8 +311,8 @@ def _plan(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         device_memory_bytes=device_memory,
         host_memory_bytes=host_memory,
-        param_dtype=_DTYPES[args.dtype],
-        compute_dtype=_DTYPES[args.compute_dtype] if args.compute_dtype else None,
+        param_dtype=getattr(torch, _DTYPES[args.dtype]),
+        compute_dtype=getattr(torch, _DTYPES[args.compute_dtype]) if args.compute_dtype else None,
         optimizer=args.optimizer,
         chunk_size_numel=args.chunk_size,
         activation_bytes=args.activation_memory or 0,
@@ -302,7 +321,9 @@ def _plan(args: argparse.Namespace) -> int:
         disk_memory_bytes=args.disk_memory,
         gather_format=args.gather_format,
         reduce_format=args.reduce_format,
-        quant_block_numel=args.quant_block_numel,
+        quant_block_numel=(
+            DEFAULT_QUANT_BLOCK_NUMEL if args.quant_block_numel is None else args.quant_block_numel
+        ),
     )
     if args.json:
         output = json.loads(result.to_json())
@@ -383,6 +404,8 @@ def _detected_memory() -> tuple[int | None, int, int, str]:
     """This machine's memory: the first CUDA device's capacity (None without CUDA: the CPU
     computes from host memory), the host's memory, the CUDA devices' count, and the name the
     output gives them."""
+    import torch
+
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)
