@@ -1,5 +1,5 @@
 """Training with the pool of host buffers (see [Note: a pool of host buffers] in
-chunk/buffer_pool.py) on 2 ranks, every buffer the pool hands out, reused or new, filled with
+memory/buffer_pool.py) on 2 ranks, every buffer the pool hands out, reused or new, filled with
 NaN first, so that a read of one before it is written would reach the losses and weights; with
 clipping, which reads every element of the gradient shards, and at stage 2 a branch the second
 rank skips (stage 3 refuses a branch some ranks skip outside its gather units, so it runs the
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from helpers import CHUNK_NUMEL, Run, adamw, batch_slice, make_model, max_abs_diff, reference
 
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
-from shardwise.chunk.buffer_pool import BufferPool, pool_supported
+from shardwise.memory.buffer_pool import BufferPool, pool_supported
 from shardwise.testing import run_ranks
 
 pytestmark = pytest.mark.skipif(not pool_supported(), reason="this torch cannot move memory")

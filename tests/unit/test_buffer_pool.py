@@ -1,4 +1,4 @@
-"""The pool of host buffers (see [Note: a pool of host buffers] in chunk/buffer_pool.py): memory
+"""The pool of host buffers (see [Note: a pool of host buffers] in memory/buffer_pool.py): memory
 moves between storage objects, so views of an emptied buffer see it empty and those of a
 refilled one see it again; a buffer another tensor views is never taken; the spare limit
 holds; and the configuration decides where a pool applies."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from shardwise import zero_model_wrapper
-from shardwise.chunk.buffer_pool import BufferPool, pool_supported, size_class
-from shardwise.chunk.host_memory import advise_huge_pages
 from shardwise.engine.config import EngineConfig, Placement
 from shardwise.gemini import placement_policy
 from shardwise.host_memory import kernel_grants_huge_pages
+from shardwise.memory.buffer_pool import BufferPool, pool_supported, size_class
+from shardwise.memory.pages import advise_huge_pages
 
 needs_pool = pytest.mark.skipif(not pool_supported(), reason="this torch cannot move memory")
 
@@ -103,7 +103,7 @@ def test_gemini_config_takes_host_buffer_pool_at_every_stage() -> None:
 
 
 def test_the_engines_buffers_ask_for_huge_pages_where_granted() -> None:
-    """See [Note: huge pages for the engine's buffers] in chunk/host_memory.py."""
+    """See [Note: huge pages for the engine's buffers] in memory/pages.py."""
     granted = kernel_grants_huge_pages() and sys.platform.startswith("linux")
     assert advise_huge_pages(torch.empty(4 << 20).untyped_storage()) is granted
     assert advise_huge_pages(torch.empty(16).untyped_storage()) is False  # under 4 MiB

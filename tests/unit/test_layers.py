@@ -14,6 +14,7 @@ ROOT = Path(shardwise.__file__).parent
 # Lowest first: a package may import those before it, never one after it.
 LAYERS = [
     ("comm", "amp", "optim", "testing", "torch_files", "accelerator", "logging", "host_memory"),
+    ("memory",),
     ("chunk",),
     ("gemini", "planner", "prepare"),
     ("runtime",),

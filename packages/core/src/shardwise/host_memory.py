@@ -7,8 +7,8 @@ first allocation: a fresh 256 MB tensor then faults and is zeroed in 2 MiB pages
 ones (filled: 0.04 s against 0.17 s). That is a setting of the whole process (every tensor of
 every library in it, and the processes it starts), so shardwise does not make it on import:
 the engine asks for huge pages on its own chunk-sized buffers only (see [Note: huge pages for
-the engine's buffers] in chunk/host_memory.py), and keeps freed ones for reuse on request (see
-[Note: a pool of host buffers] in chunk/buffer_pool.py). A program that wants huge pages for
+the engine's buffers] in memory/pages.py), and keeps freed ones for reuse on request (see
+[Note: a pool of host buffers] in memory/buffer_pool.py). A program that wants huge pages for
 every tensor sets the variable in its environment, or calls `prefer_huge_pages()` first thing,
 before it builds a model or allocates any tensor (its effect reaches the processes it starts:
 torchrun's workers, DataLoader workers); on a 117M GPT that made stage 3's step about a third

@@ -160,7 +160,7 @@ class Chunk:
         # keep_whole_grads).
         self.grads = OwnBufferGrads(self, torch.empty(0, dtype=torch.float32, device=self.device))
         # See [Note: pools].
-        self.placement = ChunkPlacement(self, self.device)
+        self.placement = ChunkPlacement(self, context.memory)
         # The views the optimizer steps and its state for them, which move with the master
         # (see [Note: the chunk owns its optimizer state] in optimizer_state.py).
         self.optimizer_state = OptimizerState(self)
@@ -235,7 +235,7 @@ class Chunk:
 
     # ---- pools (see [Note: pools]) ---------------------------------------------------------
 
-    def place(self, *, payload: Pool, optim: Pool, pin_memory: bool = False) -> None:
+    def place(self, *, payload: Pool, optim: Pool) -> None:
         """Put the shard in `payload` and the optimizer side in `optim` (see [Note: pools]).
         Call once after close() and before an optimizer steps this chunk."""
         if payload is Pool.HOST and self.keep_gathered:
@@ -243,7 +243,6 @@ class Chunk:
                 f"chunk {self.chunk_id} keeps its payload gathered on the device: its shard "
                 f"cannot live in host memory"
             )
-        self.placement.pin_memory = pin_memory
         if payload is not self.placement.payload:
             self.payload.shard = self.placement.move_to(self.payload.shard, payload)
             self.placement.payload = payload

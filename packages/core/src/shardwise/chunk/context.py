@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed import ProcessGroup
 
-from shardwise.chunk.buffer_pool import BufferPool
 from shardwise.chunk.states import ChunkDtypes
 from shardwise.chunk.wire import WireFormats
 from shardwise.comm import CommStats
 from shardwise.comm.topology import Topology
+from shardwise.memory import Memory
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,9 +31,8 @@ class ChunkContext:
             after it, which keeps fp16 sums of many ranks from overflowing.
         wire: how parameters are gathered and gradients reduced (see [Note: wire formats] in
             chunk/wire/formats.py).
-        buffers: where gathered payloads and gradient buffers in host memory come from and
-            go back to (see [Note: a pool of host buffers] in chunk/buffer_pool.py); None:
-            the allocator.
+        memory: where every buffer comes from, and the one copy between pools (see [Note:
+            one allocator, one copy path] in memory/memory.py).
     """
 
     dtypes: ChunkDtypes
@@ -41,8 +40,8 @@ class ChunkContext:
     topology: Topology
     stats: CommStats
     predivide_factor: float = 1.0
+    memory: Memory
     wire: WireFormats = field(default_factory=WireFormats)
-    buffers: BufferPool | None = None
 
     @property
     def group(self) -> ProcessGroup | None:

@@ -53,7 +53,6 @@ import torch
 
 from shardwise.chunk.context import ChunkContext
 from shardwise.chunk.grad_buffer import owns_storage, zero_unwritten
-from shardwise.chunk.host_memory import advise_huge_pages
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import ChunkDtypes, GradLayout, GradState, Pool, TensorInfo, TensorState
@@ -153,15 +152,7 @@ class GradSide:
             self.full = grad.detach().view(-1)
             self._written = {index}
         elif self.full is None:  # see [Note: gradient buffers start uninitialised]
-            pool = chunk.context.buffers  # see [Note: a pool of host buffers]
-            if pool is not None:
-                self.full = pool.empty(chunk.padded_numel, chunk.dtypes.reduce)
-            else:
-                full = torch.empty(
-                    chunk.padded_numel, dtype=chunk.dtypes.reduce, device=chunk.device
-                )
-                advise_huge_pages(full.untyped_storage())  # before anything writes to it
-                self.full = full
+            self.full = chunk.context.memory.empty(chunk.padded_numel, chunk.dtypes.reduce)
             self._written = set()
         target = self.full[info.offset : info.offset + info.numel]
         self.received.add(index)
@@ -256,9 +247,7 @@ class GradSide:
     def _drop_full(self) -> None:
         full, self.full = self.full, None
         self._written = None
-        pool = self._chunk.context.buffers
-        if pool is not None and full is not None:
-            pool.give_back(full)  # see [Note: a pool of host buffers] in buffer_pool.py
+        self._chunk.context.memory.give_back(full)  # see [Note: a pool of host buffers]
 
     def _take_reduced(self, reduced: torch.Tensor) -> None:
         raise NotImplementedError

@@ -24,13 +24,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise.chunk.accounting import resident_bytes
-from shardwise.chunk.buffer_pool import BufferPool
 from shardwise.chunk.chunk import Chunk
 from shardwise.chunk.context import ChunkContext
 from shardwise.chunk.states import ChunkDtypes
 from shardwise.chunk.wire import WireFormats
 from shardwise.comm import CommStats
 from shardwise.comm.topology import Topology
+from shardwise.memory import BufferPool, Memory
 
 
 class ChunkManager:
@@ -54,8 +54,9 @@ class ChunkManager:
         topology: hybrid sharding's groups (see [Note: hybrid sharding] in
             comm/topology.py); the chunks are then sharded over its shard group and `group`
             must be left unset.
-        buffer_pool: keep the host buffers chunks free for the next ones (see [Note: a pool of
-            host buffers] in chunk/buffer_pool.py); None: every buffer from the allocator.
+        memory: where the chunks' buffers come from and how they are copied between the
+            device and host memory (see [Note: one allocator, one copy path] in
+            memory/memory.py); plain buffers from torch's allocator when not given.
     """
 
     def __init__(
@@ -70,7 +71,7 @@ class ChunkManager:
         predivide_factor: float = 1.0,
         wire: WireFormats | None = None,
         topology: Topology | None = None,
-        buffer_pool: BufferPool | None = None,
+        memory: Memory | None = None,
     ) -> None:
         if not isinstance(chunk_size_numel, int) or chunk_size_numel < 1:
             raise ValueError(f"chunk_size_numel must be a positive int, got {chunk_size_numel!r}")
@@ -99,10 +100,8 @@ class ChunkManager:
             stats=self.stats,
             predivide_factor=self.predivide_factor,
             wire=self.wire,
-            buffers=buffer_pool,
+            memory=memory if memory is not None else Memory(device),
         )
-        # Its spare limit grows with the largest chunk (see `register`).
-        self.buffer_pool = buffer_pool
         # What chose `chunk_size_numel` (the search's reason, or the setting), for summaries.
         self.chunk_size_reason = f"chunk_size_numel {chunk_size_numel} as given"
         self.chunks: list[Chunk] = []
@@ -175,10 +174,21 @@ class ChunkManager:
                     self._where[id(info.compute)] = (closed, position)
         assert all(chunk.closed for chunk in new_chunks)
         self.chunks.extend(new_chunks)
-        if self.buffer_pool is not None:
-            self.buffer_pool.keep_room_for(
-                [c.padded_numel * _largest_element_size(self.dtypes) for c in new_chunks]
-            )
+        # The pools' spare limits grow with the largest chunk.
+        self.memory.keep_room_for(
+            [c.padded_numel * _largest_element_size(self.dtypes) for c in new_chunks]
+        )
+
+    @property
+    def memory(self) -> Memory:
+        """Where the chunks' buffers come from (see [Note: one allocator, one copy path] in
+        memory/memory.py)."""
+        return self.context.memory
+
+    @property
+    def buffer_pool(self) -> BufferPool | None:
+        """The pool of host buffers, when asked for (see [Note: a pool of host buffers])."""
+        return self.context.memory.pooled
 
     def locate(self, param: torch.Tensor) -> tuple[Chunk, int]:
         """The chunk holding `param` and the tensor's index in it."""

@@ -17,7 +17,6 @@ from torch.distributed import ProcessGroup
 
 from shardwise import comm
 from shardwise.chunk.context import ChunkContext
-from shardwise.chunk.host_memory import advise_huge_pages
 from shardwise.chunk.parameters import mark_pending, mark_settled
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident, resident_changed
@@ -258,26 +257,15 @@ class Payload:
         # Only the gathered payload and its compute copy are resized in place (see [Note:
         # resident changes]).
         assert buffer is self.full or buffer is self.full_compute
-        nbytes = buffer.numel() * buffer.element_size()
-        storage = buffer.untyped_storage()
-        # The pool's buffers may hold a few more bytes than the payload spans (a size class).
-        if storage.size() == nbytes or (storage.size() > nbytes and self._chunk.context.buffers):
+        memory = self._chunk.context.memory
+        if memory.holds(buffer):
             return
-        pool = self._chunk.context.buffers
-        if pool is not None and storage.size() == 0:
-            pool.fill(buffer)  # see [Note: a pool of host buffers] in buffer_pool.py
-        else:
-            storage.resize_(nbytes)
-            advise_huge_pages(storage)  # see [Note: huge pages for the engine's buffers]
+        memory.grow(buffer)
         resident_changed(self._chunk, transient=True)
 
     def _free(self, buffer: torch.Tensor) -> None:
         assert buffer is self.full or buffer is self.full_compute
-        pool = self._chunk.context.buffers
-        if pool is not None:
-            pool.free(buffer)
-        else:
-            buffer.untyped_storage().resize_(0)
+        self._chunk.context.memory.shrink(buffer)
         resident_changed(self._chunk, transient=True)
 
     # ---- after the optimizer step ----------------------------------------------------------

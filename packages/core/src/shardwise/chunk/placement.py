@@ -1,5 +1,6 @@
 """Where a chunk's resident buffers live (see [Note: pools] in chunk.py): the pool of its
-payload shard and the pool of its optimizer side, and the counted copies between them."""
+payload shard and the pool of its optimizer side, and the counted copies between them, all
+through the engine's memory (see [Note: one allocator, one copy path] in memory/memory.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from shardwise.chunk.disk_pool import DiskPool
 from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import Pool
+from shardwise.memory import Memory, PendingCopy
 
 
 class ChunkPlacement:
@@ -15,7 +17,8 @@ class ChunkPlacement:
 
     Args:
         owner: the chunk, whose resident changes these are (see [Note: resident changes]).
-        device: the compute device (the DEVICE pool); the HOST pool is the CPU.
+        memory: the engine's memory, on the compute device (the DEVICE pool); the HOST pool
+            is the CPU.
     """
 
     payload = Resident[Pool]()
@@ -25,14 +28,13 @@ class ChunkPlacement:
     views the optimizer steps, its state (DISK: master and state in files, the gradient shard
     in host memory)."""
 
-    def __init__(self, owner: object, device: torch.device) -> None:
+    def __init__(self, owner: object, memory: Memory) -> None:
         self.__dict__["_resident_owner"] = owner
-        self.device = device
+        self.memory = memory
+        self.device = memory.device
         self.host = torch.device("cpu")
         self.payload = Pool.DEVICE
         self.optim = Pool.DEVICE
-        # Pin host copies (only useful when they feed a CUDA device).
-        self.pin_memory = False
         self.bytes_to_device = 0
         self.bytes_to_host = 0
         # The disk tier holding the master and state while `optim` is DISK.
@@ -47,28 +49,25 @@ class ChunkPlacement:
         while the step holds them)."""
         return Pool.HOST if self.optim is Pool.DISK else self.optim
 
+    def start_move(
+        self, tensor: torch.Tensor, pool: Pool, dtype: torch.dtype | None = None
+    ) -> PendingCopy:
+        """Start copying `tensor` into a new buffer of `pool` (cast to `dtype`), counted: the
+        one copy between pools (see [Note: one allocator, one copy path]). Its `wait()`
+        gives the copy, usable where it is."""
+        self.count_copy(tensor, into=pool)
+        return self.memory.start_copy(tensor, to_host=pool is not Pool.DEVICE, dtype=dtype)
+
     def move_to(
         self, tensor: torch.Tensor, pool: Pool, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """A copy of `tensor` in `pool`, counted; pinned in host memory when asked and useful."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if pool is Pool.DEVICE:
-            self.bytes_to_device += nbytes
-            return tensor.to(self.device, dtype, non_blocking=True, copy=True)
-        self.bytes_to_host += nbytes
-        moved = tensor.to(self.host, dtype, copy=True)
-        if self.pin_memory and self.device.type == "cuda":
-            moved = moved.pin_memory()
-        return moved
+        """A copy of `tensor` in `pool`, counted, usable once this returns."""
+        return self.start_move(tensor, pool, dtype).wait()
 
     def empty(self, numel: int, dtype: torch.dtype, pool: Pool) -> torch.Tensor:
-        """A new uninitialised buffer in `pool`'s memory (pinned as `move_to` pins)."""
-        if pool is Pool.DEVICE:
-            return torch.empty(numel, dtype=dtype, device=self.device)
-        buffer = torch.empty(numel, dtype=dtype, device=self.host)
-        if self.pin_memory and self.device.type == "cuda":
-            buffer = buffer.pin_memory()
-        return buffer
+        """A new uninitialised buffer in `pool`'s memory (host memory feeding a CUDA device
+        pinned where asked, from the engine's pool)."""
+        return self.memory.empty(numel, dtype, host=pool is not Pool.DEVICE)
 
     def count_copy(self, tensor: torch.Tensor, into: Pool) -> None:
         """Count a copy of `tensor` made elsewhere into `into` (an in-place copy_ between

@@ -17,12 +17,12 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk import ChunkDtypes, ChunkManager
-from shardwise.chunk.buffer_pool import BufferPool
 from shardwise.chunk.search import default_chunk_search
 from shardwise.comm import CommStats, ReduceScatterMethod
 from shardwise.comm.topology import Topology, replicated, topology_for
 from shardwise.engine.config import EngineConfig, gradient_reduction_method
 from shardwise.gemini import GeminiManager
+from shardwise.memory import BufferPool, CudaHostRegister, Memory, PinnedBuffers, Streams
 from shardwise.prepare.ignore import is_ignored
 from shardwise.prepare.slicing import whole_numel
 from shardwise.runtime.gather_units import find_gather_units
@@ -79,13 +79,28 @@ def chunk_manager_for(config: EngineConfig, stats: CommStats, reason: str = "") 
         predivide_factor=config.reduction.predivide_factor,
         wire=config.communication.wire_formats(method),
         topology=topology,
-        # See [Note: a pool of host buffers] in chunk/buffer_pool.py (on request); its limit
-        # follows the chunks as they are packed.
-        buffer_pool=BufferPool(0) if config.pools_host_buffers else None,
+        memory=memory_for(config),
     )
     if reason:
         manager.chunk_size_reason = reason
     return manager
+
+
+def memory_for(config: EngineConfig) -> Memory:
+    """Where the chunks' buffers come from (see [Note: one allocator, one copy path] in
+    memory/memory.py): the pool of host buffers on request (see [Note: a pool of host
+    buffers]), pinned host buffers where host memory feeds a CUDA device and pinning is asked
+    for (see [Note: pinned buffers, pooled]); each pool's limit follows the chunks as they are
+    packed. Copies stay on the current stream until the streams' seam is used by the
+    runtime (see [Note: streams and events] in memory/streams.py)."""
+    device = config.device
+    pins = config.placement.pin_memory and device.type == "cuda"
+    return Memory(
+        device,
+        pooled=BufferPool(0) if config.pools_host_buffers else None,
+        pinned=PinnedBuffers(CudaHostRegister()) if pins else None,
+        streams=Streams(device, enabled=False),
+    )
 
 
 def averages_in_backward(stage: int, dtypes: ChunkDtypes, topology: Topology) -> bool:
@@ -189,5 +204,6 @@ __all__ = [
     "build_runtime",
     "chunk_manager_for",
     "gemini_manager_for",
+    "memory_for",
     "settle_chunk_size",
 ]

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shardwise.chunk import ChunkDtypes
-from shardwise.chunk.buffer_pool import pool_supported
 from shardwise.chunk.search import (
     DEFAULT_MIN_CHUNK_BYTES,
     DEFAULT_SEARCH_N_GRIDS,
@@ -20,6 +19,7 @@ from shardwise.comm import ReduceScatterMethod
 from shardwise.comm.quantize import fp8_casts_work
 from shardwise.engine.communication import Communication
 from shardwise.gemini.policies import DevicePlacement, HostPlacement, PlacementPolicy
+from shardwise.memory.buffer_pool import pool_supported
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_CHUNK_SIZE_NUMEL = 32 * 1024 * 1024

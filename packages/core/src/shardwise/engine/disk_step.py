@@ -33,8 +33,8 @@ from torch.distributed import ProcessGroup, ReduceOp
 from shardwise import comm
 from shardwise.chunk import Chunk
 from shardwise.chunk.disk_pool import DiskTierError
-from shardwise.chunk.host_memory import give_back_freed_memory
 from shardwise.comm import CommStats
+from shardwise.memory.pages import give_back_freed_memory
 
 
 def step_on_disk(
@@ -93,7 +93,7 @@ def step_on_disk(
     for chunk, future in zip(stepped, writes, strict=True):
         failure = failure or _outcome(future, f"writing chunk {chunk.chunk_id}")
     # What the chunks written out held is free now: back to the system (see [Note: freed
-    # memory goes back] in chunk/host_memory.py).
+    # memory goes back] in memory/pages.py).
     give_back_freed_memory()
     failures = _agree(failure, stats, group)
     if not failures:

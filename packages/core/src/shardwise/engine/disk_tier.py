@@ -23,9 +23,9 @@ import torch
 from shardwise.chunk import Chunk, Pool
 from shardwise.chunk.accounting import resident_bytes_by_pool
 from shardwise.chunk.disk_pool import DiskPool
-from shardwise.chunk.host_memory import give_back_freed_memory
 from shardwise.engine.config import Placement
 from shardwise.logging.progress_bar import progress_bar, progress_wanted
+from shardwise.memory.pages import give_back_freed_memory
 from shardwise.optim import HybridAdam
 
 _log = logging.getLogger(__name__)

@@ -230,7 +230,7 @@ class ZeroModel(nn.Module):
             values_agree=values_agree,
         )
         if gemini is not None:
-            gemini.place_chunks(pin_memory=self.config.placement.pin_memory)
+            gemini.place_chunks()
         if self.config.stage == 1:
             # See [Note: stage 1 averages in backward] in chunk/grads.py.
             average = averages_in_backward(1, chunk_manager.dtypes, chunk_manager.topology)
@@ -479,8 +479,7 @@ class ZeroModel(nn.Module):
         self.wait_param_gathers()
         if self._to_pack is None:  # packed (see [Note: packed once the bucket size is known])
             release_parameters(self._chunk_manager)
-            if self._chunk_manager.buffer_pool is not None:
-                self._chunk_manager.buffer_pool.drain()
+            self._chunk_manager.memory.drain()
         self._remove_hooks()
         self._hooks.remove()
         object.__setattr__(self.module, _WRAPPED_MARK, False)
@@ -545,7 +544,7 @@ class ZeroModel(nn.Module):
 
     def pooled_bytes(self) -> int:
         """Bytes of host buffers kept spare for the next gathers and gradients (see [Note: a
-        pool of host buffers] in chunk/buffer_pool.py): held by the engine, not model state."""
+        pool of host buffers] in memory/buffer_pool.py): held by the engine, not model state."""
         pool = self.chunk_manager.buffer_pool
         return pool.spare_bytes if pool is not None else 0
 

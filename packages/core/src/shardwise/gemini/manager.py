@@ -135,16 +135,15 @@ class GeminiManager:
     def sharded_fraction(self) -> float:
         return self.policy.sharded_fraction
 
-    def place_chunks(self, *, pin_memory: bool = False) -> None:
-        """Apply the policy to the packed chunks (see [Note: placement policies]); host copies
-        are pinned with `pin_memory` when the compute device is CUDA."""
+    def place_chunks(self) -> None:
+        """Apply the policy to the packed chunks (see [Note: placement policies]); their host
+        buffers come from the chunk manager's memory (pinned there where asked)."""
         chunks = self.chunk_manager.chunks
         host_payload, host_optim = self.policy.host_chunks(chunks)
         for chunk in chunks:
             chunk.place(
                 payload=Pool.HOST if id(chunk) in host_payload else Pool.DEVICE,
                 optim=Pool.HOST if id(chunk) in host_optim else Pool.DEVICE,
-                pin_memory=pin_memory,
             )
 
     @property

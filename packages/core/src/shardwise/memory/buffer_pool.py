@@ -6,7 +6,7 @@ gather fills a payload's storage and every release empties it, every backward al
 chunk's gradient buffer and the reduction frees it. The C library gives a large freed block
 straight back to the kernel, so each new one is fresh memory the kernel faults in and zeroes
 on first write. The engine's own buffers are faulted in 2 MiB pages (see [Note: huge pages for
-the engine's buffers] in chunk/host_memory.py), which takes most of that cost away; with
+the engine's buffers] in memory/pages.py), which takes most of that cost away; with
 `host_buffer_pool=True` the engine also keeps what a chunk frees and hands it to the next
 buffer of its size class, so that no page is faulted or zeroed again. It moves memory between
 storages with `UntypedStorage._swap_data_ptr_`, so a payload keeps its storage object (the
@@ -39,7 +39,7 @@ from collections import defaultdict
 
 import torch
 
-from shardwise.chunk.host_memory import advise_huge_pages
+from shardwise.memory.pages import advise_huge_pages
 
 
 def pool_supported() -> bool:
