@@ -12,6 +12,9 @@ import nox
 nox.options.default_venv_backend = "none"
 nox.options.sessions = ["lint", "typecheck", "tests"]
 
+# Where `nox -s docs` leaves the site: mkdocs.yml's site_dir (gitignored).
+SITE = "site"
+
 PACKAGES = [
     "packages/core/src",
     "packages/lightning/src",
@@ -37,26 +40,28 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The whole test suite: unit, multi-rank (gloo, forked ranks) and end-to-end."""
     session.run("python", "-m", "pytest", *(session.posargs or ["tests"]))
-    # The docs build runs after the tests, so `./dev test` checks the site too.
-    session.notify("docs")
+    # The docs build runs after the tests, so `./dev test` checks the site too (the tests'
+    # arguments are not its own).
+    session.notify("docs", posargs=[])
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """The documentation site, `mkdocs build --strict` from mkdocs.yml: a broken link between
-    pages or an API name that no longer exists fails it. Built into a temporary directory;
-    `mkdocs serve` shows it while editing."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as site:
-        session.run(
-            "mkdocs",
-            "build",
-            "--strict",  # mkdocs counts no warning under --quiet: keep its INFO lines
-            "--site-dir",
-            site,
-            # mkdocs-material prints a notice about its successor on every build.
-            env={"NO_MKDOCS_2_WARNING": "1"},
+    """The documentation site, `mkdocs build --strict` from mkdocs.yml into its site_dir,
+    site/ (gitignored), left there to open (site/index.html): a broken link between pages or
+    an API name that no longer exists fails it. Arguments go to `mkdocs build`
+    (`-- --site-dir DIR` builds elsewhere); `-- serve` serves the site instead at
+    http://127.0.0.1:8000, rebuilt as the pages change (`-- serve --dev-addr ADDRESS:PORT`)."""
+    env = {"NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's notice about its successor
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", "--strict", *session.posargs[1:], env=env)
+        return
+    # mkdocs counts no warning under --quiet: keep its INFO lines.
+    session.run("mkdocs", "build", "--strict", *session.posargs, env=env)
+    if not session.posargs:
+        session.log(
+            f"the site is in {SITE}/: open {SITE}/index.html in a browser, or serve it with "
+            f"./dev nox -s docs -- serve"
         )
 
 
