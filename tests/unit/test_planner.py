@@ -91,7 +91,7 @@ def test_command_line_json(capsys: pytest.CaptureFixture[str]) -> None:
     result = json.loads(capsys.readouterr().out)
     assert result["zero_stage"] == 2
     papers = [round(o["zero_paper_bytes"] / 1e9, 1) for o in result["options"]]
-    assert papers[:3] == [120.0, 16.6, 31.4]
+    assert papers[:3] == [120.0, 31.4, 16.6]  # DDP, stage 1, stage 2: the paper's order
     with pytest.raises(SystemExit):
         main(["plan", "--params", "1e9", "--world-size", "2", "--device-memory", "lots",
               "--host-memory", "1TB"])  # fmt: skip

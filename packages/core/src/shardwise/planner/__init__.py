@@ -1,7 +1,9 @@
 """Predict memory per rank and choose stage, placement and chunk size before a run."""
 
+from shardwise.planner.answer import Plan, PlanOption
 from shardwise.planner.formulas import StateBytes, engine_bytes, zero_paper_bytes
-from shardwise.planner.plan import ModelSpec, Plan, PlanOption, plan
+from shardwise.planner.model_spec import ModelSpec
+from shardwise.planner.plan import plan
 
 __all__ = [
     "ModelSpec",

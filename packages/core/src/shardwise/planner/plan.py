@@ -2,19 +2,21 @@
 fits, and the configuration to use.
 
 [Note: which configuration is recommended]
-The first that fits, in this order: stage 0 (plain data parallelism: one all-reduce, no re-
-gathering), stage 2 (the same bytes on the wire as stage 1, less memory, and measured faster in
-this engine, see benchmarks/RESULTS.md), stage 1, then stage 3 with placement "cuda" (3 psi on
-the wire, nothing through host memory), "auto" (host traffic only for what does not fit), stage
-2 with its optimizer side in host memory ("cpu", `cpu_offload`: every gradient and parameter
-shard through host memory each step, the parameters whole on the device), stage 3 "cpu" (every
-shard through host memory each step, the least device memory), and last, where a disk tier is
-given (`disk_memory_bytes`), stages 2 and 3 "disk": "cpu" with every fp32 master and optimizer
-state in the disk tier's files, read and written once a step. Fitting means the device holds
-the model state, the gathered working set (two chunks with their gradient buffer) and the given
-activation bytes within its memory, the host holds what is offloaded (and, on the disk tier,
-the three chunks' optimizer sides its step holds at once) within its memory, and the disk
-tier's files fit its bytes.
+The first that fits, in this order of preference: stage 0 (plain data parallelism: one
+all-reduce, no re-gathering), stage 2 (the same bytes on the wire as stage 1, less memory, and
+measured faster in this engine, see benchmarks/RESULTS.md), stage 1, then stage 3 with
+placement "cuda" (3 psi on the wire, nothing through host memory), "auto" (host traffic only
+for what does not fit), stage 2 with its optimizer side in host memory ("cpu", `cpu_offload`:
+every gradient and parameter shard through host memory each step, the parameters whole on the
+device), stage 3 "cpu" (every shard through host memory each step, the least device memory),
+and last, where a disk tier is given (`disk_memory_bytes`), stages 2 and 3 "disk": "cpu" with
+every fp32 master and optimizer state in the disk tier's files, read and written once a step.
+Fitting means the device holds the model state, the gathered working set (two chunks with their
+gradient buffer) and the given activation bytes within its memory, the host holds what is
+offloaded (and, on the disk tier, the three chunks' optimizer sides its step holds at once)
+within its memory, and the disk tier's files fit its bytes. The answer lists the configurations
+by stage (DDP, stage 1, 2, 3; within a stage "cuda", "auto", "cpu", "disk"), not in this order,
+and marks the one recommended.
 
 [Note: wire buffers in the plan]
 Quantized wire formats (`gather_format`, `reduce_format`: see [Note: wire formats] in
@@ -36,20 +38,24 @@ out. With both formats "dtype" nothing here changes the plan.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from shardwise.chunk.search import DEFAULT_MIN_CHUNK_BYTES, default_chunk_search
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL, BlockQuantizer, check_wire_formats
+from shardwise.planner.answer import Plan, PlanOption
 from shardwise.planner.formulas import StateBytes, engine_bytes, zero_paper_bytes
+from shardwise.planner.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from torch import nn
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "hybridadam": 8, "sgd": 0, "sgd_momentum": 4}
-_ORDER = [
+# The order of preference (see [Note: which configuration is recommended]).
+_PREFERENCE = [
     (0, "ddp"),
     (2, "cuda"),
     (1, "cuda"),
@@ -60,218 +66,8 @@ _ORDER = [
     (2, "disk"),
     (3, "disk"),
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """What the planner needs of a model: its parameter sizes, in packing order when known."""
-
-    num_params: int
-    largest_tensor_numel: int
-    tensor_numels: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.num_params < 1 or self.largest_tensor_numel < 1:
-            raise ValueError(
-                f"num_params and largest_tensor_numel must be >= 1, got {self.num_params} and "
-                f"{self.largest_tensor_numel}"
-            )
-        if self.largest_tensor_numel > self.num_params:
-            raise ValueError(
-                f"largest_tensor_numel ({self.largest_tensor_numel}) exceeds num_params "
-                f"({self.num_params})"
-            )
-
-    @classmethod
-    def from_module(cls, module: nn.Module) -> ModelSpec:
-        """Trainable parameters of `module`, each once (build it on the meta device to plan
-        without allocating it)."""
-        numels = tuple(p.numel() for p in dict.fromkeys(module.parameters()) if p.requires_grad)
-        if not numels:
-            raise ValueError("the module has no trainable parameters")
-        return cls(num_params=sum(numels), largest_tensor_numel=max(numels), tensor_numels=numels)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanOption:
-    """One stage and placement, for one rank."""
-
-    stage: int
-    placement: str
-    device: StateBytes
-    host: StateBytes
-    working_bytes: float
-    zero_paper_bytes: float
-    comm_bytes_per_step: float
-    host_device_bytes_per_step: float
-    fits: bool
-    cross_group_bytes_per_step: float = 0.0
-    """Hybrid sharding: of `comm_bytes_per_step`, what crosses shard groups."""
-    in_node_bytes_per_step: float = 0.0
-    """hpZ (stage 3): of `comm_bytes_per_step`, backward's gathers inside the secondary groups."""
-    disk: StateBytes = field(
-        default_factory=lambda: StateBytes(params=0, grads=0, optimizer=0, master=0)
-    )
-    """What the disk tier's files hold (fp32 masters and optimizer state)."""
-    disk_bytes_per_step: float = 0.0
-    """Bytes read from and written to the disk tier per step."""
-
-    @property
-    def name(self) -> str:
-        return "DDP" if self.stage == 0 else f"stage {self.stage} ({self.placement})"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    """The planner's answer."""
-
-    spec: ModelSpec
-    world_size: int
-    chunk_size_numel: int
-    psi_padded: int
-    options: list[PlanOption] = field(default_factory=list)
-    recommended: PlanOption | None = None
-    device_memory_bytes: int = 0
-    smallest_budget_bytes: int = 0
-    """The least device memory stage 3 trains in with "auto" or "cpu" placement: the chunks
-    gathered at once (in the parameter, compute and reduce dtypes) plus the activations. "auto"
-    trains wherever "cpu" does, so one figure serves both."""
-    shard_size: int | None = None
-    """Hybrid sharding's group size (None: sharded over all ranks)."""
-    secondary_shard_size: int | None = None
-    """hpZ's group size for backward's gathers at stage 3 (None: without hpZ)."""
-    chunk_size_reason: str = ""
-    """What chose `chunk_size_numel`: the search's reason, as the wrappers log it."""
-    gather_format: str = "dtype"
-    """The parameter gathers' wire format (see [Note: wire buffers in the plan])."""
-    reduce_format: str = "dtype"
-    """The gradient reductions' wire format."""
-    quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL
-    """Values per quantization block."""
-
-    @property
-    def zero_stage(self) -> int | None:
-        return None if self.recommended is None else self.recommended.stage
-
-    @property
-    def gemini_config(self) -> dict[str, Any]:
-        """Keyword options for `zero_model_wrapper(model, plan.zero_stage, plan.gemini_config)`."""
-        hybrid = {"shard_size": self.shard_size} if self.shard_size is not None else {}
-        if self.recommended is None or self.recommended.stage == 0:
-            return {}
-        disk = {"nvme_offload_fraction": 1.0} if self.recommended.placement == "disk" else {}
-        wire: dict[str, Any] = {}
-        if self.gather_format != "dtype":
-            wire["gather_format"] = self.gather_format
-        if self.reduce_format != "dtype":
-            wire["reduce_format"] = self.reduce_format
-        if wire and self.quant_block_numel != DEFAULT_QUANT_BLOCK_NUMEL:
-            wire["quant_block_numel"] = self.quant_block_numel
-        if self.recommended.stage != 3:
-            return {**hybrid, **disk, **wire}
-        config: dict[str, Any] = {
-            "placement_policy": "cpu" if disk else self.recommended.placement,
-            **disk,
-            "chunk_size_numel": self.chunk_size_numel,
-            **hybrid,
-            **wire,
-        }
-        if self.secondary_shard_size is not None:
-            config["secondary_shard_size"] = self.secondary_shard_size
-        if self.recommended.placement == "auto":
-            config["device_budget_bytes"] = self.device_memory_bytes
-        return config
-
-    @property
-    def optim_config(self) -> dict[str, Any]:
-        """Options for `zero_optim_wrapper(..., optim_config=plan.optim_config)`."""
-        if self.recommended is None or self.recommended.stage not in (1, 2):
-            return {}
-        offload = {"cpu_offload": True} if self.recommended.placement in ("cpu", "disk") else {}
-        return {"reduce_bucket_size": self.chunk_size_numel, **offload}
-
-    def wrapper_call(self) -> str:
-        if self.recommended is None:
-            return "# nothing fits: add ranks, device memory or host memory"
-        if self.recommended.stage == 0:
-            return "model = ColoDDP(model)"
-        return (
-            f"model = zero_model_wrapper(model, zero_stage={self.recommended.stage}, "
-            f"gemini_config={self.gemini_config!r})\n"
-            f"optimizer = zero_optim_wrapper(model, optimizer, optim_config={self.optim_config!r})"
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "world_size": self.world_size,
-                "shard_size": self.shard_size,
-                "secondary_shard_size": self.secondary_shard_size,
-                "num_params": self.spec.num_params,
-                "psi_padded": self.psi_padded,
-                "chunk_size_numel": self.chunk_size_numel,
-                "chunk_size_reason": self.chunk_size_reason,
-                "options": [
-                    {**asdict(option), "name": option.name, "device_total": option.device.total,
-                     "host_total": option.host.total, "disk_total": option.disk.total}
-                    for option in self.options
-                ],
-                "recommended": None if self.recommended is None else self.recommended.name,
-                "smallest_budget_bytes": {"auto": self.smallest_budget_bytes,
-                                          "cpu": self.smallest_budget_bytes},
-                "zero_stage": self.zero_stage,
-                "gemini_config": self.gemini_config,
-                "optim_config": self.optim_config,
-            },
-            indent=1,
-        )  # fmt: skip
-
-    def table(self) -> str:
-        hybrid = self.shard_size is not None
-        hpz = self.secondary_shard_size is not None
-        disk = any(option.placement == "disk" for option in self.options)
-        rows = [
-            "| configuration | device GB | host GB "
-            + ("| disk GB " if disk else "")
-            + "| ZeRO paper GB | sent GB/step "
-            + ("| across groups GB/step " if hybrid else "")
-            + ("| of which in node (hpZ) GB/step " if hpz else "")
-            + "| host<->device GB/step "
-            + ("| disk GB/step " if disk else "")
-            + "| fits |",
-            "| --- | ---: | ---: | "
-            + ("---: | " if disk else "")
-            + "---: | ---: | "
-            + ("---: | " if hybrid else "")
-            + ("---: | " if hpz else "")
-            + ("---: | " if disk else "")
-            + "---: | :---: |",
-        ]
-        for option in self.options:
-            across = f"{_gb(option.cross_group_bytes_per_step)} | " if hybrid else ""
-            across += f"{_gb(option.in_node_bytes_per_step)} | " if hpz else ""
-            on_disk = f"{_gb(option.disk.total)} | " if disk else ""
-            disk_traffic = f"{_gb(option.disk_bytes_per_step)} | " if disk else ""
-            rows.append(
-                f"| {option.name} | {_gb(option.device.total + option.working_bytes)} | "
-                f"{_gb(option.host.total)} | {on_disk}{_gb(option.zero_paper_bytes)} | "
-                f"{_gb(option.comm_bytes_per_step)} | {across}"
-                f"{_gb(option.host_device_bytes_per_step)} | {disk_traffic}"
-                f"{'yes' if option.fits else 'no'} |"
-            )
-        chosen = "none fits" if self.recommended is None else self.recommended.name
-        smallest = (
-            f"smallest device budget for stage 3 with 'auto' or 'cpu' placement: "
-            f"{_gb(self.smallest_budget_bytes)} GB (the chunks gathered at once and the "
-            f"activations; 'auto' trains wherever 'cpu' does)"
-        )
-        chunks = f"stage-3 chunk size: {self.chunk_size_reason}"
-        lines = [*rows, "", chunks, smallest, f"recommended: {chosen}", self.wrapper_call()]
-        return "\n".join(lines)
-
-
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.1f}" if nbytes >= 1e8 else f"{nbytes / 1e9:.3g}"
+# The order the answer lists them in: by stage, then by placement.
+_PLACEMENTS = ("ddp", "cuda", "auto", "cpu", "disk")
 
 
 def plan(
@@ -361,7 +157,7 @@ def plan(
     opt_bytes = OPTIMIZER_STATE_BYTES[optimizer]
     k_paper = opt_bytes + (0 if sizes["param"] == 4 else 4)
     options = []
-    for stage, placement in _ORDER:
+    for stage, placement in _PREFERENCE:
         if placement == "disk" and not disk_memory_bytes:
             continue
         if stage == 0 and (gather_q or reduce_q):
@@ -459,6 +255,7 @@ def plan(
             )
         )  # fmt: skip
     recommended = next((option for option in options if option.fits), None)
+    options.sort(key=lambda option: (option.stage, _PLACEMENTS.index(option.placement)))
     gathered = 2 * chunk * (sizes["param"] + sizes["compute"] + sizes["reduce"])
     gathered += _wire_buffer_bytes(3, chunk, psi_padded, shards, gather_q, reduce_q)
     return Plan(
@@ -469,6 +266,7 @@ def plan(
         options=options,
         recommended=recommended,
         device_memory_bytes=device_memory_bytes,
+        activation_bytes=activation_bytes,
         smallest_budget_bytes=int(gathered + activation_bytes),
         shard_size=shard_size if replicas > 1 else None,
         secondary_shard_size=secondary_shard_size,
@@ -553,7 +351,8 @@ def _chunking(
                 spec.largest_tensor_numel, DEFAULT_MIN_CHUNK_BYTES // param_bytes
             )
             reason = (
-                f"chunk_size_numel {chunk_size_numel:,}: the seeds' minimum chunk (tensor sizes "
+                f"chunk_size_numel {chunk_size_numel:,}: the minimum chunk size "
+                f"({DEFAULT_MIN_CHUNK_BYTES // 2**20} MiB, ColossalAI's default; tensor sizes "
                 f"unknown: plan a module, --model, for the searched size)"
             )
     else:
