@@ -47,6 +47,7 @@ keeps reducing once at the step (`SliceOfFullGrads`, `OwnBufferGrads`), which is
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Protocol
 
 import torch
@@ -132,6 +133,10 @@ class GradSide:
         self._ready = 0
         # `full` holds local gradients no reduction has taken yet.
         self._unreduced = False
+        # See [Note: norm partials]: the norm the step clips by, set by its optimizer, and
+        # this chunk's share of it, taken where the reduction ran.
+        self.norm_type: float | None = None
+        self.norm_partial: torch.Tensor | None = None
 
     def _enter(self, state: GradState, *starts: GradState) -> None:
         """Move to `state`, from one of `starts` (any state of this layout when none given)."""
@@ -273,6 +278,7 @@ class GradSide:
     def zero_grad(self) -> None:
         """Forget the gradients."""
         self.received.clear()
+        self.norm_partial = None
 
     def expose_reached(self, reached: list[bool]) -> None:
         """Once a synchronised backward has averaged the gradients: show `.grad` of the
@@ -307,6 +313,7 @@ class OwnBufferGrads(GradSide):
     def _take_reduced(self, reduced: torch.Tensor) -> None:
         chunk = self._chunk
         if self.state is GradState.STALE:  # the first gradients since zero_grad()
+            self.norm_partial = _norm_partial(reduced, self.norm_type)
             self._allocate()
             # Straight into the shard, wherever it lives (stage 2's offload copies each
             # bucket's reduced gradient to the host here, as its reduction completes).
@@ -314,6 +321,7 @@ class OwnBufferGrads(GradSide):
                 chunk.placement.count_copy(reduced, into=Pool.HOST)
             self.shard.copy_(reduced)
         else:
+            self.norm_partial = None  # of a sum it has not seen
             if chunk.placement.optim is not Pool.DEVICE:
                 reduced = chunk.placement.move_to(reduced, Pool.HOST)
             self.shard.add_(reduced)
@@ -562,6 +570,27 @@ class WholeGrads(_ViewedGrads):
     def zero_grad(self) -> None:
         """The next reduction zeroes what no gradient reaches then."""
         super().zero_grad()
+
+
+# [Note: norm partials]
+# The step needs the global norm of the gradient before any chunk steps (clipping, and the
+# overflow check of fp16). Read from the shards at the step, it reads every shard, which under
+# offload live in host memory: every chunk's host step would wait for all of them. So where a
+# chunk's shard holds exactly one reduction since zero_grad() (the usual step: one
+# synchronised backward), its share of the norm (the p-norm of its reduced slice) is taken as
+# that reduction is accepted, on the device where the reduction ran, from the same fp32 values
+# the shard receives; the step sums the shares (engine/grad_norm.py). A second reduction added
+# into the shard (backward passes accumulating outside no_sync) or a change of the shard
+# across replicas (hybrid sharding) drops the share, and the step reads that shard. The
+# infinity norm, which must also carry NaN apart, is always read from the shards. Each share is
+# the kernel the step would run over the same values, so the norm is the same bit for bit.
+
+
+def _norm_partial(reduced: torch.Tensor, norm_type: float | None) -> torch.Tensor | None:
+    """`reduced`'s share of the step's `norm_type` norm (see [Note: norm partials])."""
+    if norm_type is None or math.isinf(norm_type):
+        return None
+    return torch._foreach_norm([reduced.to(torch.float32)], norm_type)[0]
 
 
 def _own_slice_or_host_shard(chunk: OwningChunk, full: torch.Tensor) -> torch.Tensor:

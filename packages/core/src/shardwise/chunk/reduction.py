@@ -139,6 +139,8 @@ def reduce_across_replicas(chunk_manager: ChunkManager) -> None:
             "with shard_size (hybrid sharding)"
         )
     shards = [chunk.grads.for_step() for chunk in chunks]
+    for chunk in chunks:
+        chunk.grads.norm_partial = None  # the shards change (see [Note: norm partials])
     # Divided before the sum (exactly, for a power-of-two count), so that a 16-bit sum of
     # loss-scaled gradients cannot overflow where the average would not; then sent on the
     # compute device (NCCL moves device tensors only), in the reduction dtype.

@@ -39,6 +39,7 @@ def global_grad_norm(
     signature: Sequence[float] = (),
     got_grad: Sequence[bool] = (),
     replicas: int = 1,
+    partials: Sequence[torch.Tensor | None] = (),
 ) -> StepReduction:
     """The `norm_type` norm of the gradient whose disjoint pieces are this rank's `grad_shards`
     and the other ranks' (padding is zero, so it changes nothing). inf or nan when any rank's
@@ -50,6 +51,10 @@ def global_grad_norm(
 
     Under hybrid sharding `group` is every rank and each shard is held by `replicas` of them:
     each rank's sum is divided by that count (exact for a power of two).
+
+    `partials`, one per shard where given, are shares of a finite-`norm_type` norm taken when
+    the shard's reduction was accepted (see [Note: norm partials] in chunk/grads.py): the
+    shard itself is not read where its share is there.
 
     The reduction travels on `device`, the model's compute device (NCCL's tensors live on
     the GPU), wherever the shards are."""
@@ -75,7 +80,8 @@ def global_grad_norm(
         return StepReduction(
             norm, bool(torch.equal(highest, lowest)), _flags(packed[2 + 2 * count :])
         )
-    local_sum = torch.stack(_powered_sums(grad_shards, norm_type, device)).sum() / replicas
+    norms = _shard_norms(grad_shards, norm_type, partials)
+    local_sum = torch.stack(_powered_sums(norms, norm_type, device)).sum() / replicas
     # Under SUM the signature travels with its squares: n * sum(s^2) == sum(s)^2 holds only
     # when every rank's s is the same (exact in float64 for counters below 2**20).
     packed = torch.cat([local_sum.reshape(1), mine, mine * mine, flags])
@@ -86,17 +92,36 @@ def global_grad_norm(
     return StepReduction(norm, agreed, _flags(packed[1 + 2 * count :]))
 
 
-def _powered_sums(
-    grad_shards: list[torch.Tensor], norm_type: float, device: torch.device
+def _shard_norms(
+    grad_shards: list[torch.Tensor],
+    norm_type: float,
+    partials: Sequence[torch.Tensor | None],
 ) -> list[torch.Tensor]:
-    """Per device that holds shards ("auto" placement mixes host and device chunks), the sum
-    of their norms to the `norm_type`, in float64 on `device`."""
+    """Each shard's `norm_type` norm, in shard order: its partial where there is one, else
+    read from the shard (per device, in one foreach kernel)."""
+    norms: list[torch.Tensor | None] = list(partials) or [None] * len(grad_shards)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (shard, norm) in enumerate(zip(grad_shards, norms, strict=True)):
+        if norm is None:
+            by_device.setdefault(shard.device, []).append(index)
+    for indices in by_device.values():
+        computed = torch._foreach_norm([grad_shards[i] for i in indices], norm_type)
+        for index, norm in zip(indices, computed, strict=True):
+            norms[index] = norm
+    return [norm for norm in norms if norm is not None]
+
+
+def _powered_sums(
+    norms: list[torch.Tensor], norm_type: float, device: torch.device
+) -> list[torch.Tensor]:
+    """Per device that holds norms ("auto" placement mixes host and device chunks), the sum
+    of the norms to the `norm_type`, in shard order, in float64 on `device`."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for shard in grad_shards:
-        by_device.setdefault(shard.device, []).append(shard)
+    for norm in norms:
+        by_device.setdefault(norm.device, []).append(norm)
     return [
-        torch.stack(torch._foreach_norm(shards, norm_type)).double().pow(norm_type).sum().to(device)
-        for shards in by_device.values()
+        torch.stack(on_device).double().pow(norm_type).sum().to(device)
+        for on_device in by_device.values()
     ]
 
 

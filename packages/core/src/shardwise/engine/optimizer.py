@@ -150,6 +150,10 @@ class ZeroOptimizer:
         self._closed = False
         self._step_hooks: list[Callable[[ZeroOptimizer], None]] = []
         self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
+        for chunk in self._chunks:
+            # Each reduction takes its share of the norm this optimizer's step reads (see
+            # [Note: norm partials] in chunk/grads.py).
+            chunk.grads.norm_type = self.norm_type
         # (view the inner optimizer steps, its chunk, begin, end within the chunk's shard,
         # its tensor's position in the step's got-gradient flags)
         self._slots: list[tuple[torch.Tensor, Chunk, int, int, int]] = []
@@ -304,6 +308,7 @@ class ZeroOptimizer:
             # makes every rank plan again after this step, see _after_step)?
             got_grad=[*self._got_grad_flags(), self._overran_plan()],
             replicas=parts.replicas,
+            partials=[chunk.grads.norm_partial for chunk in self._chunks],
         )
         rank_sync.step_checked(reduced.ranks_agree)
         self._replan_after_step = reduced.got_grad[-1]
