@@ -68,7 +68,7 @@ def test_every_conflict_is_reported_at_once() -> None:
     message = str(raised.value)
     assert "5 problems" in message
     for expected in (
-        "zero_stage must be 1, 2 or 3, got 4",
+        "zero_stage must be 0, 1, 2 or 3, got 4",  # the engine's own refusal
         "precision='bf16' but TrainingArguments ask for fp16",
         "deepspeed",
         "fsdp='full_shard'",
@@ -117,7 +117,7 @@ def test_secondary_shard_size_reaches_the_engine_at_stage_3_only() -> None:
     settings = resolve(CallbackOptions(zero_stage=3, secondary_shard_size=2), _args())
     assert settings.config.topology.secondary_shard_size == 2
     assert resolve(CallbackOptions(), _args()).config.topology.secondary_shard_size is None
-    with pytest.raises(ValueError, match="only stage 3 does"):
+    with pytest.raises(ValueError, match="applies to stage 3, where backward gathers"):
         resolve(CallbackOptions(zero_stage=2, secondary_shard_size=2), _args())
 
 

@@ -12,10 +12,11 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from shardwise import ZeroModel, ZeroOptimizer, telemetry
+from shardwise import EngineConfig, ZeroModel, ZeroOptimizer, telemetry
 from shardwise.amp import LossScaleConfig
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.communication import communication_settings
+from shardwise.engine.refine import checked_engine_config
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.telemetry import TelemetryRecorder
 from shardwise_hf import engine_state
@@ -74,6 +75,15 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         quant_block_numel: values per quantization block, each with one fp32 scale.
         initial_scale, growth_interval, hysteresis, min_scale, max_scale: the dynamic loss
             scale used with fp16.
+        engine_config: the engine's whole configuration (`shardwise.EngineConfig`), every
+            setting of the engine among it: the disk tier, `host_buffer_pool`,
+            `gather_units`, the prefetch settings, ... The other arguments refine it: one left
+            at its default keeps engine_config's value, one given another value replaces the
+            settings it stands for (see [Note: engine_config and the arguments that refine
+            it] in shardwise/engine/refine.py). Its device must be of the type
+            TrainingArguments' device is (each rank computes on its own); its precision,
+            unless left at its default, must store in the precision the callback resolves.
+            Checked when the callback is attached, with every other conflict.
     """
 
     def __init__(
@@ -94,8 +104,10 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         hysteresis: int = 2,
         min_scale: float = 1,
         max_scale: float = 2**32,
+        engine_config: EngineConfig | None = None,
     ) -> None:
         self.options = CallbackOptions(
+            engine_config=checked_engine_config(engine_config, type(self).__name__),
             zero_stage=zero_stage,
             placement_policy=placement_policy,
             chunk_size=chunk_size,

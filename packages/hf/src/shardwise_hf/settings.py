@@ -1,7 +1,9 @@
 """The callback's options and TrainingArguments, resolved once into one engine configuration.
 
 Every setting that conflicts between the two, or that the engine cannot honour under the
-Trainer, is collected and reported in a single ValueError, so a user fixes a script in one go.
+Trainer, is collected and reported in a single ValueError, so a user fixes a script in one go:
+the callback's own checks of TrainingArguments, and the refusal the engine's configuration
+raises as it is built (its parts validate themselves; nothing here repeats them).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import torch.distributed as dist
 
 from shardwise import Chunking, Communication, EngineConfig, MixedPrecision, Placement, Topology
 from shardwise.amp import LossScaleConfig
-from shardwise.gemini import placement_policy
-from shardwise.gemini.manager import placement_on
+from shardwise.engine.refine import Parts, framework_config
+from shardwise.gemini import DevicePlacement, placement_policy
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,6 +27,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class CallbackOptions:
     """What the user gave `ShardwiseCallback`; "auto" means "as TrainingArguments say"."""
 
+    engine_config: EngineConfig | None = None
     zero_stage: int = 3
     placement_policy: str = "auto"
     chunk_size: int | None = None
@@ -60,12 +63,39 @@ def _precision_of(args: Any) -> str:
     return "fp32"
 
 
-def _mixed_precision(precision: str, device: torch.device) -> MixedPrecision:
-    """16-bit storage and communication; the compute dtype is fp32 on a CPU, where 16-bit
-    matrix math is tens of times slower, and the 16-bit dtype elsewhere."""
-    dtype = _DTYPES[precision]
-    compute = torch.float32 if device.type == "cpu" else dtype
-    return MixedPrecision(param_dtype=dtype, compute_dtype=compute)
+def _parts(options: CallbackOptions) -> Parts:
+    """The callback's options as the engine's settings (see [Note: engine_config and the
+    arguments that refine it] in shardwise/engine/refine.py)."""
+    stage, name = options.zero_stage, options.placement_policy
+    # "auto" places stage 3's chunks; stages 1-2 keep the optimizer side on the device.
+    policy = placement_policy(name) if stage == 3 or name != "auto" else DevicePlacement()
+    return {
+        "stage": stage,
+        # Stages 1-2: elements per gradient bucket; stage 3: per chunk (None searches one).
+        "chunking": Chunking(size_numel=options.chunk_size),
+        "placement": Placement(policy=policy, device_budget_bytes=options.device_budget_bytes),
+        "topology": Topology(
+            shard_size=options.shard_size, secondary_shard_size=options.secondary_shard_size
+        ),
+        "communication": options.communication,
+    }
+
+
+def _engine_config(options: CallbackOptions, precision: str, device: torch.device) -> EngineConfig:
+    setting = (
+        f"ShardwiseCallback(precision={options.precision!r})"
+        if options.precision != "auto"
+        else f"TrainingArguments ({precision})"
+    )
+    return framework_config(
+        options.engine_config,
+        device=device,
+        dtype=_DTYPES[precision],
+        asked=_parts(options),
+        defaults=_parts(CallbackOptions()),
+        caller="ShardwiseCallback",
+        precision_setting=setting,
+    )
 
 
 def _argument_conflicts(args: Any, trainer: Any) -> list[str]:
@@ -115,26 +145,15 @@ def resolve(options: CallbackOptions, args: Any, trainer: Any = None) -> EngineS
 
     Raises one ValueError listing every conflict found, each with its fix."""
     problems: list[str] = []
-    stage = options.zero_stage
-    if isinstance(stage, bool) or stage not in (1, 2, 3):
-        problems.append(f"zero_stage must be 1, 2 or 3, got {stage!r}")
-    if options.precision not in PRECISIONS:
-        problems.append(f"precision must be one of {PRECISIONS}, got {options.precision!r}")
-    chunk = options.chunk_size
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        problems.append(f"chunk_size must be a positive number of elements or None, got {chunk!r}")
-    if stage in (1, 2) and (
-        options.placement_policy != "auto" or options.device_budget_bytes is not None
+    if options.zero_stage == 0 or (
+        options.engine_config is not None and options.engine_config.stage == 0
     ):
         problems.append(
-            f"placement_policy / device_budget_bytes place stage-3 chunks; at zero_stage={stage} "
-            f"leave them unset or use zero_stage=3"
+            "zero_stage 0 keeps no optimizer side for the Trainer's optimizer to step; use "
+            "1, 2 or 3"
         )
-    if stage in (1, 2) and options.secondary_shard_size is not None:
-        problems.append(
-            f"secondary_shard_size (ZeRO++ hpZ) keeps parameters for backward's gathers, which "
-            f"only stage 3 does; at zero_stage={stage} leave it unset or use zero_stage=3"
-        )
+    if options.precision not in PRECISIONS:
+        problems.append(f"precision must be one of {PRECISIONS}, got {options.precision!r}")
     args_precision = _precision_of(args)
     precision = options.precision if options.precision != "auto" else args_precision
     if (
@@ -147,33 +166,21 @@ def resolve(options: CallbackOptions, args: Any, trainer: Any = None) -> EngineS
             f"({args_precision}=True): make them agree or leave precision='auto'"
         )
     problems.extend(_argument_conflicts(args, trainer))
-    if problems:
+    device = torch.device(args.device)
+    config = None
+    if precision in _DTYPES:
+        try:
+            config = _engine_config(options, precision, device)
+        except (TypeError, ValueError) as refused:
+            problems.append(str(refused))  # the engine's own refusal, listed with the rest
+    if problems or config is None:
         listed = "\n".join(f"  - {problem}" for problem in problems)
         raise ValueError(
             f"ShardwiseCallback cannot train with these settings ({len(problems)} problem"
             f"{'s' if len(problems) > 1 else ''}):\n{listed}"
         )
-    device = torch.device(args.device)
-    # "auto" without a budget off CUDA keeps every chunk where it computes (see placement_on).
-    policy = placement_on(
-        placement_policy(options.placement_policy), device, options.device_budget_bytes
-    )
-    config = EngineConfig(
-        stage=stage,
-        device=device,
-        precision=_mixed_precision(precision, device) if precision != "fp32" else MixedPrecision(),
-        # Stages 1-2: elements per gradient bucket; stage 3: per chunk (None searches one).
-        chunking=Chunking(size_numel=chunk),
-        placement=Placement(policy=policy, device_budget_bytes=options.device_budget_bytes)
-        if stage == 3
-        else Placement(),
-        topology=Topology(
-            shard_size=options.shard_size, secondary_shard_size=options.secondary_shard_size
-        ),
-        communication=options.communication,
-    )
     return EngineSettings(
-        zero_stage=stage,
+        zero_stage=config.stage,
         device=device,
         precision=precision,
         config=config,

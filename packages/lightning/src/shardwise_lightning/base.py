@@ -30,7 +30,6 @@ from torch.optim import LBFGS, Optimizer
 from shardwise import (
     EngineConfig,
     TensorShardStrategy,
-    Topology,
     ZeroInitContext,
     ZeroModel,
     ZeroOptimizer,
@@ -41,7 +40,6 @@ from shardwise.amp import LossScaleConfig
 from shardwise.checkpoint import CheckpointError
 from shardwise.checkpoint.consolidate import PARAM_GROUP_NAMES, SHARDWISE_KEY
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
-from shardwise.engine.communication import communication_settings
 from shardwise.engine.module_at_rest import (
     ModuleState,
     agree_to_gather,
@@ -49,9 +47,11 @@ from shardwise.engine.module_at_rest import (
     write_whole_values,
 )
 from shardwise.engine.optimizer import optimizer_of
+from shardwise.engine.refine import Parts
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise_lightning.checkpoint_io import StreamingCheckpointIO
 from shardwise_lightning.checkpoint_paths import is_sharded_checkpoint, remove_sharded_checkpoint
+from shardwise_lightning.engine_settings import strategy_settings
 from shardwise_lightning.full_checkpoint import save_on_rank_0, write_full_checkpoint
 from shardwise_lightning.namespace import check_namespaces, describe
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
@@ -87,12 +87,26 @@ class ShardwiseStrategyBase(DDPStrategy):
             subclasses).
         gather_format, reduce_format, quant_block_numel: the wire formats (see the
             subclasses and `shardwise.Communication`).
+        engine_config: the engine's whole configuration (`shardwise.EngineConfig`, stage 3),
+            every setting of the engine among it: the disk tier, `host_buffer_pool`,
+            `gather_units`, the prefetch settings, ... The strategy's other arguments refine
+            it: one left at its default keeps engine_config's value, one given another value
+            replaces the settings it stands for (see [Note: engine_config and the arguments
+            that refine it] in shardwise/engine/refine.py). Its device must be of the
+            Trainer's device type (each rank computes on its own); its precision, unless left
+            at its default, must store in the Trainer's precision. None: the strategy's own
+            defaults.
+        asked, defaults: the subclass's arguments, and its default arguments, translated into
+            the engine's settings.
     """
 
     def __init__(
         self,
         *,
         loss_scale: LossScaleConfig,
+        asked: Parts,
+        defaults: Parts,
+        engine_config: object = None,
         state_dict_type: str = "full",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -131,18 +145,12 @@ class ShardwiseStrategyBase(DDPStrategy):
         if not isinstance(loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig, got {loss_scale!r}")
         self._loss_scale = loss_scale
-        # Hybrid sharding (see [Note: hybrid sharding] in shardwise/comm/topology.py) and
-        # ZeRO++ hpZ (see [Note: secondary shards] in shardwise/chunk/chunk.py); the engine
-        # checks the sizes against the world size when it wraps the module.
-        self.topology = Topology(shard_size=shard_size, secondary_shard_size=secondary_shard_size)
-        # Wire formats (see [Note: wire formats] in shardwise/chunk/wire/formats.py), checked
-        # now; the engine refuses fp8 where torch cannot cast to it on the device it wraps on.
-        self.communication = communication_settings(
-            gather_format=gather_format,
-            reduce_format=reduce_format,
+        self._settings = strategy_settings(
+            type(self).__name__, engine_config, asked, defaults,
+            shard_size=shard_size, secondary_shard_size=secondary_shard_size,
+            gather_format=gather_format, reduce_format=reduce_format,
             quant_block_numel=quant_block_numel,
-            caller=type(self).__name__,
-        )
+        )  # fmt: skip
         self.state_dict_type = cast(StateDictType, state_dict_type)
         # Per optimizer parameter group, its parameters' names in group order: how torch
         # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
@@ -162,9 +170,11 @@ class ShardwiseStrategyBase(DDPStrategy):
     # ---- what a subclass provides -------------------------------------------------------------
 
     def engine_config(self, device: torch.device) -> EngineConfig:
-        """The engine's configuration on `device` (stage 3, with `self.topology` and
-        `self.communication`)."""
-        raise NotImplementedError
+        """The engine's configuration on `device`, in the Trainer's precision: engine_config
+        refined by the strategy's arguments (see [Note: engine_config and the arguments that
+        refine it] in shardwise/engine/refine.py)."""
+        plugin = self.precision_plugin
+        return self._settings.on(device, plugin.dtype, plugin.precision)
 
     def state_dict_device(self) -> torch.device:
         """Where `lightning_module_state_dict` puts its tensors."""

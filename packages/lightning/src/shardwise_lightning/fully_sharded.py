@@ -15,6 +15,7 @@ from torch.distributed.constants import default_pg_timeout
 from shardwise import Chunking, EngineConfig, MixedPrecision, Placement, Reduction
 from shardwise.amp import LossScaleConfig
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.refine import Parts, defaults_of, translated
 from shardwise.gemini import placement_policy
 from shardwise_lightning.base import ShardwiseStrategyBase
 
@@ -70,6 +71,8 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         reduce_format: gradient reductions: "dtype" (default), "int8" or "fp8" (ZeRO++'s qgZ:
             an all-to-all of quantized slices, summed in fp32 by their owner).
         quant_block_numel: values per quantization block, each with one fp32 scale.
+        engine_config: the engine's whole configuration (`shardwise.EngineConfig`, stage 3),
+            which the other arguments refine (see `ShardwiseStrategyBase`).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         gather_format: str = "dtype",
         reduce_format: str = "dtype",
         quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
+        engine_config: EngineConfig | None = None,
     ) -> None:
         for name, value in (
             ("cpu_offload", cpu_offload),
@@ -129,22 +133,8 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
                 f"be honoured: gradient shards live beside the fp32 masters, which cpu_offload "
                 f"places; leave move_grads_to_cpu=None"
             )
-        if fp32_reduce_scatter is not None and not isinstance(fp32_reduce_scatter, bool):
-            raise TypeError(
-                f"fp32_reduce_scatter must be a bool or None, got {fp32_reduce_scatter!r}"
-            )
-        if compute_dtype is not None:
-            MixedPrecision(compute_dtype=compute_dtype)  # validates the dtype now
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-            raise TypeError(f"bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
-        if min_num_params is not None and (
-            isinstance(min_num_params, bool)
-            or not isinstance(min_num_params, int)
-            or min_num_params < 1
-        ):
-            raise ValueError(
-                f"min_num_params must be a positive int or None (searched), got {min_num_params!r}"
-            )
+        # Every argument by name, for the translation into the engine's settings.
+        arguments = locals()
         super().__init__(
             loss_scale=LossScaleConfig(
                 initial_scale=initial_scale,
@@ -155,6 +145,9 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
                 hysteresis=hysteresis,
                 max_scale=max_scale,
             ),
+            asked=translated(_fsdp_parts, arguments),
+            defaults=translated(_fsdp_parts, defaults_of(FullyShardedStrategy.__init__)),
+            engine_config=engine_config,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -170,31 +163,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             quant_block_numel=quant_block_numel,
         )
         self.cpu_offload = cpu_offload
-        self.fp32_reduce_scatter = fp32_reduce_scatter
-        self.compute_dtype = compute_dtype
-        self.bucket_cap_mb = bucket_cap_mb
-        self.min_num_params = min_num_params
         self.state_dict_to_cpu = state_dict_to_cpu
-
-    def engine_config(self, device: torch.device) -> EngineConfig:
-        """Our arguments as the engine's configuration on `device`."""
-        return EngineConfig(
-            stage=3,
-            device=device,
-            precision=self.precision_plugin.mixed_precision(
-                device,
-                compute_dtype=self.compute_dtype,
-                reduce_dtype=torch.float32 if self.fp32_reduce_scatter else None,
-            ),
-            chunking=Chunking(size_numel=self.min_num_params),  # None: searched
-            placement=Placement(
-                policy=placement_policy("cpu" if self.cpu_offload else "cuda"),
-                pin_memory=self.cpu_offload and device.type == "cuda",
-            ),
-            reduction=Reduction(bucket_bytes=max(0, int(self.bucket_cap_mb * 2**20))),
-            topology=self.topology,
-            communication=self.communication,
-        )
 
     def state_dict_device(self) -> torch.device:
         return torch.device("cpu") if self.state_dict_to_cpu else self.root_device
@@ -215,3 +184,35 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
             description="shardwise fully sharded data parallel (ZeRO-3) with CPU offload",
             cpu_offload=True,
         )
+
+
+def _fsdp_parts(
+    cpu_offload: bool,
+    fp32_reduce_scatter: bool | None,
+    compute_dtype: torch.dtype | None,
+    bucket_cap_mb: float,
+    min_num_params: int | None,
+) -> Parts:
+    """FullyShardedStrategy's arguments as the engine's settings. The storage dtype is the
+    Trainer's precision; these arguments give the compute and reduction dtypes."""
+    if fp32_reduce_scatter is not None and not isinstance(fp32_reduce_scatter, bool):
+        raise TypeError(f"fp32_reduce_scatter must be a bool or None, got {fp32_reduce_scatter!r}")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise TypeError(f"bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
+    if min_num_params is not None and (
+        isinstance(min_num_params, bool)
+        or not isinstance(min_num_params, int)
+        or min_num_params < 1
+    ):
+        raise ValueError(
+            f"min_num_params must be a positive int or None (searched), got {min_num_params!r}"
+        )
+    return {
+        "precision": MixedPrecision(
+            compute_dtype=compute_dtype,
+            reduce_dtype=torch.float32 if fp32_reduce_scatter else None,
+        ),
+        "chunking": Chunking(size_numel=min_num_params),  # None: searched
+        "placement": Placement(policy=placement_policy("cpu" if cpu_offload else "cuda")),
+        "reduction": Reduction(bucket_bytes=max(0, int(bucket_cap_mb * 2**20))),
+    }

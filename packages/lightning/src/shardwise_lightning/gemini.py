@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -15,8 +14,8 @@ from torch.distributed.constants import default_pg_timeout
 from shardwise import Chunking, EngineConfig, Placement
 from shardwise.amp import LossScaleConfig
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
+from shardwise.engine.refine import Parts, defaults_of, translated
 from shardwise.gemini import placement_policy as placement_policy_object
-from shardwise.gemini.manager import placement_on
 from shardwise_lightning.base import ShardwiseStrategyBase
 
 
@@ -73,6 +72,8 @@ class GeminiStrategy(ShardwiseStrategyBase):
         reduce_format: gradient reductions: "dtype" (default), "int8" or "fp8" (ZeRO++'s qgZ:
             an all-to-all of quantized slices, summed in fp32 by their owner).
         quant_block_numel: values per quantization block, each with one fp32 scale.
+        engine_config: the engine's whole configuration (`shardwise.EngineConfig`, stage 3),
+            which the other arguments refine (see `ShardwiseStrategyBase`).
     """
 
     def __init__(
@@ -111,49 +112,10 @@ class GeminiStrategy(ShardwiseStrategyBase):
         gather_format: str = "dtype",
         reduce_format: str = "dtype",
         quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
+        engine_config: EngineConfig | None = None,
     ) -> None:
-        for name, value in (
-            ("use_chunk", use_chunk),
-            ("enable_distributed_storage", enable_distributed_storage),
-            ("force_outputs_fp32", force_outputs_fp32),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r}")
-        if chunk_size is not None:
-            if not use_chunk:
-                raise ValueError(
-                    f"chunk_size={chunk_size} has no meaning with use_chunk=False (every tensor "
-                    f"gets a chunk of its own); drop one of them"
-                )
-            if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-                raise ValueError(
-                    f"chunk_size must be a positive int (elements), got {chunk_size!r}"
-                )
-        # Each part validates its values as it is built (named as our arguments).
-        chunking = (
-            Chunking(size_numel=1)  # capacity 1: each tensor alone
-            if not use_chunk
-            else Chunking(size_numel=chunk_size)
-            if chunk_size is not None
-            else Chunking(
-                search_range_bytes=chunk_search_range,
-                search_n_grids=chunk_search_n_grids,
-                min_chunk_bytes=min_chunk_size,
-            )
-        )
-        if not enable_distributed_storage:
-            _check_unsharded(placement_policy, shard_param_frac, offload_param_frac)
-            placement_policy, shard_param_frac = "static", 0.0
-        placement = Placement(
-            policy=placement_policy_object(
-                placement_policy,
-                shard_param_frac=shard_param_frac,
-                offload_optim_frac=offload_optim_frac,
-                offload_param_frac=offload_param_frac,
-                gpu_margin_mem_ratio=gpu_margin_mem_ratio,
-            ),
-            device_budget_bytes=device_budget_bytes,
-        )
+        # Every argument by name, for the translation into the engine's settings.
+        arguments = locals()
         super().__init__(
             loss_scale=LossScaleConfig(
                 initial_scale=initial_scale,
@@ -164,6 +126,9 @@ class GeminiStrategy(ShardwiseStrategyBase):
                 hysteresis=hysteresis,
                 max_scale=max_scale,
             ),
+            asked=translated(_gemini_parts, arguments),
+            defaults=translated(_gemini_parts, defaults_of(GeminiStrategy.__init__)),
+            engine_config=engine_config,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -177,32 +142,6 @@ class GeminiStrategy(ShardwiseStrategyBase):
             gather_format=gather_format,
             reduce_format=reduce_format,
             quant_block_numel=quant_block_numel,
-        )
-        self._placement = placement
-        self._chunking = chunking
-        self._force_outputs_fp32 = force_outputs_fp32
-
-    def engine_config(self, device: torch.device) -> EngineConfig:
-        """Our arguments as the engine's configuration on `device`."""
-        return EngineConfig(
-            stage=3,
-            device=device,
-            precision=self.precision_plugin.mixed_precision(device),
-            chunking=self._chunking,
-            placement=replace(
-                self._placement,
-                # Resolved on the device the chunks will live on: "auto" without a budget
-                # off CUDA keeps them there (see [Note: "auto" without a budget] in
-                # shardwise/gemini/manager.py).
-                policy=placement_on(
-                    self._placement.policy, device, self._placement.device_budget_bytes
-                ),
-                # Host copies of chunks are pinned when they feed a CUDA device.
-                pin_memory=device.type == "cuda",
-            ),
-            topology=self.topology,
-            communication=self.communication,
-            force_outputs_fp32=self._force_outputs_fp32,
         )
 
     @classmethod
@@ -234,6 +173,68 @@ class GeminiStrategy(ShardwiseStrategyBase):
             ),
             placement_policy="auto",
         )
+
+
+def _gemini_parts(
+    use_chunk: bool,
+    chunk_size: int | None,
+    enable_distributed_storage: bool,
+    placement_policy: str,
+    force_outputs_fp32: bool,
+    gpu_margin_mem_ratio: float,
+    chunk_search_range: int,
+    chunk_search_n_grids: int,
+    min_chunk_size: int,
+    device_budget_bytes: int | None,
+    shard_param_frac: float,
+    offload_optim_frac: float,
+    offload_param_frac: float,
+) -> Parts:
+    """GeminiStrategy's arguments as the engine's settings; each part validates its values
+    as it is built (named as our arguments)."""
+    for name, value in (
+        ("use_chunk", use_chunk),
+        ("enable_distributed_storage", enable_distributed_storage),
+        ("force_outputs_fp32", force_outputs_fp32),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if chunk_size is not None:
+        if not use_chunk:
+            raise ValueError(
+                f"chunk_size={chunk_size} has no meaning with use_chunk=False (every tensor "
+                f"gets a chunk of its own); drop one of them"
+            )
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int (elements), got {chunk_size!r}")
+    chunking = (
+        Chunking(size_numel=1)  # capacity 1: each tensor alone
+        if not use_chunk
+        else Chunking(size_numel=chunk_size)
+        if chunk_size is not None
+        else Chunking(
+            search_range_bytes=chunk_search_range,
+            search_n_grids=chunk_search_n_grids,
+            min_chunk_bytes=min_chunk_size,
+        )
+    )
+    if not enable_distributed_storage:
+        _check_unsharded(placement_policy, shard_param_frac, offload_param_frac)
+        placement_policy, shard_param_frac = "static", 0.0
+    policy = placement_policy_object(
+        placement_policy,
+        shard_param_frac=shard_param_frac,
+        offload_optim_frac=offload_optim_frac,
+        offload_param_frac=offload_param_frac,
+        gpu_margin_mem_ratio=gpu_margin_mem_ratio,
+    )
+    return {
+        "chunking": chunking,
+        # "auto" is resolved on the device the chunks will live on (see [Note: "auto" without
+        # a budget] in shardwise/gemini/manager.py).
+        "placement": Placement(policy=policy, device_budget_bytes=device_budget_bytes),
+        "force_outputs_fp32": force_outputs_fp32,
+    }
 
 
 def _check_unsharded(policy: str, shard_param_frac: float, offload_param_frac: float) -> None:

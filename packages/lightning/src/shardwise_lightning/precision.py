@@ -19,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from shardwise import MixedPrecision, ZeroOptimizer
+from shardwise.engine.config import storage_precision
 from shardwise_lightning.namespace import check_namespace, describe
 
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed"]
@@ -53,26 +54,19 @@ class ShardwisePrecision(Precision):
     def __repr__(self) -> str:
         return describe(self)
 
-    def mixed_precision(
-        self,
-        device: torch.device,
-        *,
-        compute_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-    ) -> MixedPrecision:
-        """The engine's dtypes for this precision on `device`.
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype parameters are stored and communicated in."""
+        return _PAYLOAD_DTYPES[self.precision]
+
+    def mixed_precision(self, device: torch.device) -> MixedPrecision:
+        """The engine's dtypes for this precision on `device` (the compute dtype by the
+        engine's rule for the device, `shardwise.engine.config.storage_precision`).
 
         Args:
-            device: the compute device (decides the default compute dtype).
-            compute_dtype: overrides the compute dtype.
-            reduce_dtype: overrides the gradient-reduction dtype.
+            device: the compute device.
         """
-        payload = _PAYLOAD_DTYPES[self.precision]
-        if compute_dtype is None and device.type == "cpu":
-            compute_dtype = torch.float32
-        return MixedPrecision(
-            param_dtype=payload, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype
-        )
+        return storage_precision(self.dtype, device)
 
     def backward(  # type: ignore[override]
         self,

@@ -18,6 +18,7 @@ from shardwise.chunk.search import (
 from shardwise.comm import ReduceScatterMethod
 from shardwise.comm.quantize import fp8_casts_work
 from shardwise.engine.communication import Communication
+from shardwise.engine.devices import compute_device, compute_dtype_on
 from shardwise.gemini.policies import DevicePlacement, HostPlacement, PlacementPolicy
 from shardwise.memory.buffer_pool import pool_supported
 
@@ -28,34 +29,6 @@ DEFAULT_CHUNK_SIZE_NUMEL = 32 * 1024 * 1024
 # a 117M-parameter model four buckets to overlap with backward (zero2 / DDP 1.07 here against
 # 0.94-1.04 at 8-12M elements, benchmarks/RESULTS.md), and each bucket in flight holds memory.
 DEFAULT_REDUCE_BUCKET_NUMEL = 12 * 1024 * 1024
-
-
-def default_device() -> torch.device:
-    """`cuda:<current>` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def compute_device(value: object, setting: str = "gemini_config['device']") -> torch.device:
-    """The compute device named by `value` (a torch.device or its string), refused with the
-    setting to change when this torch cannot compute there (e.g. "cuda" on a CPU-only build)."""
-    if value is None:
-        return default_device()
-    if not isinstance(value, (torch.device, str)):
-        raise TypeError(f"{setting} must be a torch.device or a string, got {value!r}")
-    try:
-        device = torch.device(value)
-    except RuntimeError as error:
-        raise ValueError(f"{setting} {value!r} is not a device: {error}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"{setting} is {str(device)!r} but CUDA is not available here "
-            f"(torch {torch.__version__}, torch.cuda.is_available() is False): set {setting} "
-            f"to torch.device('cpu'), or leave it out to use cuda when there is one and the CPU "
-            f"otherwise; the 'cuda' placement policy then keeps chunks on the CPU"
-        )
-    return device
 
 
 GRADIENT_REDUCTIONS = ("auto", *(method.value for method in ReduceScatterMethod))
@@ -143,18 +116,30 @@ def _check_low_level_placement(stage: int, placement: Placement) -> None:
         )
 
 
-def storage_precision(dtype: torch.dtype, device: torch.device) -> MixedPrecision:
-    """The engine's dtypes for ColossalAI's `precision` / `mixed_precision` of `dtype`:
-    storage and communication in it; compute in it on an accelerator and in fp32 on a CPU,
-    where 16-bit matrix math is tens of times slower.
+def storage_precision(
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> MixedPrecision:
+    """The engine's dtypes for a front door's precision of `dtype` (ColossalAI's `precision` /
+    `mixed_precision`, Lightning's `Trainer(precision=...)`, TrainingArguments' fp16 / bf16):
+    storage and communication in it; compute in it on an accelerator and in fp32 on a CPU
+    (`devices.compute_dtype_on`) unless `compute_dtype` says otherwise.
 
     Args:
         dtype: torch.float16, torch.bfloat16 or torch.float32.
         device: the compute device.
+        compute_dtype: the compute dtype asked for (None: the device's rule).
+        reduce_dtype: the gradient-reduction dtype asked for (None: `dtype`).
     """
     _check_dtype("precision", dtype)
-    compute = torch.float32 if device.type == "cpu" else dtype
-    return MixedPrecision(param_dtype=dtype, compute_dtype=compute)
+    return MixedPrecision(
+        param_dtype=dtype,
+        compute_dtype=compute_dtype or compute_dtype_on(device, dtype),
+        reduce_dtype=reduce_dtype,
+    )
 
 
 def _int_at_least(name: str, value: object, least: int) -> None:

@@ -31,8 +31,8 @@ from shardwise.engine.config import (
     Placement,
     Reduction,
     Topology,
-    compute_device,
 )
+from shardwise.engine.devices import compute_device
 from shardwise.gemini import DevicePlacement, placement_policy, replicated
 
 GEMINI_CONFIG_KEYS = (

@@ -28,9 +28,9 @@ from shardwise.engine.config import (
     Overlap,
     Placement,
     Topology,
-    default_device,
     storage_precision,
 )
+from shardwise.engine.devices import default_device
 from shardwise.gemini import placement_policy, replicated
 from shardwise.gemini.manager import placement_on
 

@@ -28,8 +28,8 @@ from shardwise.engine.config import (
     Placement,
     Reduction,
     Topology,
-    default_device,
 )
+from shardwise.engine.devices import default_device
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.optimizer import ZeroOptimizer, grad_scaler_for
 from shardwise.engine.wrap import model_parts

@@ -17,8 +17,8 @@ from shardwise.engine.config import (
     Overlap,
     Placement,
     Topology,
-    default_device,
 )
+from shardwise.engine.devices import default_device, pins_host_copies
 from shardwise.gemini import placement_policy
 
 
@@ -121,8 +121,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         self.device = default_device()
         self.placement = Placement(
             policy=placement_policy("cpu" if cpu_offload else "cuda"),
-            # Host copies feed a CUDA device faster from pinned memory.
-            pin_memory=cpu_offload and self.device.type == "cuda",
+            pin_memory=pins_host_copies(self.device),
         )
         dtypes = precision_of(name, precision, self.device)
         self.precision = MixedPrecision(

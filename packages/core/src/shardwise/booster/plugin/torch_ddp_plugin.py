@@ -18,7 +18,7 @@ from shardwise.booster.plugin.plugin_base import Boosted
 from shardwise.booster.plugin.refusals import refuse_model_parallel
 from shardwise.checkpoint_io import GeneralCheckpointIO
 from shardwise.comm import CommStats
-from shardwise.engine.config import default_device
+from shardwise.engine.devices import default_device
 from shardwise.interface import ModelWrapper, OptimizerWrapper
 from shardwise.lazy import LazyInitContext
 
