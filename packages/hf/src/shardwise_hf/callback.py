@@ -13,7 +13,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from shardwise import EngineConfig, ZeroModel, ZeroOptimizer, telemetry
-from shardwise.amp import LossScaleConfig
+from shardwise.amp import LossScaleConfig, loss_scale_from
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.communication import communication_settings
 from shardwise.engine.refine import checked_engine_config
@@ -84,6 +84,9 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
             TrainingArguments' device is (each rank computes on its own); its precision,
             unless left at its default, must store in the precision the callback resolves.
             Checked when the callback is attached, with every other conflict.
+        loss_scale: the loss scale's seven settings as one `shardwise.amp.LossScaleConfig`
+            (growth_factor and backoff_factor among them), which the separate ones refine
+            (one left at its default keeps loss_scale's value).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
         min_scale: float = 1,
         max_scale: float = 2**32,
         engine_config: EngineConfig | None = None,
+        loss_scale: LossScaleConfig | None = None,
     ) -> None:
         self.options = CallbackOptions(
             engine_config=checked_engine_config(engine_config, type(self).__name__),
@@ -122,13 +126,7 @@ class ShardwiseCallback(TrainerCallback, ExportableState):
                 quant_block_numel=quant_block_numel,
                 caller=type(self).__name__,
             ),
-            loss_scale=LossScaleConfig(
-                initial_scale=initial_scale,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                min_scale=min_scale,
-                max_scale=max_scale,
-            ),
+            loss_scale=loss_scale_from(ShardwiseCallback.__init__, locals(), loss_scale),
         )
         self.settings: EngineSettings | None = None
         self.model: ZeroModel | None = None

@@ -13,7 +13,7 @@ from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
 from shardwise import Chunking, EngineConfig, MixedPrecision, Placement, Reduction
-from shardwise.amp import LossScaleConfig
+from shardwise.amp import LossScaleConfig, loss_scale_from
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.refine import Parts, defaults_of, translated
 from shardwise.gemini import placement_policy
@@ -54,25 +54,8 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
             max_scale: the dynamic loss scale, used with "16-mixed".
         timeout: as for Lightning's DDPStrategy.
-        state_dict_type: what `trainer.save_checkpoint` (and so `ModelCheckpoint`) writes:
-            "full" (the default, as for Lightning's FSDPStrategy: one `.ckpt` file from rank 0
-            that `LightningModule.load_from_checkpoint`, `torch.load` and other strategies
-            read) or "sharded" (a directory, every rank its shards, loadable at any world size,
-            no rank holding the whole state).
-        shard_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g.
-            the devices of one node) and replicate across the groups; None shards over all.
-        secondary_shard_size: ZeRO++ hpZ: keep a secondary copy of each chunk sharded over
-            groups of this many consecutive ranks from forward to backward, whose gathers then
-            stay inside a group; 1 keeps each rank's whole copy (no gather in backward); None:
-            backward gathers over every rank.
-        gather_format: parameter all-gathers: "dtype" (the precision's, default), "int8" or
-            "fp8" (ZeRO++'s qwZ: one byte per value with an fp32 scale per block; each rank
-            keeps its own slice and its fp32 masters exact).
-        reduce_format: gradient reductions: "dtype" (default), "int8" or "fp8" (ZeRO++'s qgZ:
-            an all-to-all of quantized slices, summed in fp32 by their owner).
-        quant_block_numel: values per quantization block, each with one fp32 scale.
-        engine_config: the engine's whole configuration (`shardwise.EngineConfig`, stage 3),
-            which the other arguments refine (see `ShardwiseStrategyBase`).
+        state_dict_type, shard_size, secondary_shard_size, gather_format, reduce_format,
+            quant_block_numel, engine_config, loss_scale: as for `GeminiStrategy`.
     """
 
     def __init__(
@@ -108,6 +91,7 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
         reduce_format: str = "dtype",
         quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
         engine_config: EngineConfig | None = None,
+        loss_scale: LossScaleConfig | None = None,
     ) -> None:
         for name, value in (
             ("cpu_offload", cpu_offload),
@@ -133,18 +117,11 @@ class FullyShardedStrategy(ShardwiseStrategyBase):
                 f"be honoured: gradient shards live beside the fp32 masters, which cpu_offload "
                 f"places; leave move_grads_to_cpu=None"
             )
-        # Every argument by name, for the translation into the engine's settings.
+        # Every argument by name, for the translations into the engine's settings and the loss
+        # scale.
         arguments = locals()
         super().__init__(
-            loss_scale=LossScaleConfig(
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                max_scale=max_scale,
-            ),
+            loss_scale=loss_scale_from(FullyShardedStrategy.__init__, arguments, loss_scale),
             asked=translated(_fsdp_parts, arguments),
             defaults=translated(_fsdp_parts, defaults_of(FullyShardedStrategy.__init__)),
             engine_config=engine_config,

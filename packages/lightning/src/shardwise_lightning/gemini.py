@@ -12,7 +12,7 @@ from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
 from shardwise import Chunking, EngineConfig, Placement
-from shardwise.amp import LossScaleConfig
+from shardwise.amp import LossScaleConfig, loss_scale_from
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.refine import Parts, defaults_of, translated
 from shardwise.gemini import placement_policy as placement_policy_object
@@ -74,6 +74,8 @@ class GeminiStrategy(ShardwiseStrategyBase):
         quant_block_numel: values per quantization block, each with one fp32 scale.
         engine_config: the engine's whole configuration (`shardwise.EngineConfig`, stage 3),
             which the other arguments refine (see `ShardwiseStrategyBase`).
+        loss_scale: the seven loss-scale settings as one `shardwise.amp.LossScaleConfig`,
+            which the separate ones refine (one left at its default keeps loss_scale's value).
     """
 
     def __init__(
@@ -113,19 +115,13 @@ class GeminiStrategy(ShardwiseStrategyBase):
         reduce_format: str = "dtype",
         quant_block_numel: int = DEFAULT_QUANT_BLOCK_NUMEL,
         engine_config: EngineConfig | None = None,
+        loss_scale: LossScaleConfig | None = None,
     ) -> None:
-        # Every argument by name, for the translation into the engine's settings.
+        # Every argument by name, for the translations into the engine's settings and the loss
+        # scale.
         arguments = locals()
         super().__init__(
-            loss_scale=LossScaleConfig(
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                max_scale=max_scale,
-            ),
+            loss_scale=loss_scale_from(GeminiStrategy.__init__, arguments, loss_scale),
             asked=translated(_gemini_parts, arguments),
             defaults=translated(_gemini_parts, defaults_of(GeminiStrategy.__init__)),
             engine_config=engine_config,

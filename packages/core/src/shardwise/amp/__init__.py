@@ -5,6 +5,13 @@ from shardwise.amp.grad_scaler import (
     DynamicGradScaler,
     GradScaler,
     LossScaleConfig,
+    loss_scale_from,
 )
 
-__all__ = ["ConstantGradScaler", "DynamicGradScaler", "GradScaler", "LossScaleConfig"]
+__all__ = [
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "GradScaler",
+    "LossScaleConfig",
+    "loss_scale_from",
+]

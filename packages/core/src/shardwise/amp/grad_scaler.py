@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import abc
+import inspect
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 _DYNAMIC_KEYS = (
@@ -119,6 +120,42 @@ class LossScaleConfig:
 
 
 _SETTINGS = tuple(f.name for f in fields(LossScaleConfig))
+# ColossalAI's seven loss-scale keywords, every front door's names for LossScaleConfig's fields.
+LOSS_SCALE_KEYWORDS: tuple[str, ...] = _SETTINGS
+
+
+def loss_scale_from(
+    front_door: Callable[..., Any],
+    arguments: Mapping[str, Any],
+    given: LossScaleConfig | None = None,
+) -> LossScaleConfig:
+    """ColossalAI's loss-scale keywords, as a front door took them, as one `LossScaleConfig`:
+    the one translation of them, which every front door makes (and passes the object on).
+
+    Args:
+        front_door: the function (or `__init__`) whose arguments they are; its signature's
+            defaults tell which keywords were given.
+        arguments: its arguments by name (its `locals()` on entry); the keywords it takes
+            are read, those it lacks keep LossScaleConfig's defaults.
+        given: a `loss_scale=` argument, or None. Its settings stand where the keywords are
+            left at their defaults; a keyword given another value refines it, as arguments
+            refine an `engine_config`.
+    """
+    if given is not None and not isinstance(given, LossScaleConfig):
+        raise TypeError(
+            f"loss_scale must be a shardwise.amp.LossScaleConfig or None, got "
+            f"{type(given).__name__} {given!r}"
+        )
+    taken = {name: arguments[name] for name in LOSS_SCALE_KEYWORDS if name in arguments}
+    if given is None:
+        return LossScaleConfig(**taken)
+    signature = inspect.signature(front_door).parameters
+    refined = {
+        name: value
+        for name, value in taken.items()
+        if name not in signature or value != signature[name].default
+    }
+    return replace(given, **refined)
 
 
 class ConstantGradScaler(GradScaler):
@@ -197,16 +234,7 @@ class DynamicGradScaler(GradScaler):
         max_scale: float = 2**32,
     ) -> None:
         super().__init__()
-        config = LossScaleConfig(
-            initial_scale=initial_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-        )
-        self._settle(config)
+        self._settle(loss_scale_from(DynamicGradScaler.__init__, locals()))
         self._scale = self.initial_scale
         self.growth_step = 0
         self.hysteresis_step = 0

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise import telemetry
-from shardwise.amp import LossScaleConfig
+from shardwise.amp import loss_scale_from
 from shardwise.chunk import ChunkManager, Pool
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.communication import communication_settings
@@ -270,16 +270,7 @@ class ShardedOptimizerV2(ZeroOptimizer):
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose must be a bool, got {verbose!r}")
         scaler = grad_scaler_for(
-            sharded_model,
-            LossScaleConfig(
-                initial_scale=initial_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                min_scale=min_scale,
-                max_scale=max_scale,
-            ),
+            sharded_model, loss_scale_from(ShardedOptimizerV2.__init__, locals())
         )
         super().__init__(
             sharded_model, optimizer, grad_scaler=scaler, max_norm=max_norm, norm_type=norm_type

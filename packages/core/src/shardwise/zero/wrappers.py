@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardwise import telemetry
-from shardwise.amp import LossScaleConfig
+from shardwise.amp import LossScaleConfig, loss_scale_from
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.optimizer import ZeroOptimizer, check_no_optimizer_yet
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
@@ -93,32 +93,15 @@ def zero_optim_wrapper(
             engine/model.py).
         warn_after_skipped_steps: warn when this many steps in a row were skipped for inf or
             nan gradients with no loss scale left to lower (see `ZeroOptimizer`).
-        loss_scale: the seven scaler settings as one `LossScaleConfig`, in place of the
-            separate arguments (which must then keep their defaults).
+        loss_scale: the seven scaler settings as one `LossScaleConfig`; the separate
+            arguments refine it (one left at its default keeps loss_scale's value).
     """
     if not isinstance(model, ZeroModel):
         raise TypeError(
             f"model must be the result of zero_model_wrapper, got {type(model).__name__}"
         )
     check_no_optimizer_yet(model)
-    separate = LossScaleConfig(
-        initial_scale=initial_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-    )
-    if loss_scale is None:
-        loss_scale = separate
-    elif not isinstance(loss_scale, LossScaleConfig):
-        raise TypeError(f"loss_scale must be a LossScaleConfig, got {loss_scale!r}")
-    elif separate != LossScaleConfig():
-        raise ValueError(
-            "pass the loss-scale settings either as loss_scale=LossScaleConfig(...) or as "
-            "separate arguments, not both"
-        )
+    loss_scale = loss_scale_from(zero_optim_wrapper, locals(), loss_scale)
     if model.stage < 3 or optim_config:
         # Stages 1-2 pack their chunks now, with this bucket size (see [Note: packed once the
         # bucket size is known] in engine/model.py); stage 3 refuses optim_config there.

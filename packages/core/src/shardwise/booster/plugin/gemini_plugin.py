@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from shardwise.amp import LossScaleConfig
+from shardwise.amp import loss_scale_from
 from shardwise.booster.plugin.refusals import PRECISIONS, shard_size_for
 from shardwise.booster.plugin.shardformer_flags import accept_shardformer_flags
 from shardwise.booster.plugin.zero_plugin_base import ZeroPluginBase
@@ -182,15 +182,7 @@ class GeminiPlugin(ZeroPluginBase):
             quant_block_numel=quant_block_numel,
         )
         self.device = self.config.device
-        self.loss_scale = LossScaleConfig(
-            initial_scale=initial_scale,
-            min_scale=min_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            max_scale=max_scale,
-        )
+        self.loss_scale = loss_scale_from(GeminiPlugin.__init__, locals())
         self.max_norm = max_norm
         self.norm_type = norm_type
 
@@ -202,20 +194,13 @@ class GeminiPlugin(ZeroPluginBase):
         self, model: ZeroModel, optimizer: torch.optim.Optimizer
     ) -> GeminiOptimizer:
         """ColossalAI's boosted optimizer here: a `GeminiOptimizer`."""
-        scale = self.loss_scale
         # The ratio placed the model already (a warning named it where it does not apply).
         auto = isinstance(self.config.placement.policy, AutoPlacement)
         return GeminiOptimizer(
             optimizer,
             model,
             gpu_margin_mem_ratio=self.gpu_margin_mem_ratio if auto else 0.0,
-            initial_scale=scale.initial_scale,
-            min_scale=scale.min_scale,
-            growth_factor=scale.growth_factor,
-            backoff_factor=scale.backoff_factor,
-            growth_interval=scale.growth_interval,
-            hysteresis=scale.hysteresis,
-            max_scale=scale.max_scale,
             max_norm=self.max_norm,
             norm_type=self.norm_type,
+            loss_scale=self.loss_scale,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.amp import LossScaleConfig
+from shardwise.amp import loss_scale_from
 from shardwise.booster.plugin.refusals import precision_of, refuse_model_parallel, shard_size_for
 from shardwise.booster.plugin.zero_plugin_base import ZeroPluginBase
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
@@ -132,15 +132,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
         self.chunking = Chunking(size_numel=round(reduce_bucket_size_in_m * 2**20))
         self.overlap = Overlap(communication=overlap_communication, param_gather=overlap_allgather)
         self.topology = Topology(shard_size=shard_size_for(name, extra_dp_size, self.world_size))
-        self.loss_scale = LossScaleConfig(
-            initial_scale=initial_scale,
-            min_scale=min_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            max_scale=max_scale,
-        )
+        self.loss_scale = loss_scale_from(LowLevelZeroPlugin.__init__, locals())
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.verbose = verbose

@@ -11,7 +11,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardwise import telemetry
-from shardwise.amp import LossScaleConfig
+from shardwise.amp import LossScaleConfig, loss_scale_from
+from shardwise.amp.grad_scaler import LOSS_SCALE_KEYWORDS
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.wrap import wrap_optimizer
 from shardwise.gemini import AutoPlacement
@@ -21,18 +22,13 @@ from shardwise.zero.optimizer_wrapper import ZeroOptimizerWrapper
 # GeminiOptimizer's own keywords; GeminiAdamOptimizer hands the rest to HybridAdam.
 _WRAPPER_KEYWORDS = (
     "gpu_margin_mem_ratio",
-    "initial_scale",
-    "min_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "max_scale",
+    *LOSS_SCALE_KEYWORDS,
     "max_norm",
     "norm_type",
     "tp_group",
     "params_info",
     "verbose",
+    "loss_scale",
 )
 
 
@@ -54,6 +50,9 @@ class GeminiOptimizer(ZeroOptimizerWrapper):
         tp_group: refused unless None (no tensor parallelism).
         params_info: accepted; ColossalAI reads it only for tensor-parallel checkpoints.
         verbose: accepted (skipped steps are reported by a warning when they keep coming).
+        loss_scale: beyond ColossalAI, by keyword: the seven loss-scale settings as one
+            `LossScaleConfig` (as GeminiPlugin passes them), which the separate keywords
+            refine (one left at its default keeps loss_scale's value).
         **defaults: ignored with a warning, as ColossalAI ignores them.
     """
 
@@ -74,6 +73,8 @@ class GeminiOptimizer(ZeroOptimizerWrapper):
         tp_group: ProcessGroup | None = None,
         params_info: Any = None,
         verbose: bool = False,
+        *,
+        loss_scale: LossScaleConfig | None = None,
         **defaults: Any,
     ) -> None:
         name = type(self).__name__
@@ -97,15 +98,7 @@ class GeminiOptimizer(ZeroOptimizerWrapper):
         engine = wrap_optimizer(
             module,
             optim,
-            loss_scale=LossScaleConfig(
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                max_scale=max_scale,
-            ),
+            loss_scale=loss_scale_from(GeminiOptimizer.__init__, locals(), loss_scale),
             max_norm=max_norm,
             norm_type=norm_type,
         )

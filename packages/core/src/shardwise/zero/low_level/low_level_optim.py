@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardwise.amp import LossScaleConfig
+from shardwise.amp import loss_scale_from
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.communication import communication_settings
 from shardwise.engine.config import (
@@ -166,15 +166,7 @@ class LowLevelZeroOptimizer(ZeroOptimizerWrapper):
         engine = wrap_optimizer(
             self.model,
             optimizer,
-            loss_scale=LossScaleConfig(
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                max_scale=max_scale,
-            ),
+            loss_scale=loss_scale_from(LowLevelZeroOptimizer.__init__, locals()),
             max_norm=clip_grad_norm,
         )
         super().__init__(engine)
