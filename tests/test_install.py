@@ -29,6 +29,11 @@ PACKAGES = {  # directory: (distribution, module)
 
 
 def run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`args` run with `env`, by default this process's environment without PYTHONPATH (a
+    source tree on it, as on a machine that runs the packages from the clone, would be
+    imported in place of what the fresh environment installed)."""
+    if env is None:
+        env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     return subprocess.run(
         [str(a) for a in args], capture_output=True, text=True, timeout=240, env=env
     )
@@ -36,8 +41,12 @@ def run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Comp
 
 def _offline() -> dict[str, str]:
     """This process's environment as a host with no package index has it: none of pip's index,
-    find-links or constraint settings, no pip configuration file."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
+    find-links or constraint settings, no pip configuration file, no PYTHONPATH."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("PIP_") and key != "PYTHONPATH"
+    }
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
     return env
 
