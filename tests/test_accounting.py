@@ -145,7 +145,7 @@ def test_device_bytes_shortcut_agrees_with_the_pools() -> None:
                 chunk.share_grad_shard_with_full()
             for payload in (Pool.DEVICE, Pool.HOST) if not keep_gathered else (Pool.DEVICE,):
                 for optim in (Pool.DEVICE, Pool.HOST):
-                    chunk.place(payload=payload, optim=optim, pin_memory=False)
+                    chunk.place(payload=payload, optim=optim)
                     expected = resident_bytes_by_pool(chunk)[Pool.DEVICE]
                     assert device_resident_bytes(chunk) == expected, (keep_gathered, payload, optim)
 

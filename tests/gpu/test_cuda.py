@@ -132,17 +132,64 @@ def _host_buffers() -> dict[str, Any]:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="every host<->device copy is on the default stream, so none overlaps a kernel "
-    "(H200, 2026-12-04: 14 copies, 0 overlapped); the copy stream designed in "
-    "benchmarks/RESULTS.md, 'GPU: first contact', is the change for the next GPU run",
-)
 def test_host_shards_are_pinned_and_their_copies_overlap_compute() -> None:
+    # Before the gather and copy streams (H200, 2026-12-04): 14 copies, 0 overlapped.
     seen = run_ranks(_host_buffers, 1, backend="nccl")[0]
     assert seen["host"] > 0 and seen["pinned"] == seen["host"], seen
     assert seen["copies"] > 0, seen
     assert seen["overlapped"] > 0, seen  # at least one copy ran beside a kernel
+
+
+def _train_with_streams(
+    stage: int, options: dict[str, Any], optim_config: dict[str, Any] | None, streams: bool
+) -> list[float]:
+    if not streams:
+        import shardwise.engine.build as build
+        from shardwise.memory import Memory, PinnedBuffers, Streams
+        from shardwise.memory.pinned import CudaHostRegister
+
+        build.memory_for = lambda config: Memory(  # type: ignore[assignment]
+            config.device,
+            pinned=PinnedBuffers(CudaHostRegister()),
+            streams=Streams(config.device, enabled=False),
+        )
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    config = {
+        "device": torch.device("cuda"),
+        "pin_memory": True,
+        "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16),
+        **options,
+    }
+    if stage == 3:
+        config["chunk_size_numel"] = CHUNK
+    wrapped = zero_model_wrapper(model, stage, config)
+    optimizer = zero_optim_wrapper(
+        wrapped, HybridAdam(model.parameters(), lr=1e-3), optim_config=optim_config
+    )
+    return _losses(wrapped, optimizer, "cuda")
+
+
+@pytest.mark.parametrize(
+    ("stage", "options", "optim_config"),
+    [
+        (3, {"placement_policy": "cpu"}, None),
+        (3, {"placement_policy": "auto"}, None),
+        (2, {}, {"cpu_offload": True, "reduce_bucket_size": CHUNK}),
+    ],
+    ids=["stage3-cpu", "stage3-auto", "stage2-offload"],
+)
+def test_side_streams_change_no_number(
+    stage: int, options: dict[str, Any], optim_config: dict[str, Any] | None
+) -> None:
+    """Gathers of host shards on the gather stream, reduced gradients to the host and updated
+    parameters back on the copy stream: the same losses, bit for bit, as every copy on the
+    compute stream (a buffer read or reused before its copy completed would show here)."""
+    runs = [
+        run_ranks(_train_with_streams, 1, stage, options, optim_config, streams, backend="nccl")
+        for streams in (True, False)
+    ]
+    assert runs[0] == runs[1]
 
 
 def _traced() -> dict[str, int]:

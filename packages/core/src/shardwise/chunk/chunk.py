@@ -277,6 +277,7 @@ class Chunk:
         if pool is self.placement.optim or not self.requires_grad:
             self.placement.optim = pool
             return
+        self.grads.land()  # the shard is read below
         if Pool.DISK in (pool, self.placement.optim):
             self._move_optim_to_or_from_disk(pool, disk)
             return

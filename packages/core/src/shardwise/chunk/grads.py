@@ -57,6 +57,7 @@ from shardwise.chunk.grad_buffer import owns_storage, zero_unwritten
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import ChunkDtypes, GradLayout, GradState, Pool, TensorInfo, TensorState
+from shardwise.memory import PendingCopy
 
 
 class _Payload(Protocol):
@@ -243,6 +244,7 @@ class GradSide:
         self._take_reduced(reduced)
         if keep_full:
             assert self.full is not None
+            self.land()  # `reduced` may view `full`, which is zeroed next
             self.full.zero_()
         else:
             self._drop_full()
@@ -256,6 +258,10 @@ class GradSide:
 
     def _take_reduced(self, reduced: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def land(self) -> None:
+        """Wait for the reduced gradient still being copied into `shard` (see [Note: reduced
+        gradients leave for the host]), if any."""
 
     # ---- step --------------------------------------------------------------------------------
 
@@ -304,6 +310,15 @@ class OwnBufferGrads(GradSide):
     layout = GradLayout.OWN_BUFFER
     STATES = frozenset({GradState.STALE, GradState.OPEN})
 
+    # [Note: reduced gradients leave for the host]
+    # Where the optimizer side lives in host memory, each chunk's reduced gradient is copied
+    # into its host shard as its reduction is accepted. That copy starts on the copy stream
+    # (memory/memory.py), after the reduction, and backward goes on meanwhile; it lands (the
+    # host waits for it) only where the shard is read: the step (`for_step`), a second
+    # reduction adding into it, `zero_grad()`, a move of the shard. On a CPU it is a plain
+    # copy, landed at once.
+    _landing: PendingCopy | None = None
+
     def _allocate(self) -> None:
         chunk = self._chunk
         if self.shard.numel() != chunk.shard_numel:
@@ -318,26 +333,35 @@ class OwnBufferGrads(GradSide):
             # Straight into the shard, wherever it lives (stage 2's offload copies each
             # bucket's reduced gradient to the host here, as its reduction completes).
             if chunk.placement.optim is not Pool.DEVICE:
-                chunk.placement.count_copy(reduced, into=Pool.HOST)
-            self.shard.copy_(reduced)
+                self._landing = chunk.placement.start_copy_into(self.shard, reduced, Pool.HOST)
+            else:
+                self.shard.copy_(reduced)
         else:
+            self.land()
             self.norm_partial = None  # of a sum it has not seen
             if chunk.placement.optim is not Pool.DEVICE:
                 reduced = chunk.placement.move_to(reduced, Pool.HOST)
             self.shard.add_(reduced)
         self._enter(GradState.OPEN)
 
+    def land(self) -> None:
+        landing, self._landing = self._landing, None
+        if landing is not None:
+            landing.wait()
+
     def for_step(self) -> torch.Tensor:
         if self.state is GradState.STALE:  # no gradient reached it since zero_grad()
             self._allocate()
             self.shard.zero_()
             self._enter(GradState.OPEN, GradState.STALE)
+        self.land()
         return self.shard
 
     def zero_grad(self) -> None:
         """The next reduced gradients overwrite the shard instead of adding to it, which
         spares a pass over it (zeroed at the step if none came). Local gradients not reduced
         yet (a pass under no_sync, a backward that raised) are dropped with it."""
+        self.land()
         super().zero_grad()
         if self.full is not None:
             self._drop_full()

@@ -10,7 +10,7 @@ a chunk that keeps its payload gathered (stages 0-2) is never released.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.distributed import ProcessGroup
@@ -23,6 +23,7 @@ from shardwise.chunk.resident import Resident, resident_changed
 from shardwise.chunk.states import ChunkDtypes, ChunkState, Pool, TensorInfo, TensorState
 from shardwise.chunk.wire import GatherWire
 from shardwise.comm import CommStats
+from shardwise.memory import Pending, Streams
 
 
 class _GradSide(Protocol):
@@ -98,7 +99,7 @@ class Payload:
         self.full_compute = None
         self.shard = torch.empty(0, dtype=dtypes.payload, device=device)
         self.secondary = None
-        self._pending_gather: torch.distributed.Work | None = None
+        self._pending_gather: Pending[Any] | None = None
         # publish(wait=False)'s all-gather.
         self._pending_publish: torch.distributed.Work | None = None
 
@@ -156,9 +157,9 @@ class Payload:
         if self.state is ChunkState.GATHERED or self._pending_gather is not None:
             return
         self._chunk.grads.check_payload_holds_params()
-        work = self._launch_gather(async_op=True)
-        if work is not None:
-            self._pending_gather = work
+        pending = self._launch_gather(async_op=True)
+        if pending is not None:
+            self._pending_gather = pending
         else:
             self._finish_gather()
 
@@ -172,17 +173,19 @@ class Payload:
         if self.state is ChunkState.GATHERED:
             return
         self._chunk.grads.check_payload_holds_params()
-        if self._pending_gather is None:
-            self._launch_gather(async_op=False)
-        else:
-            self._pending_gather.wait()
-            self._pending_gather = None
+        pending, self._pending_gather = self._pending_gather, None
+        if pending is None:
+            pending = self._launch_gather(async_op=False)
+        if pending is not None:
+            pending.wait()
         self._finish_gather()
 
-    def _launch_gather(self, *, async_op: bool) -> torch.distributed.Work | None:
+    def _launch_gather(self, *, async_op: bool) -> Pending[Any] | None:
         """Every gather of a sharded payload starts here, through the wire (see [Note: wire
         formats] in wire/formats.py): from the secondary copy when there is one (see [Note:
-        secondary shards] in chunk.py), else from this rank's shard, on the device."""
+        secondary shards] in chunk.py), else from this rank's shard, on the device; a shard
+        in host memory on the gather stream (see [Note: a host shard's gather]). What is
+        still running when it returns, if anything."""
         chunk = self._chunk
         if self.wire.receives_into_full:
             self._materialise(self.full)
@@ -191,7 +194,24 @@ class Payload:
             return self.wire.start_from_secondary(
                 self.secondary, self.full, chunk.secondary_group, own, async_op=async_op
             )
-        return self.wire.start(self._shard_on_device(), self.full, chunk.group, async_op=async_op)
+        streams = chunk.context.memory.streams
+        if not streams.enabled or chunk.placement.payload is Pool.DEVICE:
+            return self.wire.start(
+                self._shard_on_device(), self.full, chunk.group, async_op=async_op
+            )
+        # [Note: a host shard's gather]
+        # The shard's copy to the device and the gather from it run on the gather stream,
+        # after the work queued on the compute stream so far (which may still read the
+        # buffers they write), so that a prefetch's copy runs beside the compute of the
+        # modules before; the compute stream waits for them only when the chunk is used
+        # (`_GatherInFlight.wait`). The buffers they use stay allocated until they are done
+        # (see [Note: streams and events] in memory/streams.py).
+        own = chunk.placement.start_move(self.shard, Pool.DEVICE, stream=streams.gather).tensor
+        with streams.on(streams.gather):
+            work = self.wire.start(own, self.full, chunk.group, async_op=async_op)
+        done = streams.record(streams.gather)
+        chunk.context.memory.hold_until(self.full, streams.gather, done)
+        return _GatherInFlight(work, done, streams)
 
     def _shard_on_device(self) -> torch.Tensor:
         placement = self._chunk.placement
@@ -280,12 +300,31 @@ class Payload:
         if not chunk.keep_gathered:
             self.release()  # a gathered copy left from a forward without backward is stale now
         if master is not self.shard:
-            placement = chunk.placement
-            if placement.optim_memory is not placement.payload:
-                placement.count_copy(self.shard, into=placement.payload)
-            self.shard.copy_(master)
+            if chunk.placement.optim_memory is chunk.placement.payload:
+                self.shard.copy_(master)
+            else:
+                self._copy_across(master)
         if chunk.keep_gathered:
             self._gather_kept_copy(wait=wait)
+
+    def _copy_across(self, master: torch.Tensor) -> None:
+        """The updated master into the shard in the other pool, through the copy path.
+
+        [Note: updated parameters go up from pinned staging]
+        A master in host memory is cast to the payload's dtype on the host, into a pinned
+        staging buffer from the engine's pool, which goes up on the copy stream; the compute
+        stream waits for it before the shard is next read, the host does not. The host may
+        write the master again at once (the next chunk's step never touches it, the next
+        step does): the copy reads the staging buffer, which the pool hands out again only
+        once the copy has completed. Without streams the cast and copy are one `copy_`, as
+        they always were (the same rounding either way)."""
+        placement, memory = self._chunk.placement, self._chunk.context.memory
+        if placement.payload is Pool.DEVICE and memory.streams.enabled:
+            staging = memory.empty(master.numel(), self.shard.dtype, host=True)
+            staging.copy_(master)
+            placement.start_copy_into(self.shard, staging, into=Pool.DEVICE).wait()
+        else:
+            placement.start_copy_into(self.shard, master, into=placement.payload).wait()
 
     def publish_unchanged(self) -> None:
         """A step that left this chunk as it was on this rank (its disk tier failed): issue
@@ -338,3 +377,18 @@ class Payload:
         if self._chunk.keep_gathered:
             self.wait_publish()
             self._gather_kept_copy(wait=True)
+
+
+class _GatherInFlight:
+    """A gather running on the gather stream (see [Note: a host shard's gather]): `wait()`
+    makes the current stream wait for it (its collective, then the stream's event)."""
+
+    __slots__ = ("_done", "_streams", "_work")
+
+    def __init__(self, work: Pending[Any] | None, done: Any, streams: Streams) -> None:
+        self._work, self._done, self._streams = work, done, streams
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        self._streams.wait(self._done)

@@ -4,6 +4,8 @@ through the engine's memory (see [Note: one allocator, one copy path] in memory/
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from shardwise.chunk.disk_pool import DiskPool
@@ -50,13 +52,30 @@ class ChunkPlacement:
         return Pool.HOST if self.optim is Pool.DISK else self.optim
 
     def start_move(
-        self, tensor: torch.Tensor, pool: Pool, dtype: torch.dtype | None = None
+        self,
+        tensor: torch.Tensor,
+        pool: Pool,
+        dtype: torch.dtype | None = None,
+        *,
+        stream: Any = None,
     ) -> PendingCopy:
         """Start copying `tensor` into a new buffer of `pool` (cast to `dtype`), counted: the
-        one copy between pools (see [Note: one allocator, one copy path]). Its `wait()`
-        gives the copy, usable where it is."""
+        one copy between pools (see [Note: one allocator, one copy path]), on `stream` (the
+        copy stream when None, where there are streams). Its `wait()` gives the copy, usable
+        where it is."""
         self.count_copy(tensor, into=pool)
-        return self.memory.start_copy(tensor, to_host=pool is not Pool.DEVICE, dtype=dtype)
+        return self.memory.start_copy(
+            tensor, to_host=pool is not Pool.DEVICE, dtype=dtype, stream=stream
+        )
+
+    def start_copy_into(
+        self, target: torch.Tensor, tensor: torch.Tensor, into: Pool
+    ) -> PendingCopy:
+        """Start copying `tensor` into `target`, a buffer of pool `into`, counted in the
+        narrower of their dtypes (a 16-bit side is what needs to cross: gradients reduced in
+        16 bits, parameters published into a 16-bit payload)."""
+        self.count_bytes(min(_nbytes(target), _nbytes(tensor)), into=into)
+        return self.memory.start_copy_into(target, tensor)
 
     def move_to(
         self, tensor: torch.Tensor, pool: Pool, dtype: torch.dtype | None = None
@@ -80,3 +99,7 @@ class ChunkPlacement:
             self.bytes_to_device += nbytes
         else:
             self.bytes_to_host += nbytes
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -91,15 +91,15 @@ def memory_for(config: EngineConfig) -> Memory:
     memory/memory.py): the pool of host buffers on request (see [Note: a pool of host
     buffers]), pinned host buffers where host memory feeds a CUDA device and pinning is asked
     for (see [Note: pinned buffers, pooled]); each pool's limit follows the chunks as they are
-    packed. Copies stay on the current stream until the streams' seam is used by the
-    runtime (see [Note: streams and events] in memory/streams.py)."""
+    packed; on CUDA the side streams copies and host shards' gathers run on (see [Note:
+    streams and events] in memory/streams.py)."""
     device = config.device
     pins = config.placement.pin_memory and device.type == "cuda"
     return Memory(
         device,
         pooled=BufferPool(0) if config.pools_host_buffers else None,
         pinned=PinnedBuffers(CudaHostRegister()) if pins else None,
-        streams=Streams(device, enabled=False),
+        streams=Streams(device),
     )
 
 

@@ -247,7 +247,7 @@ class Placement:
     first (optimizer state counted as 8 bytes an element, Adam's, before it exists)."""
     host_buffer_pool: bool = False
     """Keep the chunk-sized buffers a step frees for the next ones instead of returning them
-    to the allocator (see [Note: a pool of host buffers] in chunk/buffer_pool.py): a shorter
+    to the allocator (see [Note: a pool of host buffers] in memory/buffer_pool.py): a shorter
     step for a higher peak, on a CPU device without a device budget."""
 
     def __post_init__(self) -> None:
@@ -488,7 +488,7 @@ class EngineConfig:
     @property
     def pools_host_buffers(self) -> bool:
         """Whether chunk buffers are kept for reuse (see [Note: a pool of host buffers] in
-        chunk/buffer_pool.py), as asked (checked where it cannot apply)."""
+        memory/buffer_pool.py), as asked (checked where it cannot apply)."""
         return self.placement.host_buffer_pool
 
     @property

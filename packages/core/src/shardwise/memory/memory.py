@@ -124,30 +124,44 @@ class Memory:
     # ---- the copy path -----------------------------------------------------------------------
 
     def start_copy(
-        self, tensor: torch.Tensor, *, to_host: bool, dtype: torch.dtype | None = None
+        self,
+        tensor: torch.Tensor,
+        *,
+        to_host: bool,
+        dtype: torch.dtype | None = None,
+        stream: Any = None,
     ) -> PendingCopy:
         """Copy `tensor` (cast to `dtype`) into a new buffer on the compute device, or in host
-        memory (`to_host`): on the copy stream where there are streams, after the work that
-        produced `tensor` on the current stream. The pending copy's `wait()` gives the
-        buffer, usable where it is (see [Note: streams and events])."""
+        memory (`to_host`): on `stream` (the copy stream when None) where there are streams,
+        after the work queued so far on the current stream. The pending copy's `wait()`
+        gives the buffer, usable where it is (see [Note: streams and events])."""
         dtype = dtype if dtype is not None else tensor.dtype
         target = self.empty(tensor.numel(), dtype, host=to_host).view(tensor.shape)
+        return self.start_copy_into(target, tensor, stream=stream)
+
+    def start_copy_into(
+        self, target: torch.Tensor, tensor: torch.Tensor, *, stream: Any = None
+    ) -> PendingCopy:
+        """Copy `tensor` into `target` (an existing buffer, of another device or dtype), as
+        `start_copy` does."""
         streams = self.streams
         if not streams.enabled:
             target.copy_(tensor)
             return PendingCopy(target)
-        streams.wait(streams.record(), streams.copy)  # the source's producer first
-        with streams.on(streams.copy):
+        side = stream if stream is not None else streams.copy
+        streams.wait(streams.record(), side)  # the source's producer first
+        with streams.on(side):
             target.copy_(tensor, non_blocking=True)
-        done = streams.record(streams.copy)
+        done = streams.record(side)
         for buffer in (tensor, target):
-            self._hold_until(buffer, done)
+            self.hold_until(buffer, side, done)
         return PendingCopy(target, done, keep=(tensor,))
 
-    def _hold_until(self, buffer: torch.Tensor, done: Any) -> None:
-        """Keep `buffer` from reuse until the copy stream's `done` event."""
+    def hold_until(self, buffer: torch.Tensor, stream: Any, done: Any) -> None:
+        """Keep `buffer`, used on side `stream`, from reuse until that use's `done` event."""
         if buffer.device.type == "cuda":
-            buffer.record_stream(self.streams.copy)
+            if buffer.untyped_storage().size():
+                buffer.record_stream(stream)
         elif self.pinned is not None and self.pinned.owns(buffer):
             self.pinned.note_copy(buffer, done.query)
 
