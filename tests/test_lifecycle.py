@@ -2,6 +2,9 @@
 in one process (a sweep, a notebook, a test suite), every front door frees its model, wrapper,
 optimizer and chunks, the disk tier's files and its threads, with no call from the user, as
 torch's DDP and FSDP2 do (see [Note: hooks hold the engine weakly] in runtime/grad_reducer.py).
+The last step's output and loss stay alive meanwhile, as a user's loop leaves them in its
+variables (the loss printed after the loop, a notebook's last value): their autograd graph
+holds the engine's backward hooks, which must not hold the engine.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -19,11 +23,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import ColoDDP, HybridAdam, telemetry, zero_model_wrapper, zero_optim_wrapper
+from shardwise import (
+    ColoDDP,
+    EngineConfig,
+    GeminiDDP,
+    HybridAdam,
+    Placement,
+    telemetry,
+    zero_model_wrapper,
+    zero_optim_wrapper,
+)
 from shardwise.booster import Booster
 from shardwise.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
 from shardwise.chunk import ChunkManager
+from shardwise.gemini import HostPlacement
 from shardwise.testing import run_ranks
+from shardwise.zero import (
+    GeminiOptimizer,
+    LowLevelZeroOptimizer,
+    ShardedModelV2,
+    ShardedOptimizerV2,
+    TensorShardStrategy,
+)
 
 ROUNDS = 3
 
@@ -32,12 +53,26 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
+# The last step's output and loss of the round, kept while its objects are checked.
+KEPT: list[torch.Tensor] = []
+
+
 def _train(model: Any, optimizer: Any, backward: Callable[[torch.Tensor], None]) -> None:
     for step in range(2):
         generator = torch.Generator().manual_seed(step * 10 + dist.get_rank())
         optimizer.zero_grad()
-        backward(model(torch.randn(8, 32, generator=generator)).square().mean())
+        output = model(torch.randn(8, 32, generator=generator))
+        loss = output.square().mean()
+        backward(loss)
         optimizer.step()
+    KEPT[:] = [output, loss]
+
+
+def _disk_adam(model: nn.Module, directory: str) -> HybridAdam:
+    """HybridAdam with every optimizer side it is given in the disk tier's files."""
+    return HybridAdam(
+        model.parameters(), lr=1e-3, nvme_offload_fraction=1.0, nvme_offload_dir=directory
+    )
 
 
 def _zero(stage: int, directory: str, *, offload: bool = False) -> list[Any]:
@@ -69,13 +104,96 @@ def _with_telemetry(directory: str) -> list[Any]:
     return [*objects, recorder]
 
 
-def _booster(plugin: Any, directory: str) -> list[Any]:
+def _booster(plugin: Any, directory: str, *, disk: bool = False) -> list[Any]:
     model = _model()
-    inner = HybridAdam(model.parameters(), lr=1e-3)
+    inner = _disk_adam(model, directory) if disk else HybridAdam(model.parameters(), lr=1e-3)
     booster = Booster(plugin=plugin)
     boosted, optimizer, *_ = booster.boost(model, inner)
     _train(boosted, optimizer, lambda loss: booster.backward(loss, optimizer))
     return [model, boosted, optimizer, inner, booster]
+
+
+def _gemini_optimizer(directory: str) -> list[Any]:
+    model = _model()
+    wrapped = GeminiDDP(model, placement_policy="cpu", mixed_precision=torch.float32)
+    inner = _disk_adam(wrapped, directory)
+    optimizer = GeminiOptimizer(inner, wrapped)
+    _train(wrapped, optimizer, optimizer.backward)
+    return [model, wrapped, optimizer, inner]
+
+
+def _sharded_v2(directory: str) -> list[Any]:
+    model = _model()
+    wrapped = ShardedModelV2(model, TensorShardStrategy(), offload_config={"device": "cpu"})
+    inner = _disk_adam(wrapped, directory)
+    optimizer = ShardedOptimizerV2(wrapped, inner)
+    _train(wrapped, optimizer, optimizer.backward)
+    return [model, wrapped, optimizer, inner]
+
+
+def _low_level_optimizer(directory: str) -> list[Any]:
+    model = _model()
+    inner = _disk_adam(model, directory)
+    optimizer = LowLevelZeroOptimizer(inner, partition_grad=True, cpu_offload=True)
+    _train(model, optimizer, optimizer.backward)
+    return [model, optimizer, inner]
+
+
+def _on_disk(directory: str) -> EngineConfig:
+    """Stage 3, every optimizer side in the disk tier's files under `directory`."""
+    placement = Placement(policy=HostPlacement(), disk_fraction=1.0, disk_dir=directory)
+    return EngineConfig(stage=3, device=torch.device("cpu"), placement=placement)
+
+
+def _lightning(directory: str) -> list[Any]:
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from shardwise_lightning import GeminiStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self.net(batch[0]).square().mean()
+            KEPT[:] = [loss]
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    module = Module()
+    strategy = GeminiStrategy(engine_config=_on_disk(directory))
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(TensorDataset(torch.randn(16, 32)), batch_size=4))
+    return [module, strategy, trainer]
+
+
+def _hf_trainer(directory: str) -> list[Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from shardwise_hf import ShardwiseCallback
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    model = GPT2LMHeadModel(config)
+    tokens = torch.arange(8 * 16).reshape(8, 16) % 64
+    data = [{"input_ids": row, "labels": row} for row in tokens]
+    args = TrainingArguments(
+        output_dir=f"{directory}-trainer", max_steps=2, per_device_train_batch_size=2,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    callback = ShardwiseCallback(engine_config=_on_disk(directory))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    return [model, callback, trainer]
 
 
 def _colo_ddp(directory: str) -> list[Any]:
@@ -95,6 +213,17 @@ FRONT_DOORS: dict[str, Callable[[str], list[Any]]] = {
     "stage 3, telemetry": _with_telemetry,
     "Booster(GeminiPlugin)": lambda d: _booster(GeminiPlugin(precision="fp32"), d),
     "Booster(LowLevelZeroPlugin)": lambda d: _booster(LowLevelZeroPlugin(stage=2), d),
+    "Booster(GeminiPlugin), HybridAdam's state on disk": lambda d: _booster(
+        GeminiPlugin(precision="fp32", placement_policy="cpu"), d, disk=True
+    ),
+    "Booster(LowLevelZeroPlugin), cpu_offload, HybridAdam's state on disk": lambda d: _booster(
+        LowLevelZeroPlugin(stage=2, precision="fp32", cpu_offload=True), d, disk=True
+    ),
+    "GeminiDDP + GeminiOptimizer, state on disk": _gemini_optimizer,
+    "ShardedModelV2 + ShardedOptimizerV2, state on disk": _sharded_v2,
+    "LowLevelZeroOptimizer, cpu_offload, state on disk": _low_level_optimizer,
+    "Lightning GeminiStrategy, engine_config's disk tier": _lightning,
+    "HF Trainer + ShardwiseCallback, engine_config's disk tier": _hf_trainer,
     "ColoDDP": _colo_ddp,
 }
 
@@ -116,6 +245,7 @@ def _rounds(name: str, directory: str) -> dict[str, Any]:
             finished.append(sum('"run_finished"' in line for line in lines))
             telemetry_file.unlink()
         files.append(sorted(str(p.relative_to(mine)) for p in Path(mine).rglob("*")))
+        KEPT.clear()
     managers = sum(isinstance(obj, ChunkManager) for obj in gc.get_objects())
     threads = [t.name for t in threading.enumerate() if t.ident not in threads_before]
     return {

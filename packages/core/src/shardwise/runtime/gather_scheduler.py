@@ -19,6 +19,7 @@ runtime/gather_units.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -428,18 +429,31 @@ class GatherScheduler:
 
     def _register_pre_backward(self, output: Any, chunks: list[Chunk], visit: int) -> None:
         chunk_ids = tuple(chunk.chunk_id for chunk in chunks)
+        # The hook lives in the autograd graph, which the user may keep (the last loss): it
+        # holds the schedule weakly and its chunks by id (see [Note: hooks hold the engine
+        # weakly] in runtime/grad_reducer.py).
+        schedule = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> None:
-            self._enter_backward()
-            self._backward.visit(chunk_ids)
-            self.trail.add(visit)
-            self._gather(chunks, Pass.BACKWARD, "before backward")
-            self._prefetch(self._backward)
+            owner = schedule()
+            if owner is not None:  # else the engine is gone and the graph outlived it
+                owner._pre_backward(chunk_ids, visit)
 
         leaves, _ = tree_flatten(output)
         for tensor in leaves:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(hook)
+
+    def _pre_backward(self, chunk_ids: tuple[int, ...], visit: int) -> None:
+        self._enter_backward()
+        self._backward.visit(chunk_ids)
+        self.trail.add(visit)
+        self._gather(self._chunks_of(chunk_ids), Pass.BACKWARD, "before backward")
+        self._prefetch(self._backward)
+
+    def _chunks_of(self, chunk_ids: tuple[int, ...]) -> list[Chunk]:
+        chunks = self.chunk_manager.chunks
+        return [chunks[chunk_id] for chunk_id in chunk_ids]
 
     # [Note: frozen chunks in backward]
     # A trainable chunk is released in backward once its gradients are reduced. A frozen one
@@ -468,23 +482,26 @@ class GatherScheduler:
         if not inputs or not outputs:
             return
         opened = [False]
+        # Graph hooks: the schedule weakly, the chunks by id (see `_register_pre_backward`).
+        schedule = weakref.ref(self)
+        frozen_ids = tuple(chunk.chunk_id for chunk in frozen)
 
         def backward_started(grad: torch.Tensor) -> None:
-            if not opened[0]:
+            owner = schedule()
+            if owner is not None and not opened[0]:
                 opened[0] = True
-                for chunk in frozen:
-                    self._frozen_users[chunk.chunk_id] = (
-                        self._frozen_users.get(chunk.chunk_id, 0) + 1
-                    )
+                for chunk_id in frozen_ids:
+                    owner._frozen_users[chunk_id] = owner._frozen_users.get(chunk_id, 0) + 1
 
         def backward_done(grads: Any) -> None:
-            if not opened[0] or self._serving is not Pass.BACKWARD:
+            owner = schedule()
+            if owner is None or not opened[0] or owner._serving is not Pass.BACKWARD:
                 return
             opened[0] = False
-            for chunk in frozen:
-                users = self._frozen_users.get(chunk.chunk_id, 0) - 1
-                self._frozen_users[chunk.chunk_id] = users
-                if users <= 0 and self._releasable(chunk, frozenset()):
+            for chunk in owner._chunks_of(frozen_ids):
+                users = owner._frozen_users.get(chunk.chunk_id, 0) - 1
+                owner._frozen_users[chunk.chunk_id] = users
+                if users <= 0 and owner._releasable(chunk, frozenset()):
                     chunk.payload.release()
 
         for tensor in outputs:

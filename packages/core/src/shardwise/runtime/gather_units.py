@@ -28,6 +28,7 @@ conditional blocks laid out otherwise.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -161,11 +162,15 @@ class UnitMap:
                 return None
             self._pending[unit] += 1
             remaining = [len(inputs)]
+            # A graph hook holds the map weakly (see [Note: hooks hold the engine weakly] in
+            # runtime/grad_reducer.py): the user may keep the graph (the last loss).
+            units = weakref.ref(self)
 
             def on_input_grad(grad: torch.Tensor) -> None:
                 remaining[0] -= 1
-                if remaining[0] == 0:
-                    self._call_done(unit)
+                owner = units()
+                if remaining[0] == 0 and owner is not None:
+                    owner._call_done(unit)
 
             for tensor in inputs:
                 tensor.register_hook(on_input_grad)
