@@ -197,11 +197,11 @@ def test_every_entry_point_appears_in_the_browser_with_nothing_in_the_script(
             assert printed == [f"{server.url}/#run={booster_ids[0]}"] and not said[1], said
             page.goto(printed[0])
             page.wait_for_function(
-                "id => document.getElementById('run').dataset.runId === id",
-                arg=booster_ids[0],
+                """([id, name]) => document.getElementById('run').dataset.runId === id
+                    && document.getElementById('run-title').textContent === name""",
+                arg=[booster_ids[0], RUN_NAME],
                 timeout=15_000,
             )
-            assert page.text_content("#run-title") == RUN_NAME
             facts = page.evaluate(
                 """() => Object.fromEntries([...document.querySelectorAll('#run-facts div')]
                     .map(row => [row.querySelector('dt').textContent,

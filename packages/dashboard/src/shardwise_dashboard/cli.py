@@ -4,7 +4,9 @@
         [--stale-after S] [--retain-days D] [--max-db-mb M] [--thin-after-minutes M]
 
 Listening on anything but a loopback address is refused without a token: ingestion would
-otherwise accept events from anyone who can reach the port.
+otherwise accept events from anyone who can reach the port. The port is bound before the URL is
+announced: without --port, a taken 8265 moves it to the next free port (said in the
+announcement); a --port that is taken stops it with one line (exit status 1).
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the dashboard and its ingestion endpoint")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="default %(default)s")
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"port to bind (default {DEFAULT_PORT}, or the next free one when it is taken)",
+    )
     serve.add_argument(
         "--db", type=Path, default=None, help=f"SQLite file of run history ({default_db_path()})"
     )
@@ -98,8 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the command line and serve until interrupted."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 1 <= args.port <= 65535:
-        parser.error(f"--port must be in 1..65535, got {args.port}")
+    fallback = args.port is None  # the default port may move; one the user named may not
+    port = DEFAULT_PORT if fallback else args.port
+    if not 1 <= port <= 65535:
+        parser.error(f"--port must be in 1..65535, got {port}")
     if not args.token and not is_loopback(args.host):
         parser.error(
             f"refusing to listen on {args.host} without a token: anyone who reaches it could "
@@ -109,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     # Imported here so that --help and argument errors answer at once.
     import uvicorn
 
+    from shardwise_dashboard import listen
     from shardwise_dashboard.app import create_app
     from shardwise_dashboard.settings import DEFAULT_MAX_BODY_BYTES, Settings
     from shardwise_dashboard.storage import StoreError
@@ -129,21 +139,32 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(error))
     try:
         app = create_app(settings)
-    except StoreError as error:
-        # One line that names the file and the fix: no traceback, no usage text.
-        print(f"shardwise-dashboard: error: {error}", file=sys.stderr)
+        # Bound before anything is announced: the URL printed is one this process listens on.
+        sock = listen.bind(args.host, port, fallback=fallback)
+    except (StoreError, OSError) as error:
+        # One line that names the file or port and the fix: no traceback, no usage text.
+        reason = error if isinstance(error, StoreError | listen.PortBusy) else _cannot_bind(error)
+        print(f"shardwise-dashboard: error: {reason}", file=sys.stderr)
         raise SystemExit(1) from None
+    bound = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
+    moved = f" (port {port} is in use)" if bound != port else ""
     print(
-        f"shardwise dashboard on http://{shown}:{args.port} (history in {settings.db_path})",
+        f"shardwise dashboard on http://{shown}:{bound}{moved} (history in {settings.db_path})",
         flush=True,
     )
+    if moved:
+        print(f"  stream to it with SHARDWISE_DASHBOARD_URL=http://{shown}:{bound}", flush=True)
     config = uvicorn.Config(
         app,
         host=args.host,
-        port=args.port,
+        port=bound,
         log_level=args.log_level,
         access_log=False,  # ranks post several times a second each
         timeout_graceful_shutdown=2,  # live streams never end on their own
     )
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _cannot_bind(error: OSError) -> str:
+    return f"cannot listen there: {error.strerror or error} (check --host)"

@@ -18,7 +18,8 @@ OUTLIER_WINDOW = 10
 """Steps over which a rank's step time and traffic are compared with the others'."""
 
 NOTABLE_RATIO = 1.1
-"""A largest value at least this many times the median is an outlier worth a look."""
+"""A largest value at least this many times the median is an outlier worth a look; below it
+nothing of that kind is listed (ranks alike, or one rank, stand out in nothing)."""
 
 
 def _median(ordered: list[float]) -> float:
@@ -57,7 +58,8 @@ def _top(values: dict[int, float]) -> tuple[int, float, float] | None:
 def outliers(ranks: list[dict[str, Any]], step_rows: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     """The ranks to look at first, most urgent first: warnings from the engine, failed and
     stale ranks, the first overflow, then the slowest step, the most host<->device traffic
-    and the highest memory (each against the median of all ranks)."""
+    and the highest memory, each where it is at least NOTABLE_RATIO times the median of all
+    ranks."""
     found: list[dict[str, Any]] = []
     warned: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rank in ranks:
@@ -127,7 +129,7 @@ def outliers(ranks: list[dict[str, Any]], step_rows: list[tuple[Any, ...]]) -> l
     )
     for kind, label, values, unit in measured:
         top = _top(values)
-        if top is not None and top[1] > 0:
+        if top is not None and top[1] > 0 and top[1] >= NOTABLE_RATIO * top[2]:
             top_rank, value, median = top
             found.append(
                 {
@@ -138,8 +140,6 @@ def outliers(ranks: list[dict[str, Any]], step_rows: list[tuple[Any, ...]]) -> l
                     "median": median,
                     "unit": unit,
                     "window": OUTLIER_WINDOW if kind != "memory" else 1,
-                    # The largest is named even when all are alike; the page dims it then.
-                    "notable": value >= NOTABLE_RATIO * median,
                 }
             )
     return found

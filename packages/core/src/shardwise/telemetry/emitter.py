@@ -3,7 +3,9 @@
 Training only ever puts events on the queue without waiting. When the queue is full (the sink
 is slow, down, or the dashboard was never started) the event is dropped and counted; the count
 is reported once when the emitter closes: as a "dropped" event to the sink (if it is still
-there) and as a warning in this rank's log (which holds even when the sink is gone).
+there) and as a warning in this rank's log (which holds even when the sink is gone), unless the
+emitter's start-up `check` said already that the sink does not answer (then the count is
+logged at INFO: said once, at the start).
 
 The thread sends at most one batch per `flush_interval_s` (sooner when `batch_size` events are
 waiting, at once when closing): a rank stepping ten times a second makes one request a second,
@@ -22,6 +24,7 @@ import socket
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from shardwise.telemetry import events
@@ -42,6 +45,8 @@ class TelemetryEmitter:
         batch_size: most events sent in one write.
         flush_interval_s: longest an event waits for others to share its write (0: send
             whatever is queued at once).
+        check: run once on the delivery thread before the first write (rank 0's check that
+            the dashboard answers); returns True when it warned that the sink does not.
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class TelemetryEmitter:
         queue_size: int = 10_000,
         batch_size: int = 200,
         flush_interval_s: float = 0.5,
+        check: Callable[[], bool] | None = None,
     ) -> None:
         if queue_size < 1 or batch_size < 1:
             raise ValueError(
@@ -74,6 +80,9 @@ class TelemetryEmitter:
         # CPU seconds the delivery thread has used: what telemetry takes from training on a
         # host whose cores are all busy (benchmarks report it per step).
         self.cpu_seconds = 0.0
+        self._check = check
+        self.said_unreachable = False  # the check warned that the sink does not answer
+        self.checked = threading.Event()  # set once the check ran (at once without one)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._drain, name="shardwise-telemetry", daemon=True)
         self._thread.start()
@@ -95,7 +104,8 @@ class TelemetryEmitter:
             self._queue.put(_STOP, timeout=timeout_s)
         self._thread.join(timeout_s)
         if self.dropped:
-            _log.warning(
+            _log.log(
+                logging.INFO if self.said_unreachable else logging.WARNING,
                 "telemetry of run %s, rank %d: %d events could not be delivered to %s "
                 "(%d were); training was not slowed",
                 self.run_id,
@@ -110,6 +120,12 @@ class TelemetryEmitter:
         self.sink.close()
 
     def _drain(self) -> None:
+        if self._check is not None:
+            try:
+                self.said_unreachable = self._check()
+            except Exception:  # a check that failed says nothing; delivery goes on
+                _log.debug("telemetry start-up check failed", exc_info=True)
+        self.checked.set()
         while True:
             first = self._queue.get()
             if first is _STOP:

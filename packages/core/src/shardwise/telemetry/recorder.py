@@ -17,19 +17,27 @@ so a crashed rank shows as failed, not as finished.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import socket
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from shardwise import comm
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.optimizer import ZeroOptimizer
 from shardwise.telemetry import events
-from shardwise.telemetry.destination import announce, run_page, started_by
+from shardwise.telemetry.destination import (
+    announce,
+    dashboard_url,
+    run_page,
+    said_unreachable,
+    started_by,
+)
 from shardwise.telemetry.emitter import TelemetryEmitter
 from shardwise.telemetry.sinks import HttpSink, JsonlSink, Sink
 
@@ -225,15 +233,22 @@ def enable(
     if not url and not path:
         return None
     rank = comm.rank(model.config.topology.process_group)
+    if url:
+        # Not a URL: said on rank 0, and no telemetry (unless a file is named too).
+        url = dashboard_url(url, speak=rank == 0)
+        if url is None and not path:
+            return None
     run_id = run_id or os.environ.get("SHARDWISE_RUN_ID") or _shared_run_id(model)
-    sink: Sink = (
-        HttpSink(url, token or os.environ.get("SHARDWISE_DASHBOARD_TOKEN"))
-        if url
-        else JsonlSink(f"{path}.rank{rank}.jsonl")
-    )
-    recorder = TelemetryRecorder(
-        model, optimizer, TelemetryEmitter(sink, run_id=run_id, rank=rank), chunk_every=chunk_every
-    )
+    sink: Sink
+    check: Callable[[], bool] | None = None
+    if url:
+        http = sink = HttpSink(url, token or os.environ.get("SHARDWISE_DASHBOARD_TOKEN"))
+        if rank == 0:  # asked on the delivery thread: a dashboard that is down costs no step
+            check = functools.partial(said_unreachable, http, url)
+    else:
+        sink = JsonlSink(f"{path}.rank{rank}.jsonl")
+    emitter = TelemetryEmitter(sink, run_id=run_id, rank=rank, check=check)
+    recorder = TelemetryRecorder(model, optimizer, emitter, chunk_every=chunk_every)
     config: dict[str, Any] = {
         "stage": model.stage,
         "chunks": len(model.chunk_manager.chunks),

@@ -147,6 +147,19 @@ class HttpSink:
                     continue
                 raise
 
+    def check(self) -> str | None:
+        """Whether the dashboard answers (one GET of its health endpoint, within `timeout_s`):
+        None when it does, else what went wrong."""
+        health = self.endpoint.removesuffix("/events") + "/health"
+        try:
+            with urllib.request.urlopen(health, timeout=self.timeout_s) as response:
+                response.read()
+        except urllib.error.HTTPError as error:
+            return f"HTTP {error.code} from {health}: is it a shardwise dashboard?"
+        except (OSError, ValueError) as error:
+            return str(getattr(error, "reason", None) or error)
+        return None
+
     def _request(self, body: bytes, compressed: bool) -> None:
         request = urllib.request.Request(self.endpoint, data=body, method="POST")
         request.add_header("Content-Type", "application/json")

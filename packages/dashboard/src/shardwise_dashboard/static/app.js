@@ -15,6 +15,7 @@ const $ = (id) => document.getElementById(id);
 
 const state = {
   runs: [], // summaries, newest first
+  runsLoaded: false, // whether the server has answered the runs list once
   selected: null, // run id shown
   detailRank: null, // of a large run, the rank whose card is shown
   follow: true, // no explicit choice: show the newest run as it appears
@@ -249,7 +250,9 @@ function renderWarning(view) {
 
 function renderRunList() {
   state.listDirty = false;
-  $("no-runs").hidden = state.runs.length > 0;
+  // "No run yet" only once the server said so: the page's first paint comes before its answer.
+  $("runs-loading").hidden = state.runsLoaded;
+  $("no-runs").hidden = !state.runsLoaded || state.runs.length > 0;
   $("run-list").replaceChildren(
     ...state.runs.map((run) => {
       const li = document.createElement("li");
@@ -306,6 +309,7 @@ async function loadRuns() {
   const response = await fetch(`${API}/runs`);
   if (!response.ok) return;
   state.runs = await response.json();
+  state.runsLoaded = true;
   state.listDirty = true;
   if (state.follow && state.runs.length && state.runs[0].run_id !== state.selected) {
     select(state.runs[0].run_id);
@@ -343,9 +347,12 @@ async function loadRun(view) {
   let query = `max_points=${HISTORY_POINTS}`;
   if (view.large) query += `&rank=${view.detailRank}`;
   const response = await fetch(`${API}/runs/${encodeURIComponent(view.runId)}?${query}`);
-  if (view !== state.view) return;
   if (!response.ok) return;
-  view.merge(await response.json());
+  const detail = await response.json();
+  // Checked after the last wait: a run picked meanwhile owns the rank cards now, and this
+  // one's would be added beside them.
+  if (view !== state.view) return;
+  view.merge(detail);
   if (view.large) view.ranks.get(view.detailRank)?.element.scrollIntoView({ block: "nearest" });
   scheduleRender();
 }
@@ -419,4 +426,5 @@ window.addEventListener("resize", () => {
   scheduleRender();
 });
 fromHash();
+loadRuns(); // at once, not after the live stream connects: the list is what the page shows first
 connect();

@@ -78,10 +78,10 @@ export class LineChart {
       lo = 0;
       hi = 1;
     }
-    if (hi - lo < 1e-12) {
-      hi += Math.abs(hi) * 0.05 + (log2 ? 1 : 1e-9);
-      lo -= Math.abs(lo) * 0.05 + (log2 ? 1 : 1e-9);
-    }
+    const fmt = this.options.format;
+    const label = (t) => fmt(log2 ? 2 ** t : t);
+    if (label(lo) === label(hi)) [lo, hi] = flatAxis(lo, hi, label, log2);
+    canvas.dataset.axis = JSON.stringify([label(lo), label(hi)]);
     const span = Math.max(x1 - x0, 1);
     const plotW = w - PAD.left - PAD.right;
     const plotH = h - PAD.top - PAD.bottom;
@@ -89,8 +89,6 @@ export class LineChart {
     const py = (t) => PAD.top + (1 - (t - lo) / (hi - lo)) * plotH;
 
     // Axes: y range and x range as text, no gridlines (the shape matters here, not ticks).
-    const fmt = this.options.format;
-    const label = (t) => fmt(log2 ? 2 ** t : t);
     ctx.textAlign = "right";
     ctx.fillText(label(hi), PAD.left - 4, PAD.top + 8);
     ctx.fillText(label(lo), PAD.left - 4, PAD.top + plotH);
@@ -183,8 +181,22 @@ export class LineChart {
   }
 }
 
+/** [Note: a flat axis] The y range of a series whose spread its labels cannot show: a flat
+ * series, or one that varies only in digits the labels do not print (a memory figure a few
+ * bytes apart). Stretched over the full height, such a series looked like separate lines
+ * jumping between two identical labels; it is drawn flat, mid-height, between labels that
+ * differ (5% either side, or as far as the labels need), and one flat at zero (a pool never
+ * used) along the bottom. `lo`, `hi` and `label` are in the axis's own (log2) scale. */
+function flatAxis(lo, hi, label, log2) {
+  const mid = (lo + hi) / 2;
+  if (!log2 && Math.abs(mid) < 1e-300) return [0, 1];
+  let pad = log2 ? 1 : Math.abs(mid) * 0.05;
+  for (let i = 0; i < 64 && label(mid - pad) === label(mid + pad); i++) pad *= 2;
+  return [mid - pad, mid + pad];
+}
+
 export function formatBytes(v) {
-  if (Math.abs(v) < 1) return "0 B"; // also the -1e-9 a flat line's axis is widened to
+  if (Math.abs(v) < 1) return "0 B";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
   let i = 0;
   let x = Math.abs(v);

@@ -211,7 +211,6 @@ export class OverviewView {
     const items = this.data.outliers.map((o) => {
       const li = el("li", `outlier outlier-${o.kind}`);
       li.dataset.kind = o.kind;
-      if (o.notable === false) li.classList.add("unremarkable");
       li.dataset.rank = String(o.rank);
       const link = el("button", "rank-link", `rank ${o.rank}`);
       link.type = "button";
