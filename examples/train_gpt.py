@@ -174,8 +174,9 @@ def main() -> None:
         max_norm=1.0,
     )
     # Streams to a dashboard when SHARDWISE_DASHBOARD_URL is set (or to files with
-    # SHARDWISE_TELEMETRY_FILE); otherwise does nothing. The recorder's own chunk snapshot
-    # comes at the end of step 0 only: the others are taken during backward (see below).
+    # SHARDWISE_TELEMETRY_FILE), rank 0 printing the run's id and its page; otherwise does
+    # nothing. The recorder's own chunk snapshot comes at the end of step 0 only: the others
+    # are taken during backward (see below).
     recorder = telemetry.enable(model, optimizer, chunk_every=args.steps + 1)
     step_now = [0]
     if recorder is not None:
@@ -192,9 +193,6 @@ def main() -> None:
                 f'placement "{args.placement}": device budget {budget / 2**20:.2f} MiB per rank, '
                 f"{args.budget_share:.0%} of the {state_bytes / 2**20:.2f} MiB model state"
             )
-        if recorder is not None:
-            where = os.environ.get("SHARDWISE_DASHBOARD_URL") or "JSON-lines files"
-            print(f"telemetry of run {recorder.emitter.run_id} streams to {where}")
 
     generator = torch.Generator().manual_seed(0)
     gemini = model.gemini_manager

@@ -34,7 +34,10 @@ def test_the_demo_streams_its_run_into_the_dashboard_it_starts() -> None:
     assert result.returncode == 0, output[-3000:]
     url = f"http://127.0.0.1:{port}"
     assert f"dashboard: open {url} to watch the run live" in output
-    (run_id,) = re.findall(rf"telemetry of run (\S+) streams to {re.escape(url)}", output)
+    # Rank 0 printed where the run goes: its page on the dashboard.
+    (run_id,) = re.findall(
+        rf"shardwise: telemetry of run (\S+) \(.*\) goes to {re.escape(url)}/#run=", output
+    )
     assert "dashboard stopped" in output
     with sqlite3.connect(ROOT / "runs" / "dashboard.sqlite") as db:
         ranks = db.execute(
