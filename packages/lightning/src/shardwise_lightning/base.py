@@ -87,15 +87,8 @@ class ShardwiseStrategyBase(DDPStrategy):
             subclasses).
         gather_format, reduce_format, quant_block_numel: the wire formats (see the
             subclasses and `shardwise.Communication`).
-        engine_config: the engine's whole configuration (`shardwise.EngineConfig`, stage 3),
-            every setting of the engine among it: the disk tier, `host_buffer_pool`,
-            `gather_units`, the prefetch settings, ... The strategy's other arguments refine
-            it: one left at its default keeps engine_config's value, one given another value
-            replaces the settings it stands for (see [Note: engine_config and the arguments
-            that refine it] in shardwise/engine/refine.py). Its device must be of the
-            Trainer's device type (each rank computes on its own); its precision, unless left
-            at its default, must store in the Trainer's precision. None: the strategy's own
-            defaults.
+        engine_config: the engine's whole configuration (stage 3), which `asked` refines, or
+            None (see `GeminiStrategy`).
         asked, defaults: the subclass's arguments, and its default arguments, translated into
             the engine's settings.
     """

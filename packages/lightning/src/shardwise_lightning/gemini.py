@@ -73,7 +73,13 @@ class GeminiStrategy(ShardwiseStrategyBase):
             an all-to-all of quantized slices, summed in fp32 by their owner).
         quant_block_numel: values per quantization block, each with one fp32 scale.
         engine_config: the engine's whole configuration (`shardwise.EngineConfig`, stage 3),
-            which the other arguments refine (see `ShardwiseStrategyBase`).
+            every setting of the engine among it: the disk tier, `host_buffer_pool`,
+            `gather_units`, the prefetch settings, ... The other arguments refine it: one left
+            at its default keeps engine_config's value, one given another value replaces the
+            settings it stands for (see [Note: engine_config and the arguments that refine
+            it] in shardwise/engine/refine.py). Its device must be of the Trainer's device
+            type (each rank computes on its own); its precision, unless left at its default,
+            must store in the Trainer's precision. None: the strategy's own defaults.
         loss_scale: the seven loss-scale settings as one `shardwise.amp.LossScaleConfig`,
             which the separate ones refine (one left at its default keeps loss_scale's value).
     """
