@@ -113,22 +113,21 @@ def _booster(plugin: Any, directory: str, *, disk: bool = False) -> list[Any]:
     return [model, boosted, optimizer, inner, booster]
 
 
-def _gemini_optimizer(directory: str) -> list[Any]:
-    model = _model()
-    wrapped = GeminiDDP(model, placement_policy="cpu", mixed_precision=torch.float32)
-    inner = _disk_adam(wrapped, directory)
-    optimizer = GeminiOptimizer(inner, wrapped)
-    _train(wrapped, optimizer, optimizer.backward)
-    return [model, wrapped, optimizer, inner]
+def _wrapped(
+    wrap: Callable[[nn.Module], Any], optimize: Callable[[Any, Any], Any]
+) -> Callable[[str], list[Any]]:
+    """A front door that wraps the model (`wrap`), then its optimizer (`optimize(inner,
+    wrapped)`), HybridAdam's state on disk."""
 
+    def build(directory: str) -> list[Any]:
+        model = _model()
+        wrapped = wrap(model)
+        inner = _disk_adam(wrapped, directory)
+        optimizer = optimize(inner, wrapped)
+        _train(wrapped, optimizer, optimizer.backward)
+        return [model, wrapped, optimizer, inner]
 
-def _sharded_v2(directory: str) -> list[Any]:
-    model = _model()
-    wrapped = ShardedModelV2(model, TensorShardStrategy(), offload_config={"device": "cpu"})
-    inner = _disk_adam(wrapped, directory)
-    optimizer = ShardedOptimizerV2(wrapped, inner)
-    _train(wrapped, optimizer, optimizer.backward)
-    return [model, wrapped, optimizer, inner]
+    return build
 
 
 def _low_level_optimizer(directory: str) -> list[Any]:
@@ -219,8 +218,14 @@ FRONT_DOORS: dict[str, Callable[[str], list[Any]]] = {
     "Booster(LowLevelZeroPlugin), cpu_offload, HybridAdam's state on disk": lambda d: _booster(
         LowLevelZeroPlugin(stage=2, precision="fp32", cpu_offload=True), d, disk=True
     ),
-    "GeminiDDP + GeminiOptimizer, state on disk": _gemini_optimizer,
-    "ShardedModelV2 + ShardedOptimizerV2, state on disk": _sharded_v2,
+    "GeminiDDP + GeminiOptimizer, state on disk": _wrapped(
+        lambda m: GeminiDDP(m, placement_policy="cpu", mixed_precision=torch.float32),
+        GeminiOptimizer,
+    ),
+    "ShardedModelV2 + ShardedOptimizerV2, state on disk": _wrapped(
+        lambda m: ShardedModelV2(m, TensorShardStrategy(), offload_config={"device": "cpu"}),
+        lambda inner, wrapped: ShardedOptimizerV2(wrapped, inner),
+    ),
     "LowLevelZeroOptimizer, cpu_offload, state on disk": _low_level_optimizer,
     "Lightning GeminiStrategy, engine_config's disk tier": _lightning,
     "HF Trainer + ShardwiseCallback, engine_config's disk tier": _hf_trainer,
