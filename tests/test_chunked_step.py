@@ -35,8 +35,18 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
-def _whole_step(self: ZeroOptimizer, coef: float, grads: list[torch.Tensor]) -> None:
-    """The step before it went chunk by chunk: one inner step over every view."""
+def _whole_step(
+    self: ZeroOptimizer, coef: float, grads: list[torch.Tensor | None], got_grad: list[bool]
+) -> None:
+    """The step before it went chunk by chunk: every gradient shard read, then one inner step
+    over every view."""
+    grads = [
+        grad if grad is not None else chunk.grads.for_step()
+        for chunk, grad in zip(self._chunks, grads, strict=True)
+    ]
+    for chunk, grad in zip(self._chunks, grads, strict=True):
+        for view, begin, end, position in self._slots[chunk.chunk_id]:
+            view.grad = grad[begin:end] if got_grad[position] else None
     if isinstance(self.optim, HybridAdam):
         self.optim.step(grad_scale=1.0 / coef)
     else:

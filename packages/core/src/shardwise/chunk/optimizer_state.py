@@ -3,7 +3,7 @@ steps, and the per-element state (moments, momentum) it keeps for them.
 
 [Note: the chunk owns its optimizer state]
 The optimizer (any elementwise torch optimizer) keeps its state in `optimizer.state[view]`,
-keyed by the shard views of [Note: the optimizer sees shard views] in engine/optimizer.py.
+keyed by the shard views of [Note: the optimizer sees shard views] in engine/shard_views.py.
 Those tensors are part of the chunk's optimizer side as much as its master is: they live in its
 optim pool and move with it. So the chunk keeps a reference to each (the views, bound once when
 the optimizer is wrapped; the state tensors, adopted after every step of the chunk, which may

@@ -1,13 +1,5 @@
 """The optimizer side of ZeRO: a user's optimizer stepping this rank's fp32 master shards.
 
-[Note: the optimizer sees shard views]
-Every trainable parameter is replaced, in the wrapped optimizer's param_groups, by the part of
-it this rank owns: a 1-D view into its chunk's fp32 master shard, whose `.grad` is the matching
-view into the chunk's reduced fp32 gradient shard. Parameter groups (learning rates, weight
-decay) are therefore kept exactly, and any optimizer that updates elementwise (SGD, Adam,
-AdamW, fused or not) runs unchanged on 1/N of the state. Parameters with no element on this rank
-drop out of this rank's groups.
-
 [Note: tensors without gradients]
 A plain torch loop (`zero_grad()` setting grads to None) leaves a parameter that no gradient
 reached out of the step: its value and its optimizer state (moments, step count, momentum)
@@ -61,9 +53,9 @@ from shardwise.engine.disk_tier import (
 )
 from shardwise.engine.grad_norm import global_grad_norm
 from shardwise.engine.model import ZeroModel
+from shardwise.engine.shard_views import bind_shard_views
 from shardwise.engine.step_parts import step_parts
 from shardwise.optim import HybridAdam
-from shardwise.prepare.ignore import is_ignored
 
 
 class ZeroOptimizer:
@@ -154,24 +146,15 @@ class ZeroOptimizer:
             # Each reduction takes its share of the norm this optimizer's step reads (see
             # [Note: norm partials] in chunk/grads.py).
             chunk.grads.norm_type = self.norm_type
-        # (view the inner optimizer steps, its chunk, begin, end within the chunk's shard,
-        # its tensor's position in the step's got-gradient flags)
-        self._slots: list[tuple[torch.Tensor, Chunk, int, int, int]] = []
-        self._flag_position = {
-            (chunk.chunk_id, index): position
-            for position, (chunk, index) in enumerate(
-                (chunk, index) for chunk in self._chunks for index in range(len(chunk.tensors))
-            )
-        }
+        # See [Note: the optimizer sees shard views] in engine/shard_views.py.
+        views = bind_shard_views(optimizer, model.chunk_manager, self._chunks)
+        self._slots = views.slots
+        self._groups_of_chunk = views.groups_of_chunk
         # Parameter name -> the shard view the inner optimizer steps (checkpoints use it).
-        self.shard_views: dict[str, torch.Tensor] = {}
+        self.shard_views = views.by_name
         # Every group's parameters by name, in the order the user gave them (frozen ones and
         # ones this rank owns no element of too): torch's parameter numbers in checkpoints.
-        self.group_param_names: list[list[str]] = []
-        # Per chunk id, per parameter group: the views of that chunk the group steps (see
-        # [Note: the step, chunk by chunk]).
-        self._groups_of_chunk: dict[int, list[list[torch.Tensor]]] = {}
-        self._swap_params_for_shards()
+        self.group_param_names = views.group_param_names
         # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py): chunks an optimizer
         # before this one left there (it was collected without `close()`: their masters wait
         # there still), and those the settings send there now.
@@ -201,61 +184,6 @@ class ZeroOptimizer:
         if self.disk is not None and not self._closed:
             release_disk(self._disk_chunks, self.disk)
         self._closed = True
-
-    def _swap_params_for_shards(self) -> None:
-        """See [Note: the optimizer sees shard views]."""
-        manager = self.model.chunk_manager
-        unmanaged = [
-            param
-            for group in self.optim.param_groups
-            for param in group["params"]
-            if not manager.manages(param)
-        ]
-        ignored = [tuple(param.shape) for param in unmanaged if is_ignored(param)]
-        if ignored:
-            raise ValueError(
-                f"optimizer holds {len(ignored)} parameter(s) marked by set_params_to_ignore "
-                f"(shapes {', '.join(map(str, ignored[:5]))}): the engine leaves those to you, "
-                f"so build this optimizer over the other parameters and step the ignored ones "
-                f"with an optimizer of your own"
-            )
-        foreign = [str(tuple(param.shape)) for param in unmanaged]
-        if foreign:
-            raise ValueError(
-                f"optimizer holds {len(foreign)} parameter(s) the model does not own (shapes "
-                f"{', '.join(foreign[:5])}); build the optimizer over model.parameters() of "
-                f"the model passed to zero_model_wrapper"
-            )
-        for chunk in self._chunks:
-            # Its master readable (a master an optimizer before left on the disk tier is read
-            # in; the next step writes it back), and no view or state of that optimizer kept.
-            chunk.ensure_resident()
-            chunk.optimizer_state.unbind()
-        num_groups = len(self.optim.param_groups)
-        for group_index, group in enumerate(self.optim.param_groups):
-            shards: list[torch.Tensor] = []
-            names: list[str] = []
-            self.group_param_names.append(names)
-            for param in group["params"]:
-                chunk, index = manager.locate(param)
-                names.append(chunk.tensors[index].name)
-                if not param.requires_grad:
-                    continue
-                owned = chunk.tensor_shard_range(index)
-                if owned is None:
-                    continue
-                begin, end = owned
-                shard = chunk.master[begin:end]
-                position = self._flag_position[(chunk.chunk_id, index)]
-                self._slots.append((shard, chunk, begin, end, position))
-                self.shard_views[chunk.tensors[index].name] = shard
-                chunk.optimizer_state.bind(shard, begin, end)
-                groups = self._groups_of_chunk.setdefault(
-                    chunk.chunk_id, [[] for _ in range(num_groups)]
-                )
-                groups[group_index].append(shard)
-                shards.append(shard)
-            group["params"] = shards
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -294,11 +222,21 @@ class ZeroOptimizer:
         parts = self._parts
         parts.runtime.settle()
         parts.reducer.reduce_all()
-        grads = [chunk.grads.for_step() for chunk in self._chunks]
+        # A chunk whose share of the norm is taken is read only when it steps, so its
+        # gradient's copy to the host can still be landing (see [Note: norm partials] in
+        # chunk/grads.py); the others are read now, for the norm.
+        partials = [chunk.grads.norm_partial for chunk in self._chunks]
+        grads: list[torch.Tensor | None] = [
+            chunk.grads.for_step() if partial is None else None
+            for chunk, partial in zip(self._chunks, partials, strict=True)
+        ]
         scale = self.grad_scaler.scale
         rank_sync = parts.rank_sync
         reduced = global_grad_norm(
-            grads,
+            [
+                grad if grad is not None else chunk.grads.shard
+                for chunk, grad in zip(self._chunks, grads, strict=True)
+            ],
             self.norm_type,
             parts.comm_stats,
             parts.process_group,
@@ -308,7 +246,7 @@ class ZeroOptimizer:
             # makes every rank plan again after this step, see _after_step)?
             got_grad=[*self._got_grad_flags(), self._overran_plan()],
             replicas=parts.replicas,
-            partials=[chunk.grads.norm_partial for chunk in self._chunks],
+            partials=partials,
         )
         rank_sync.step_checked(reduced.ranks_agree)
         self._replan_after_step = reduced.got_grad[-1]
@@ -332,30 +270,42 @@ class ZeroOptimizer:
         if self.max_norm > 0:
             # As torch.nn.utils.clip_grad_norm_: never scale up, epsilon against zero norms.
             coef *= min(1.0, self.max_norm / (norm + 1e-6))
-        got_grad = reduced.got_grad
-        for view, chunk, begin, end, position in self._slots:
-            # See [Note: tensors without gradients].
-            view.grad = chunk.grads.shard[begin:end] if got_grad[position] else None
-        self._step_chunk_by_chunk(coef, grads)
+        self._step_chunk_by_chunk(coef, grads, reduced.got_grad)
         self._after_step()
         return True
 
-    def _step_chunk_by_chunk(self, coef: float, grads: list[torch.Tensor]) -> None:
-        """See [Note: the step, chunk by chunk]; `grads` are the chunks' gradient shards. The
+    def _step_chunk_by_chunk(
+        self, coef: float, grads: list[torch.Tensor | None], got_grad: list[bool]
+    ) -> None:
+        """See [Note: the step, chunk by chunk]; `grads` are the chunks' gradient shards
+        where the norm read them already (the others are read as each chunk steps). The
         disk tier's chunks go first (see [Note: the disk tier in the step] in
         engine/disk_step.py): when their step fails, nothing else has stepped."""
         groups = self.optim.param_groups
         whole = [group["params"] for group in groups]
         wait = not self._parts.defers_param_gather
+
+        def read(chunk: Chunk, grad: torch.Tensor | None) -> torch.Tensor:
+            grad = chunk.grads.for_step() if grad is None else grad
+            for view, begin, end, position in self._slots[chunk.chunk_id]:
+                # See [Note: tensors without gradients].
+                view.grad = grad[begin:end] if got_grad[position] else None
+            return grad
+
         work = list(zip(self._chunks, grads, strict=True))
-        on_disk = [(chunk, grad) for chunk, grad in work if chunk.placement.optim is Pool.DISK]
+        on_disk = [
+            (chunk, read(chunk, grad)) for chunk, grad in work if chunk.placement.optim is Pool.DISK
+        ]
         try:
             if on_disk:
                 self._step_on_disk(on_disk, coef, wait)
             for chunk, grad in work:
                 if chunk.placement.optim is Pool.DISK:
                     continue
-                self._step_one_chunk(chunk, coef, grad)
+                # The host step of this chunk runs while the next chunk's gradient may still
+                # be landing and the chunk before's parameters go up (see [Note: reduced
+                # gradients leave for the host] in chunk/grads.py).
+                self._step_one_chunk(chunk, coef, read(chunk, grad))
                 chunk.publish_master(wait=wait)
                 chunk.grads.end_step()
         finally:
