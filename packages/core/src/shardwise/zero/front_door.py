@@ -32,7 +32,7 @@ from shardwise.engine.config import (
     Reduction,
     Topology,
 )
-from shardwise.engine.devices import compute_device
+from shardwise.engine.devices import compute_device, pins_host_copies
 from shardwise.gemini import DevicePlacement, placement_policy, replicated
 
 GEMINI_CONFIG_KEYS = (
@@ -120,12 +120,13 @@ def engine_config(stage: int, gemini_config: Mapping[str, Any] | None) -> Engine
     for name in ("pin_memory", "force_outputs_fp32", "strict_ddp_mode", "prefetch"):
         if not isinstance(options.get(name, name == "prefetch"), bool):
             raise TypeError(f"{name} must be a bool, got {options[name]!r}")
+    device = compute_device(options.get("device"))
     return EngineConfig(
         stage=stage,
-        device=compute_device(options.get("device")),
+        device=device,
         precision=_precision(options.get("mixed_precision", MixedPrecision())),
         chunking=_chunking(options) if stage == 3 else Chunking(),
-        placement=_placement(options),
+        placement=_placement(options, device),
         reduction=Reduction(
             method=options.get("gradient_reduction", "auto"),
             bucket_bytes=options.get("reduce_scatter_bucket_bytes", 0),
@@ -220,7 +221,7 @@ def _chunking(options: Mapping[str, Any]) -> Chunking:
     )
 
 
-def _placement(options: Mapping[str, Any]) -> Placement:
+def _placement(options: Mapping[str, Any], device: torch.device) -> Placement:
     policy = placement_policy(
         options.get("placement_policy", "cuda"),
         shard_param_frac=options.get("shard_param_frac", 1.0),
@@ -233,7 +234,9 @@ def _placement(options: Mapping[str, Any]) -> Placement:
     return Placement(
         policy=policy,
         device_budget_bytes=options.get("device_budget_bytes"),
-        pin_memory=options.get("pin_memory", False),
+        # Not given: the engine's rule (pinned where host copies feed a CUDA device, from the
+        # engine's pool: see [Note: pinned buffers, pooled] in memory/pinned.py).
+        pin_memory=options.get("pin_memory", pins_host_copies(device)),
         host_buffer_pool=options.get("host_buffer_pool", False),
         # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py).
         disk_fraction=options.get("nvme_offload_fraction", 0.0),
