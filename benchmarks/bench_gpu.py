@@ -3,6 +3,14 @@
     python benchmarks/bench_gpu.py compare --out compare.json
     python benchmarks/bench_gpu.py largest --placement cpu --layers 48,40,32 --out big.json
     python benchmarks/bench_gpu.py compare --smoke --out s.json     (tiny, any device)
+    python benchmarks/bench_gpu.py bounds --out bounds.json         (bench_gpu_bounds.py)
+    python benchmarks/bench_gpu.py llama --model 10.8b --engines shardwise-auto \
+        --checkpointing --out llama.json                             (bench_gpu_llama.py)
+    python benchmarks/bench_gpu.py report OUT                        (bench_gpu_report.py)
+
+bounds, llama and report live in files of their own (each with its docstring): what bounds an
+offloaded step, Hugging Face Llamas under shardwise, FSDP2 and plain torch, and the markdown
+block of one session's results.
 
 compare: the same GPT trained by plain torch (unsharded fp32 weights under bf16 autocast),
 torch FSDP2 (fully_shard per block and root, bf16 parameters, fp32 reduction and master) and
@@ -22,14 +30,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import importlib
+import importlib.metadata
 import json
 import os
+import platform
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -323,20 +337,94 @@ def largest(args: argparse.Namespace) -> dict[str, Any]:
             "--out", out, *_shape_flags(args),
         ]  # fmt: skip
         print(f"{engine}: {n_layer} layers", flush=True)
-        try:
-            result = subprocess.run(
-                command, capture_output=True, text=True, timeout=args.attempt_timeout, check=False
-            )
-            ok, tail = result.returncode == 0, result.stderr[-600:]
-        except subprocess.TimeoutExpired as stopped:
-            progress = stopped.stderr.decode(errors="replace") if stopped.stderr else ""
-            ok, tail = False, f"over {args.attempt_timeout} s; {progress[-600:]}"
-        if ok:
+        ran = attempt(command, args.attempt_timeout, Path(f"{args.out}.{n_layer}.log"))
+        if ran["outcome"] == "ok":
             with open(out) as handle:
                 attempts.append({"n_layer": n_layer, "trained": True, **json.load(handle)})
             break
-        attempts.append({"n_layer": n_layer, "trained": False, "error": tail})
+        attempts.append({"n_layer": n_layer, "trained": False, "error": ran["log_tail"]})
     return {"engine": engine, "attempts": attempts}
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def attempt(
+    command: list[str], timeout: float, log: Path, limit_gib: float | None = None
+) -> dict[str, Any]:
+    """Run `command` in a process (and session) of its own, its output to `log`, so that
+    running out of memory, a hang or a crash ends only this attempt: stopped past `timeout`
+    seconds, or when its process tree's resident set passes `limit_gib` (default: the host's
+    memory less 8 GiB, so the attempt goes before the host's OOM killer picks a process).
+    Returns its outcome ("ok", "exit N", "killed by signal N", "past the T s limit", "over
+    the L GiB limit"), seconds, the highest resident set seen (GiB) and the log's last lines."""
+    from bench_memory import _watch
+
+    if limit_gib is None:
+        limit_gib = host_memory_bytes() / 2**30 - 8
+    started = time.perf_counter()
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            stopped, highest = _watch(process, timeout, limit_gib)
+        finally:  # also when this process is stopped (see main): no attempt outlives it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 9)
+            code = process.wait()
+    if stopped:
+        outcome = stopped
+    elif code == 0:
+        outcome = "ok"
+    else:
+        outcome = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+    text = log.read_text(errors="replace")
+    return {
+        "outcome": outcome,
+        "seconds": round(time.perf_counter() - started, 1),
+        "highest_tree_gib": round(highest, 2),
+        "log_tail": "" if outcome == "ok" else text[-1500:],
+    }
+
+
+def session_facts() -> dict[str, Any]:
+    """What a results block names: the device, the versions, the host and the commit."""
+    facts: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+        "host_memory_gib": round(host_memory_bytes() / 2**30, 1),
+        "commit": _commit(),
+        **_device_facts(),
+    }
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        facts["transformers"] = importlib.metadata.version("transformers")
+    return facts
+
+
+def _commit() -> str:
+    """The working tree's commit and whether its packages or benchmarks differ from it; else
+    $COMMIT (a copy of the tree without its .git)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*words: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(root), *words], capture_output=True, text=True, timeout=30
+        )
+        if done.returncode:
+            raise OSError(done.stderr)
+        return done.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--", "packages", "benchmarks")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("COMMIT", "unknown (no git)")
+    return commit + (" with uncommitted changes" if changed else "")
 
 
 def _shape_flags(args: argparse.Namespace) -> list[str]:
@@ -356,6 +444,15 @@ def _device_facts() -> dict[str, Any]:
 
 
 def main() -> None:
+    # The parts in files of their own take the rest of the command line.
+    elsewhere = {
+        "bounds": "bench_gpu_bounds", "llama": "bench_gpu_llama", "report": "bench_gpu_report"
+    }  # fmt: skip
+    # Stopped by `timeout` (SIGTERM), unwind so that `attempt` ends the attempt it runs.
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    if len(sys.argv) > 1 and sys.argv[1] in elsewhere:
+        importlib.import_module(elsewhere[sys.argv[1]]).main(sys.argv[2:])
+        return
     args = parse_args()
     if args.part == "largest":
         summary = largest(args)

@@ -133,6 +133,49 @@ def test_gpu_benchmark_runs_its_smoke_configuration(tmp_path: Path) -> None:
     assert planned["fits"] and planned["device_state_gib"] + planned["host_gib"] > 0, planned
 
 
+def test_gpu_session_parts_run_their_smoke_configuration(tmp_path: Path) -> None:
+    """The bigger-than-the-GPU session's parts on tiny models, on whatever device there is (the
+    CPU in CI): the bounds, Llama attempts under shardwise "auto" (built on the meta device,
+    checkpointing on), FSDP2 with CPUOffloadPolicy and plain torch, each in a process of its
+    own, one of them stopped at its timeout, and the results block."""
+    script = str(ROOT / "benchmarks" / "bench_gpu.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def bench(*options: str) -> str:
+        done = subprocess.run(
+            [sys.executable, script, *options], capture_output=True, text=True, timeout=240,
+            env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    bench("bounds", "--smoke", "--out", str(tmp_path / "bounds.json"))
+    bounds = json.loads((tmp_path / "bounds.json").read_text())
+    assert "skipped" in bounds["copies"] or bounds["copies"]["sizes"][0]["pinned_h2d_gbps"] > 0
+    assert bounds["adam"]["hybrid_adam"]["params_per_s"] > 0
+    assert bounds["adam"]["adamw_fused"]["params_per_s"] > 0
+    assert bounds["host_copy"]["copy_gbps"] > 0
+    engines = "shardwise-auto,fsdp2-offload,torch"
+    options = ["--engines", engines, "--timeouts", "200,200,1", "--steps", "1"]
+    bench("llama", "--smoke", "--checkpointing", *options, "--out", str(tmp_path / "ll.json"))
+    run = json.loads((tmp_path / "ll.json").read_text())
+    attempts = run["attempts"]
+    for engine in ("shardwise-auto", "fsdp2-offload"):
+        assert attempts[engine]["outcome"] == "ok" and attempts[engine]["finished"], engine
+        assert len(attempts[engine]["step_ms"]) == 2 and attempts[engine]["later_median_ms"] > 0
+        assert attempts[engine]["host_hwm_gib"] > 0
+    # The planner's figures for the placement, beside the measured ones.
+    assert attempts["shardwise-auto"]["planner"]["fits"], attempts["shardwise-auto"]["planner"]
+    assert attempts["torch"]["outcome"] == "past the 1 s limit"
+    assert set(run["ratios"]) == {"shardwise-auto", "fsdp2-offload"}
+    block = bench("report", str(tmp_path), "--command", "the command")
+    assert (tmp_path / "RESULTS-gpu.md").read_text() == block[:-1]
+    assert "    the command" in block and "**Targets**" in block
+    assert (
+        sum(line.startswith("| shardwise-auto | ok (finished)") for line in block.split("\n")) == 1
+    )
+
+
 def test_auto_placement_benchmark_writes_its_sweep(tmp_path: Path) -> None:
     # benchmarks/bench_auto.py, as the suite runs it, in its smallest configuration.
     results = tmp_path / "RESULTS.md"
