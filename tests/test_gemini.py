@@ -191,10 +191,11 @@ def test_auto_policy_matches_cuda_and_keeps_to_its_budget() -> None:
     assert all(c["payload"] == "device" for c in roomy["report"]), roomy["report"]
     assert all(c["optim"] == "device" for c in roomy["report"] if c["optim"] is not None)
     assert all(set(m.values()) == {0} for m in roomy["moved"][1:])
-    # Room for the working set, the traced activations, a prefetch and a third of the model
-    # state: shards must move.
+    # Room for the working set, the traced activations, a prefetch and a twentieth of the
+    # model state, less than its shards (a ninth of it in fp16 beside fp32 masters, gradients
+    # and Adam's moments): shards must move.
     planned = run_ranks(_auto_stats, 2, 10 * cuda["peak"])[0]["planned"]
-    tight_budget = planned + cuda["pools"]["device"] // 3
+    tight_budget = planned + cuda["pools"]["device"] // 20
     tight = run_ranks(_auto, 2, tight_budget, 0.0)[0]
     assert tight["losses"] == cuda["losses"]
     stats = run_ranks(_auto_stats, 2, tight_budget)[0]

@@ -1,19 +1,20 @@
 """The "auto" policy: chunk shards move between device and host as a traced step demands.
 
 [Note: auto placement]
-Every chunk starts with its shard and its optimizer side in host memory. The first forward and
-backward are the warm-up: a MemoryTracer samples the non-model bytes at each module boundary
-and the order in which boundaries use chunks is recorded. Before each boundary gathers its
-chunks, the device must have room for them (what a prefetch has not allocated yet and, in
-backward, their gradient buffers, less the reduction in flight that the next reduction's start
-frees) within the budget less the non-model bytes traced there; if it has not, reductions
-still in flight are finished (only where that makes the room, or where the model state alone
-passes the budget: waiting cannot make room for activations and would serialise the step's
-reductions; the caller finishes them, see [Note: room after the reductions] in room.py) and
-shards resident on the device are sent to host memory, the one used again
-farthest in the future first (during warm-up, when the future is unknown, the least recently
-used first). A shard gathered from host memory is copied to the device for the gather and
-stays in its pool.
+Every chunk starts where the wrap's plan put it (see [Note: auto places from the wrap] in
+wrap_plan.py): shards and optimizer sides on the device as a share of the budget allows, the
+rest in host memory. The first forward and backward are the warm-up: a MemoryTracer samples the
+non-model bytes at each module boundary and the order in which boundaries use chunks is
+recorded. Before each boundary gathers its chunks, the device must have room for them (what a
+prefetch has not allocated yet and, in backward, their gradient buffers, less the reduction in
+flight that the next reduction's start frees) within the budget less the non-model bytes traced
+there; if it has not, reductions still in flight are finished (only where that makes the room,
+or where the model state alone passes the budget: waiting cannot make room for activations and
+would serialise the step's reductions; the caller finishes them, see [Note: room after the
+reductions] in room.py) and shards resident on the device are sent to host memory, the one used
+again farthest in the future first (during warm-up, when the future is unknown, the least
+recently used first). A shard gathered from host memory is copied to the device for the gather
+and stays in its pool.
 
 The plan is a forecast, so the budget check after every allocation (a gather, a gradient
 buffer, a prefetch) does the same: over the budget, it finishes the reductions in flight (on
@@ -389,6 +390,22 @@ class AutoPlacer:
         )
         self.reserved_bytes = 2 * largest + largest_grads
         room = self.budget - floor - self.reserved_bytes
+        # What the wrap placed on the device takes its room; where the step measured less
+        # room than the wrap kept (activations larger than its share), sides go back to host
+        # memory first, the last chunks' first, then shards.
+        room -= sum(_resident_device_bytes(c) for c in chunks)
+        for chunk in reversed(chunks):
+            if room >= 0:
+                break
+            if chunk.requires_grad and chunk.placement.optim is Pool.DEVICE:
+                room += _side_bytes(chunk)
+                self.evict_optim(chunk)
+        for chunk in reversed(chunks):
+            if room >= 0:
+                break
+            if _movable_shard(chunk):
+                room += _shard_bytes(chunk)
+                chunk.move_payload(Pool.HOST)
         self.plan_holds = room >= 0
         # Shards first: each saves its gathers' copies for as many bytes of device memory as
         # it takes. The most used first; a chunk no step gathers saves nothing.
@@ -428,6 +445,27 @@ class AutoPlacer:
                 margin -= shard_bytes + side
                 chunk.move_payload(Pool.DEVICE)
                 move_optim(chunk)
+
+
+def _movable_shard(chunk: Chunk) -> bool:
+    return (
+        not chunk.keep_gathered
+        and chunk.placement.payload is Pool.DEVICE
+        and chunk.payload.state is ChunkState.SHARDED
+    )
+
+
+def _shard_bytes(chunk: Chunk) -> int:
+    return chunk.payload.shard.numel() * chunk.payload.shard.element_size()
+
+
+def _resident_device_bytes(chunk: Chunk) -> int:
+    """Device bytes of `chunk`'s model state that stay there between steps: its shard (a
+    sharded chunk's, on the device) and its optimizer side (on the device)."""
+    held = _shard_bytes(chunk) if _movable_shard(chunk) else 0
+    if chunk.requires_grad and chunk.placement.optim is Pool.DEVICE:
+        held += _side_bytes(chunk)
+    return held
 
 
 def _side_bytes(chunk: Chunk) -> int:

@@ -42,6 +42,7 @@ from shardwise.gemini.policies import placement_policy as placement_policy_objec
 from shardwise.gemini.room import Room
 from shardwise.gemini.tracer import MemoryTracer
 from shardwise.gemini.working_set import WorkingSetGuard
+from shardwise.gemini.wrap_plan import wrap_split
 
 _log = logging.getLogger(__name__)
 
@@ -139,7 +140,10 @@ class GeminiManager:
         """Apply the policy to the packed chunks (see [Note: placement policies]); their host
         buffers come from the chunk manager's memory (pinned there where asked)."""
         chunks = self.chunk_manager.chunks
-        host_payload, host_optim = self.policy.host_chunks(chunks)
+        if self.auto is not None:  # see [Note: auto places from the wrap] in wrap_plan.py
+            host_payload, host_optim = wrap_split(chunks, self.auto.budget, self.auto.margin_ratio)
+        else:
+            host_payload, host_optim = self.policy.host_chunks(chunks)
         for chunk in chunks:
             chunk.place(
                 payload=Pool.HOST if id(chunk) in host_payload else Pool.DEVICE,

@@ -1,0 +1,76 @@
+"""Where "auto" places chunks when the model is wrapped (see [Note: auto places from the wrap]
+in gemini/wrap_plan.py), on one process: shards first, in chunk order, then optimizer sides
+beside shards on the device, within the budget less the working set and the share kept for
+activations; the rest in host memory; the margin ratio bounds the sides."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise import ChunkManager, GeminiManager
+from shardwise.chunk import Pool
+from shardwise.chunk.accounting import gathered_bytes
+from shardwise.gemini.wrap_plan import WRAP_ACTIVATION_SHARE, wrap_side_bytes
+
+CPU = torch.device("cpu")
+
+
+def _wrapped(budget: int, margin: float | None = None) -> ChunkManager:
+    """Six trainable chunks of one Linear(8, 8) each, then a frozen one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(7)))
+    model[6].requires_grad_(False)
+    manager = ChunkManager(chunk_size_numel=72, device=CPU, keep_gathered=False)
+    gemini = GeminiManager("auto", manager, device_budget_bytes=budget, gpu_margin_mem_ratio=margin)
+    manager.register(model.named_parameters())
+    gemini.place_chunks()
+    return manager
+
+
+def _room(manager: ChunkManager, budget: int) -> int:
+    chunks = manager.chunks
+    working = 2 * max(gathered_bytes(c) for c in chunks) + max(
+        c.padded_numel * 4 for c in chunks if c.requires_grad
+    )
+    return budget - int(WRAP_ACTIVATION_SHARE * budget) - working
+
+
+def _pools(manager: ChunkManager) -> tuple[str, str]:
+    def letters(pools: list[Pool | None]) -> str:
+        return "".join("-" if p is None else p.value[0] for p in pools)
+
+    chunks = manager.chunks
+    return (
+        letters([c.placement.payload for c in chunks]),
+        letters([c.placement.optim if c.requires_grad else None for c in chunks]),
+    )
+
+
+def test_with_room_for_the_whole_state_everything_starts_on_the_device() -> None:
+    assert _pools(_wrapped(10**7)) == ("ddddddd", "dddddd-")
+
+
+def test_shards_come_first_then_sides_beside_them_in_chunk_order() -> None:
+    probe = _wrapped(10**7)
+    shard = probe.chunks[0].shard_numel * 4  # fp32 payloads
+    side = wrap_side_bytes(probe.chunks[0])
+    # Room for every shard and two sides, whatever the working set takes.
+    budget = 10_000
+    while _room(probe, budget) < 7 * shard + 2 * side:
+        budget += 100
+    while _room(probe, budget) >= 7 * shard + 3 * side:
+        budget -= 10
+    assert _pools(_wrapped(budget)) == ("ddddddd", "ddhhhh-")
+    # Room for three shards only: no side on the device (a side beside a host shard saves no
+    # copy), the rest in host memory.
+    budget = 10_000
+    while _room(probe, budget) < 3 * shard:
+        budget += 100
+    while _room(probe, budget) >= 4 * shard:
+        budget -= 10
+    assert _pools(_wrapped(budget)) == ("dddhhhh", "hhhhhh-")
+
+
+def test_the_margin_ratio_bounds_the_sides() -> None:
+    assert _pools(_wrapped(10**7, margin=0.0)) == ("ddddddd", "hhhhhh-")
