@@ -402,15 +402,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             *_passed_on(args),
         ]  # fmt: skip
         print(f"== {engine}: at most {min(timeout, left):.0f} s", flush=True)
-        ran = attempt(command, min(timeout, left), log, args.limit_gib)
+        stopped = None
+        try:
+            ran = attempt(command, min(timeout, left), log, args.limit_gib)
+        except SystemExit as exit_:  # stopped from outside (see main): keep what it wrote
+            stopped = exit_
+            ran = {"outcome": "stopped with its run", "log_tail": log.read_text()[-1500:]}
         record = json.loads(record_path.read_text()) if record_path.exists() else {}
         result["attempts"][engine] = {**record, **ran}
         phase, steps = record.get("phase", "none"), record.get("step_ms")
-        print(f"== {engine}: {ran['outcome']} in {ran['seconds']} s, phase {phase}, steps {steps}")
+        print(f"== {engine}: {ran['outcome']} in {ran.get('seconds')} s, phase {phase}, "
+              f"steps {steps}", flush=True)  # fmt: skip
         if ran["outcome"] != "ok":
             print(ran["log_tail"][-800:], flush=True)
         result["ratios"] = ratios(result["attempts"], reference)
         out.write_text(json.dumps(result, indent=1))
+        if stopped:
+            raise stopped
     return result
 
 

@@ -1,28 +1,46 @@
 #!/usr/bin/env bash
 # The GPU half of the checks, in the few long calls a lent GPU machine allows. Run from the
-# repository root on the GPU machine, one part per call (each ends well inside 10 minutes):
+# repository root on the GPU machine:
 #
+#   bash benchmarks/gpu_session.sh all      OUT [--smoke]
+#       THE call of a lent session, at most 9 minutes (540 s): each part under a `timeout` of
+#       its own, within what is left of the call's deadline, so a hang cannot eat the rest;
+#       in order of value (budget in seconds):
+#         versions           nvidia-smi, torch and CUDA                                    15
+#         gpu-tests          pytest tests/gpu                                             110
+#         bounds             bench_gpu.py bounds: pinned copies each way and both, HybridAdam
+#                            and fused AdamW on the host's cores, host memory bandwidth     40
+#         offload-2.7b       bench_gpu.py llama: a 2.7B Llama, FSDP2 CPUOffloadPolicy,
+#                            shardwise "cpu", plain torch (ratios to FSDP2)               115
+#         llama-10.8b-ckpt   the 10.8B Llama, checkpointing, "auto" defaults: 1 warm-up and
+#                            2 timed steps                                                160
+#         llama-10.8b        the same without checkpointing, 1 + 1 steps          what is left
+#         largest            a 16.4B Llama (4096 x 80), checkpointing, "auto"     what is left
+#         report             bench_gpu.py report: OUT/RESULTS-gpu.md, the block for
+#                            benchmarks/RESULTS.md (15 s kept for it)
+#       --smoke runs the same wiring on tiny models on any machine (on a CPU: the copies
+#       skipped, FSDP2's offload unpinned, tests/gpu skipped), in about two minutes.
 #   bash benchmarks/gpu_session.sh env      OUT   versions, then tests/gpu
+#   bash benchmarks/gpu_session.sh bounds   OUT   bench_gpu.py bounds alone
+#   bash benchmarks/gpu_session.sh llama    OUT ARGS  bench_gpu.py llama ARGS --out OUT/llama.json
+#                                                 (e.g. --model 4096x88 --engines
+#                                                 shardwise-auto+disk --checkpointing)
+#   bash benchmarks/gpu_session.sh report   OUT   bench_gpu.py report OUT
 #   bash benchmarks/gpu_session.sh compare  OUT   bench_gpu.py compare (stage 3 vs FSDP2 vs torch)
-#   bash benchmarks/gpu_session.sh largest  OUT [ARGS]  bench_gpu.py largest for auto, cpu and
-#                                                 torch; ARGS go to it (--n-embd, --layers, ...)
+#   bash benchmarks/gpu_session.sh largest  OUT [ARGS]  bench_gpu.py largest (GPT) for auto, cpu
+#                                                 and torch; ARGS go to it (--n-embd, ...)
 #   bash benchmarks/gpu_session.sh auto     OUT   bench_auto.py's budget sweep on the GPU
 #   bash benchmarks/gpu_session.sh memory   OUT   bench_memory.py compare on the GPU, one rank
-#                                                 (max_memory_allocated per engine and phase)
-#   bash benchmarks/gpu_session.sh smoke    OUT   the wiring of the above, tiny, on any machine
-#   bash benchmarks/gpu_session.sh all      OUT [--smoke]
-#                                                 one call for a whole lent session, at most 9
-#                                                 minutes: versions, tests/gpu, compare, largest
-#                                                 (auto) and memory in that order, each under a
-#                                                 `timeout` of its own so a hang cannot eat the
-#                                                 rest; --smoke runs the same wiring tiny (CPU)
+#   bash benchmarks/gpu_session.sh smoke    OUT   compare, auto and memory's wiring, tiny
 #
-# OUT (default $OUT, else /tmp/gpu-session) receives each part's log and JSON. The packages run
-# from the working tree (PYTHONPATH), on the machine's own torch: nothing is installed, since
-# such a machine may reach no package index.
+# OUT (default $OUT, else /tmp/gpu-session) receives each part's log and JSON (and each llama
+# attempt's log and record beside its run's JSON). The packages run from the working tree
+# (PYTHONPATH), on the machine's own torch: nothing is installed, since such a machine may
+# reach no package index. A copy of the tree without .git names its commit with COMMIT=...
 set -uo pipefail
 
-part=${1:?"usage: gpu_session.sh {env|compare|largest|auto|memory|smoke|all} [OUT] [ARGS...]"}
+command="bash benchmarks/gpu_session.sh $*"
+part=${1:?"usage: gpu_session.sh {all|env|bounds|llama|report|compare|largest|auto|memory|smoke} [OUT] [ARGS...]"}
 out=${2:-${OUT:-/tmp/gpu-session}}
 shift $(($# < 2 ? $# : 2))
 mkdir -p "$out"
@@ -39,6 +57,27 @@ run() {  # run NAME COMMAND...: the command's output to the terminal and OUT/NAM
     "$@" 2>&1 | tee "$out/$name.log"
     local code=${PIPESTATUS[0]}
     echo "== $name: exit $code"
+    return "$code"
+}
+
+deadline=${GPU_SESSION_SECONDS:-530}  # seconds from the call's start: every part ends by then
+reserve=0     # seconds kept back for what comes after the part being budgeted
+budget() {  # budget WANT: $b = WANT, or what is left before the deadline less $reserve
+    local left=$((deadline - SECONDS - reserve))
+    b=$(($1 < left ? $1 : left))
+    least=$(($1 < 20 ? $1 : 20))
+}
+part() {  # part NAME COMMAND...: COMMAND under `timeout $b`, skipped when under $least s
+    local name=$1 started=$SECONDS code  # (20 s, or all it asked for); OUT/parts.tsv
+    shift
+    if ((b < least)); then
+        echo "== $name: skipped, $b s left"
+        printf '%s\tskipped\t0\t%s\n' "$name" "$b" >>"$out/parts.tsv"
+        return 0
+    fi
+    run "$name" timeout -k 5 "$b" "$@"
+    code=$?
+    printf '%s\t%s\t%s\t%s\n' "$name" "$code" "$((SECONDS - started))" "$b" >>"$out/parts.tsv"
     return "$code"
 }
 
@@ -79,38 +118,58 @@ smoke)
         --engines ddp,zero3-cuda --steps 1 --out "$out/memory-smoke.json" || status=1
     exit $status
     ;;
+bounds)
+    run bounds $bench_gpu bounds --out "$out/bounds.json" "$@"
+    ;;
+llama)
+    run llama $bench_gpu llama --out "$out/llama.json" "$@"
+    ;;
+report)
+    run report $bench_gpu report "$out" "$@"
+    ;;
 all)
-    # Budgets in seconds, 545 in all: a part past its budget is stopped (exit 124) and the next
-    # one runs. pytest's own options are cleared (-o addopts): the machine may lack the
-    # pytest-timeout plugin the repository's configuration names.
+    # pytest's own options are cleared (-o addopts): the machine may lack the pytest-timeout
+    # plugin the repository's configuration names. Each llama run stops its own attempts 5 s
+    # before its part's budget (--budget), its `timeout` behind that.
     smoke=""
     [[ "${1:-}" == "--smoke" ]] && smoke="--smoke"
+    rm -f "$out/parts.tsv"
     status=0
-    run versions timeout 15 bash -c "nvidia-smi || true; $python -c 'import torch; \
-print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and \
-torch.cuda.get_device_name())'" || status=1
-    run gpu-tests timeout 120 "$python" -m pytest -q -p no:cacheprovider -o addopts=-ra \
-        tests/gpu || status=1
-    run compare timeout 100 $bench_gpu compare $smoke --out "$out/compare.json" || status=1
-    if [[ -n $smoke ]]; then
-        run largest-auto timeout 160 $bench_gpu largest --smoke --placement auto \
-            --attempt-timeout 60 --out "$out/largest-auto.json" || status=1
-        run memory timeout 80 "$python" benchmarks/bench_memory.py compare --smoke --ranks 1 \
-            --engines ddp,zero3-cuda --steps 1 --out "$out/memory.json" || status=1
-    else
-        # The planner's 10B-parameter goal first (width 4096: ~200M parameters a layer; 52
-        # layers are 10.7B), built on the meta device; one warm-up and two timed steps.
-        run largest-auto timeout 230 $bench_gpu largest --placement auto --n-embd 4096 \
-            --n-head 32 --layers 52,44 --warmup 1 --steps 2 --attempt-timeout 120 \
-            --out "$out/largest-auto.json" || status=1
-        run memory timeout 80 "$python" benchmarks/bench_memory.py compare --ranks 1 \
-            --sizes 117m --engines ddp,fsdp2,zero3-cuda,zero3-auto --attempt-timeout 25 \
-            --out "$out/memory.json" --results "$out/RESULTS-memory.md" || status=1
-    fi
+    reserve=15
+    budget 15
+    part versions bash -c "nvidia-smi || true; $python -c 'import torch, transformers; \
+print(torch.__version__, torch.version.cuda, transformers.__version__, \
+torch.cuda.is_available() and torch.cuda.get_device_name())'" || status=1
+    budget 110
+    part gpu-tests "$python" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/gpu || status=1
+    budget 40
+    part bounds $bench_gpu bounds $smoke --out "$out/bounds.json" || status=1
+    budget 115
+    part offload-2.7b $bench_gpu llama $smoke --model 2.7b \
+        --engines fsdp2-offload,shardwise-cpu,torch --timeouts 40,50,25 --warmup 1 --steps 2 \
+        --budget $((b - 5)) --out "$out/offload-2.7b.json" || status=1
+    budget 160
+    part llama-10.8b-ckpt $bench_gpu llama $smoke --model 10.8b --engines shardwise-auto \
+        --checkpointing --warmup 1 --steps 2 --timeouts 155 --budget $((b - 5)) \
+        --out "$out/llama-10.8b-ckpt.json" || status=1
+    budget 150
+    part llama-10.8b $bench_gpu llama $smoke --model 10.8b --engines shardwise-auto \
+        --warmup 1 --steps 1 --timeouts 145 --budget $((b - 5)) \
+        --out "$out/llama-10.8b.json" || status=1
+    budget 300
+    part largest $bench_gpu llama $smoke --model 4096x80 --engines shardwise-auto \
+        --checkpointing --warmup 1 --steps 1 --timeouts 295 --budget $((b - 5)) \
+        --out "$out/largest.json" || status=1
+    reserve=0
+    budget 15
+    b=15 least=0  # the report always runs: a few seconds, no device
+    part report $bench_gpu report "$out" --command "$command" || status=1
+    echo "== all: $SECONDS s; the results block: $out/RESULTS-gpu.md"
     exit $status
     ;;
 *)
-    echo "unknown part: $part (env, compare, largest, auto, memory, smoke or all)" >&2
+    echo "unknown part: $part (all, env, bounds, llama, report, compare, largest, auto, memory" \
+        "or smoke)" >&2
     exit 2
     ;;
 esac

@@ -138,6 +138,10 @@ def test_gpu_session_parts_run_their_smoke_configuration(tmp_path: Path) -> None
     CPU in CI): the bounds, Llama attempts under shardwise "auto" (built on the meta device,
     checkpointing on), FSDP2 with CPUOffloadPolicy and plain torch, each in a process of its
     own, one of them stopped at its timeout, and the results block."""
+    # The session's script parses (`bash benchmarks/gpu_session.sh all OUT --smoke` runs every
+    # part this way, and tests/gpu, in about 80 s here).
+    session = ROOT / "benchmarks" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(session)], timeout=30).returncode == 0
     script = str(ROOT / "benchmarks" / "bench_gpu.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
