@@ -33,12 +33,13 @@ out-of-memory error, the OOM killer or a hang ends that attempt only:
 Per attempt: build and wrap seconds, each step's milliseconds (the first `--warmup` apart from
 the median of the rest), tokens/s, TFLOP/s and MFU by the 6N count (6 x parameters x tokens a
 step, checkpointing's recomputation not counted, over the device's dense bf16 peak), the host
-resident peak (`VmHWM`) beside the highest `VmRSS` sampled every 0.1 s in a thread (and a
-trace each second), `torch.cuda.max_memory_allocated`, the planner's host and device figures
-for shardwise's placement (`shardwise.planner.plan`, the engine's default budget), and whether
-it finished. An attempt rewrites its record after each phase, so one stopped at its timeout
-or killed still says how far it came. Ratios: each engine's later-step median over
-`--reference`'s (default: the first engine listed).
+resident peak (`VmHWM`) beside the highest `VmRSS` sampled every 0.1 s in a thread (and a trace
+each second) and the resident set before the model (torch, CUDA's context),
+`torch.cuda.max_memory_allocated`, the planner's host and device figures for shardwise's
+placement (`shardwise.planner.plan`, the engine's default budget), and whether it finished. An
+attempt rewrites its record after each phase, so one stopped at its timeout or killed still
+says how far it came. Ratios: each engine's later-step median over `--reference`'s (default:
+the first engine listed).
 """
 
 from __future__ import annotations
@@ -297,6 +298,8 @@ def once(args: argparse.Namespace) -> None:
         partial.replace(args.out)  # whole or not at all, for whoever reads it
 
     init_single_rank()
+    torch.zeros(1, device=dev)  # the device's context: part of the resident set at the start
+    record["host_rss_start_gib"] = round(_status_gib("VmRSS"), 2)
     started = time.perf_counter()
     model = build_model(engine, config, args.checkpointing)
     record["params"] = sum(p.numel() for p in model.parameters())

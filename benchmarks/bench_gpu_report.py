@@ -138,8 +138,8 @@ def run_lines(run: dict[str, Any]) -> list[str]:
         f"{run['steps']} timed steps.",
         "",
         "| engine | outcome (phase reached) | wrap s | first step s | later step s | first / "
-        "later | tokens/s | MFU (6N) | host peak GiB (VmHWM / sampled) | planner host GiB | "
-        f"device peak GiB | vs {run['reference']} | loss, first -> last |",
+        "later | tokens/s | MFU (6N) | host peak GiB (VmHWM / sampled (at start)) | planner "
+        f"host GiB | device peak GiB | vs {run['reference']} | loss, first -> last |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for engine, a in run["attempts"].items():
@@ -169,7 +169,7 @@ def _row(engine: str, a: dict[str, Any], ratio: float | None) -> str:
         str(a.get("first_over_later", "")),
         "" if tokens is None else f"{tokens:,.0f}",
         "" if mfu is None else f"{mfu:.1%}",
-        "" if hwm is None else f"{hwm:.1f} / {sampled:.1f}",
+        "" if hwm is None else f"{hwm:.1f} / {sampled:.1f} ({a.get('host_rss_start_gib')})",
         "" if planned is None else _gib(planned / GIB),
         _gib(a.get("device_max_allocated_gib")),
         "" if ratio is None else str(ratio),
