@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -361,6 +362,8 @@ def attempt(
     the L GiB limit"), seconds, the highest resident set seen (GiB) and the log's last lines."""
     from bench_memory import _watch
 
+    # Without psutil, no watchdog: the timeout only.
+    watch = _watch if importlib.util.find_spec("psutil") else _wait
     if limit_gib is None:
         limit_gib = host_memory_bytes() / 2**30 - 8
     started = time.perf_counter()
@@ -369,7 +372,7 @@ def attempt(
             command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            stopped, highest = _watch(process, timeout, limit_gib)
+            stopped, highest = watch(process, timeout, limit_gib)
         finally:  # also when this process is stopped (see main): no attempt outlives it
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, 9)
@@ -387,6 +390,14 @@ def attempt(
         "highest_tree_gib": round(highest, 2),
         "log_tail": "" if outcome == "ok" else text[-1500:],
     }
+
+
+def _wait(process: subprocess.Popen[bytes], timeout: float, _: float) -> tuple[str, float]:
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return f"past the {timeout:g} s limit", 0.0
+    return "", 0.0
 
 
 def session_facts() -> dict[str, Any]:
