@@ -23,7 +23,8 @@ out-of-memory error, the OOM killer or a hang ends that attempt only:
       initialisation as the chunks take it (see [Note: meta-device models] in
       shardwise/prepare/meta_init.py), so the model is never whole anywhere; HybridAdam through
       `zero_optim_wrapper`; everything else at its default. `+disk` (e.g. shardwise-cpu+disk):
-      HybridAdam(nvme_offload_fraction=1.0, nvme_offload_dir=--disk-dir), the disk tier.
+      HybridAdam(nvme_offload_fraction=--disk-fraction, nvme_offload_dir=--disk-dir), the disk
+      tier.
   fsdp2-offload  built on the device (HF's initialisation there), `fully_shard` per decoder
       layer and the root with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and
       CPUOffloadPolicy() (shards, gradients and the optimizer step on the host; unpinned
@@ -49,6 +50,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -92,6 +94,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device-budget-gib", type=float, help="shardwise's device budget")
     parser.add_argument("--chunk-numel", type=int, help="shardwise's chunk size (default: its own)")
     parser.add_argument("--disk-dir", default="/tmp/shardwise-disk", help="+disk engines")
+    parser.add_argument(
+        "--disk-fraction", type=float, default=1.0,
+        help="+disk engines: HybridAdam's nvme_offload_fraction (the disk tier keeps two slots "
+        "of 12 bytes a parameter: 24 B/param at 1.0)",
+    )  # fmt: skip
     parser.add_argument("--limit-gib", type=float, help="host watchdog (default: memory - 8 GiB)")
     parser.add_argument("--smoke", action="store_true", help="a tiny Llama, any machine")
     args = parser.parse_args(argv)
@@ -193,7 +200,8 @@ def wrap(engine: str, model: torch.nn.Module, args: argparse.Namespace) -> Step:
         if args.chunk_numel:
             config["chunk_size_numel"] = args.chunk_numel
         wrapped = zero_model_wrapper(model, 3, config)
-        tier = {"nvme_offload_fraction": 1.0, "nvme_offload_dir": args.disk_dir} if disk else {}
+        tier = {"nvme_offload_fraction": args.disk_fraction, "nvme_offload_dir": args.disk_dir}
+        tier = tier if disk else {}
         if disk:
             os.makedirs(args.disk_dir, exist_ok=True)
         optimizer = zero_optim_wrapper(wrapped, HybridAdam(model.parameters(), lr=1e-4, **tier))
@@ -366,7 +374,7 @@ def _passed_on(args: argparse.Namespace) -> list[str]:
     flags = [
         "--model", args.model, "--vocab", str(args.vocab), "--batch", str(args.batch),
         "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps),
-        "--disk-dir", args.disk_dir,
+        "--disk-dir", args.disk_dir, "--disk-fraction", str(args.disk_fraction),
     ]  # fmt: skip
     if args.checkpointing:
         flags.append("--checkpointing")
@@ -411,6 +419,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except SystemExit as exit_:  # stopped from outside (see main): keep what it wrote
             stopped = exit_
             ran = {"outcome": "stopped with its run", "log_tail": log.read_text()[-1500:]}
+        if "+disk" in engine:  # its files go with it (an attempt ends without cleaning up)
+            shutil.rmtree(args.disk_dir, ignore_errors=True)
         record = json.loads(record_path.read_text()) if record_path.exists() else {}
         result["attempts"][engine] = {**record, **ran}
         phase, steps = record.get("phase", "none"), record.get("step_ms")
