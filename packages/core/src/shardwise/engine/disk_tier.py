@@ -72,12 +72,19 @@ def disk_settings(placement: Placement, optimizer: torch.optim.Optimizer) -> Dis
 
 
 def chunks_for_disk(
-    chunks: list[Chunk], settings: DiskSettings, *, already: int = 0
+    chunks: list[Chunk], settings: DiskSettings, *, already: int = 0, planned: bool = False
 ) -> list[Chunk]:
     """The chunks whose optimizer side goes to the disk tier (see the module's docstring);
     refused where no optimizer side is in host memory to take from, unless `already` chunks
-    are on the disk tier (left there by an optimizer before)."""
+    are on the disk tier (left there by an optimizer before) or the placement plans against
+    the device's room (`planned`: "auto", whose plan found room on the device for every
+    side, see [Note: auto places from the wrap] in gemini/wrap_plan.py)."""
     held = [chunk for chunk in chunks if chunk.placement.optim is Pool.HOST]
+    if not held and planned:
+        _log.info(
+            "the disk tier takes nothing: placement 'auto' keeps every optimizer side on the device"
+        )
+        return []
     if not held and already:
         return []
     if not held:

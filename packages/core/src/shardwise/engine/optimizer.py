@@ -164,7 +164,12 @@ class ZeroOptimizer:
         )
         settings = disk_settings(model.config.placement, optimizer)
         if settings.wanted:
-            chosen = chunks_for_disk(self._chunks, settings, already=len(self._disk_chunks))
+            chosen = chunks_for_disk(
+                self._chunks,
+                settings,
+                already=len(self._disk_chunks),
+                planned=model.config.placement.policy.name == "auto",
+            )
             if chosen:
                 group = model.config.topology.process_group
                 self.disk = place_on_disk(
