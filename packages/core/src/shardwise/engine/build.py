@@ -22,7 +22,14 @@ from shardwise.comm import CommStats, ReduceScatterMethod
 from shardwise.comm.topology import Topology, replicated, topology_for
 from shardwise.engine.config import EngineConfig, gradient_reduction_method
 from shardwise.gemini import GeminiManager
-from shardwise.memory import BufferPool, CudaHostRegister, Memory, PinnedBuffers, Streams
+from shardwise.memory import (
+    BufferPool,
+    CudaHostRegister,
+    HostRoom,
+    Memory,
+    PinnedBuffers,
+    Streams,
+)
 from shardwise.prepare.ignore import is_ignored
 from shardwise.prepare.slicing import whole_numel
 from shardwise.runtime.gather_units import find_gather_units
@@ -95,11 +102,15 @@ def memory_for(config: EngineConfig) -> Memory:
     streams and events] in memory/streams.py)."""
     device = config.device
     pins = config.placement.pin_memory and device.type == "cuda"
+    # Where host memory is a pool of its own (a CUDA device), the host's room is checked
+    # before it takes more (see [Note: the host's room] in memory/host_room.py).
+    room = HostRoom() if device.type == "cuda" else None
     return Memory(
         device,
         pooled=BufferPool(0) if config.pools_host_buffers else None,
-        pinned=PinnedBuffers(CudaHostRegister()) if pins else None,
+        pinned=PinnedBuffers(CudaHostRegister(), room=room) if pins else None,
         streams=Streams(device),
+        host_room=room,
     )
 
 

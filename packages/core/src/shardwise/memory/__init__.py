@@ -3,6 +3,7 @@ copy path between the device and host memory, the side streams copies run on, an
 objects of work in flight (see [Note: one allocator, one copy path] in memory/memory.py)."""
 
 from shardwise.memory.buffer_pool import BufferPool, pool_supported
+from shardwise.memory.host_room import HostMemoryExhausted, HostRoom
 from shardwise.memory.memory import Memory
 from shardwise.memory.pending import Done, Pending, PendingCopy
 from shardwise.memory.pinned import CudaHostRegister, PinnedBuffers, Pinner
@@ -12,6 +13,8 @@ __all__ = [
     "BufferPool",
     "CudaHostRegister",
     "Done",
+    "HostMemoryExhausted",
+    "HostRoom",
     "Memory",
     "Pending",
     "PendingCopy",

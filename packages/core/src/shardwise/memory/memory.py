@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from shardwise.memory.buffer_pool import BufferPool
+from shardwise.memory.host_room import HostRoom
 from shardwise.memory.pages import advise_huge_pages
 from shardwise.memory.pending import PendingCopy
 from shardwise.memory.pinned import PinnedBuffers
@@ -43,6 +44,9 @@ class Memory:
             give one, with a pinner that counts, to run the pinned path's logic.)
         streams: the side streams copies run on (see [Note: streams and events]); none by
             default.
+        host_room: checks the host has room for each plain host buffer (see [Note: the
+            host's room] in memory/host_room.py; the pinned pool checks its own); None:
+            unchecked.
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class Memory:
         pooled: BufferPool | None = None,
         pinned: PinnedBuffers | None = None,
         streams: Streams | None = None,
+        host_room: HostRoom | None = None,
     ) -> None:
         if pooled is not None and device.type != "cpu":
             raise ValueError(f"the pool of host buffers serves a CPU device, not {device}")
@@ -59,6 +64,7 @@ class Memory:
         self.pooled = pooled
         self.pinned = pinned
         self.streams = streams if streams is not None else Streams(device, enabled=False)
+        self.host_room = host_room
 
     # ---- allocation --------------------------------------------------------------------------
 
@@ -67,6 +73,8 @@ class Memory:
         if host:
             if self.pinned is not None:
                 return self.pinned.empty(numel, dtype)
+            if self.host_room is not None:
+                self.host_room.check(numel * dtype.itemsize)
             return _advised(torch.empty(numel, dtype=dtype, device=_HOST))
         if self.pooled is not None:
             return self.pooled.empty(numel, dtype)

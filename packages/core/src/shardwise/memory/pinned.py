@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 
 from shardwise.memory.buffer_pool import size_class
+from shardwise.memory.host_room import HostRoom
 from shardwise.memory.pages import advise_huge_pages
 
 
@@ -71,12 +72,17 @@ class PinnedBuffers:
         pinner: pins and unpins the memory.
         spare_limit_bytes: the most it keeps free for reuse; a buffer freed beyond it is
             unpinned and given back.
+        room: checks the host has room for each new buffer (see [Note: the host's room] in
+            memory/host_room.py); None: unchecked.
     """
 
-    def __init__(self, pinner: Pinner, spare_limit_bytes: int = 0) -> None:
+    def __init__(
+        self, pinner: Pinner, spare_limit_bytes: int = 0, *, room: HostRoom | None = None
+    ) -> None:
         if spare_limit_bytes < 0:
             raise ValueError(f"spare_limit_bytes must be >= 0, got {spare_limit_bytes}")
         self._pinner = pinner
+        self._room = room
         self.spare_limit_bytes = spare_limit_bytes
         self._buffers: defaultdict[int, list[_Buffer]] = defaultdict(list)
         self._by_storage: dict[int, _Buffer] = {}
@@ -96,6 +102,8 @@ class PinnedBuffers:
         buffer = self._free_buffer(nbytes)
         if buffer is None:
             self._trim()
+            if self._room is not None:
+                self._room.check(size_class(nbytes))
             storage = torch.UntypedStorage(size_class(nbytes))
             advise_huge_pages(storage)
             self._pinner.pin(storage)
