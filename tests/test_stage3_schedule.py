@@ -176,9 +176,9 @@ def test_stage3_reductions_run_behind_backward_one_at_a_time() -> None:
 
 
 def test_prefetch_looks_past_module_calls_over_chunks_already_there() -> None:
-    from shardwise.runtime.gather_scheduler import _Trace
+    from shardwise.runtime.pass_trace import PassTrace
 
-    trace = _Trace(depth=1)
+    trace = PassTrace(depth=1)
     trace.begin()
     for chunk_ids in [(0,), (1,), (1,), (1, 2), (2,), (0,)]:
         trace.visit(chunk_ids)
@@ -199,10 +199,10 @@ def test_prefetch_looks_past_module_calls_over_chunks_already_there() -> None:
 def test_a_deeper_prefetch_takes_the_next_chunks_in_order_of_first_use() -> None:
     # ColossalAI's max_prefetch=n: the next n chunks the recorded pass needs, whole calls at a
     # time (a call needing two new chunks brings both).
-    from shardwise.runtime.gather_scheduler import _Trace
+    from shardwise.runtime.pass_trace import PassTrace
 
     calls = [(0,), (1,), (1,), (2, 3), (4,), (5,)]
-    trace = _Trace(depth=3)
+    trace = PassTrace(depth=3)
     trace.begin()
     for chunk_ids in calls:
         trace.visit(chunk_ids)

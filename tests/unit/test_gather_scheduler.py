@@ -1,6 +1,6 @@
 """GatherScheduler on one process (stage 3 through `zero_model_wrapper`): chunks gathered
 before the gather units that use them, released after their last use once the forward order
-is recorded, the next chunk prefetched, and `_Trace`'s record and replay."""
+is recorded, the next chunk prefetched, and `PassTrace`'s record and replay."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 import shardwise
 from shardwise import CommOp, comm
 from shardwise.chunk import Chunk, ChunkState
-from shardwise.runtime.gather_scheduler import _Trace
+from shardwise.runtime.pass_trace import PassTrace
 
 
 class _Net(nn.Module):
@@ -165,7 +165,7 @@ def test_a_pass_off_the_record_releases_at_the_end_of_forward() -> None:
 
 
 def test_trace_records_then_replays_and_goes_off_track() -> None:
-    trace = _Trace()
+    trace = PassTrace()
     trace.begin()
     assert not trace.on_track  # nothing recorded to follow yet
     for step in [(0,), (0,), (1,), (1, 2)]:

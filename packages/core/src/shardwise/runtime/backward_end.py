@@ -5,10 +5,13 @@ Gradient routing (GradReducer) and the stage-3 gather schedule (GatherScheduler)
 once autograd has finished a backward pass: reduce what is left, release the chunks still
 gathered. Each used to queue its own autograd callback when it first saw the pass, so their
 order was whichever noticed the pass first: the schedule's hook on the forward's output
-usually, the reducer's first gradient hook where an output has no hook of the schedule's. The
-model now queues one callback (`BackwardEnd.queue`, from whichever sees the pass first) that
-runs their steps in the order the model gave them: the schedule's first (chunks are released
-and the gather order settles), then the reducer's (the remaining reductions, `.grad`).
+usually, the reducer's first gradient hook where an output has no hook of the schedule's. Now
+one callback ends the pass: the first of the parts' hooks a backward reaches calls the
+runtime's `enter_backward` (runtime/runtime.py), which moves the pass's phase and queues the
+runtime's end of backward, running the steps in a fixed order: the schedule's first (chunks
+are released and the gather order settles), then after the first pass the memory manager's
+plan, then the reducer's (the remaining reductions, `.grad`). A reducer used alone (ColoDDP's)
+queues its own end through `BackwardEnd`.
 """
 
 from __future__ import annotations

@@ -31,63 +31,14 @@ from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, ChunkState, TensorState
 from shardwise.chunk.parameters import ShardedParameter, on_use
 from shardwise.gemini import GeminiManager, Pass, Room
+from shardwise.runtime.frozen_users import FrozenUsers
 from shardwise.runtime.gather_units import UnitMap
 from shardwise.runtime.grad_reducer import GradReducer
 from shardwise.runtime.hooks import HookSet
+from shardwise.runtime.pass_trace import PassTrace
 from shardwise.runtime.phase import PassState, Phase
 from shardwise.runtime.rank_sync import VisitTrail
 from shardwise.runtime.unit_plan import GatherUnit, compiled
-
-# How many unit calls ahead a prefetch looks for the next chunk the pass needs.
-_LOOKAHEAD = 256
-
-
-class _Trace:
-    """The chunk ids each module call needed, in order, with replay bookkeeping."""
-
-    def __init__(self, depth: int = 1) -> None:
-        self.depth = depth  # chunks a prefetch looks for ahead
-        self.steps: list[tuple[int, ...]] = []
-        self.recorded = False
-        self.position = 0
-        self.on_track = True
-        self._ahead: list[tuple[int, ...]] = []
-
-    def begin(self) -> None:
-        self.position = 0
-        self.on_track = self.recorded
-
-    def visit(self, chunk_ids: tuple[int, ...]) -> None:
-        if not self.recorded:
-            self.steps.append(chunk_ids)
-        elif self.on_track and (
-            self.position >= len(self.steps) or self.steps[self.position] != chunk_ids
-        ):
-            self.on_track = False
-        self.position += 1
-
-    def upcoming(self) -> tuple[int, ...]:
-        """The chunks the pass needs next, beyond those of the module call just visited."""
-        if self.on_track and 0 < self.position <= len(self._ahead):
-            return self._ahead[self.position - 1]
-        return ()
-
-    def finish(self) -> None:
-        if not self.recorded and self.steps:
-            self.recorded = True
-            self._ahead = [self._next_new_chunks(p) for p in range(len(self.steps))]
-
-    def _next_new_chunks(self, position: int) -> tuple[int, ...]:
-        # A run of module calls over the same chunks (the blocks packed in one chunk) would
-        # give the next chunk's gather only the run's last call to hide behind: look past it.
-        # The chunks come in order of first use, whole calls at a time, until `depth` are found.
-        current = set(self.steps[position])
-        found: list[int] = []
-        for later in self.steps[position + 1 : position + 1 + _LOOKAHEAD]:
-            found += [c for c in dict.fromkeys(later) if c not in current and c not in found]
-            if len(found) >= self.depth:
-                break
-        return tuple(found)
 
 
 class GatherScheduler:
@@ -166,8 +117,10 @@ class GatherScheduler:
         self._used_in: dict[str, set[str]] = {}  # parameter name -> units it was used in
         self._pinned: set[int] = set()  # chunks gathered on use, held until the pass ends
         # Per frozen chunk, the unit calls whose backward runs now (see [Note: frozen chunks
-        # in backward]).
-        self._frozen_users: dict[int, int] = {}
+        # in backward] in runtime/frozen_users.py).
+        self._frozen = FrozenUsers(
+            chunk_manager, state, lambda chunk: self._releasable(chunk, frozenset())
+        )
         self._sharded_faces = [
             info.param
             for chunk in chunk_manager.chunks
@@ -189,8 +142,8 @@ class GatherScheduler:
         """Hook `gather_units`, recording the passes afresh."""
         self._unit_hooks.remove()
         self.gather_units = gather_units
-        self._forward = _Trace(self._prefetch_chunks)
-        self._backward = _Trace(self._prefetch_chunks)
+        self._forward = PassTrace(self._prefetch_chunks)
+        self._backward = PassTrace(self._prefetch_chunks)
         self._recorded_closes: list[tuple[int, ...]] = []
         self._last_close: dict[int, int] = {}
         self._closes = 0
@@ -349,7 +302,7 @@ class GatherScheduler:
             if torch.is_grad_enabled():
                 self._register_pre_backward(output, chunks, visit)
                 if frozen:
-                    self._release_frozen_after_backward(args, output, frozen)
+                    self._frozen.watch(args, output, frozen)
 
         return hook
 
@@ -455,59 +408,6 @@ class GatherScheduler:
         chunks = self.chunk_manager.chunks
         return [chunks[chunk_id] for chunk_id in chunk_ids]
 
-    # [Note: frozen chunks in backward]
-    # A trainable chunk is released in backward once its gradients are reduced. A frozen one
-    # (a LoRA model's base weights) gets no gradient to say so: backward gathers it for the
-    # units that propagate gradients through it, and it would stay gathered until backward
-    # ends, so a frozen model would be held whole on every rank at the end of backward. So
-    # each call of a unit holding frozen chunks, when its output needs a gradient, counts as a
-    # user of them from its backward's start (the output's gradient, see
-    # `_register_pre_backward`) until the gradients of its inputs are computed (a multi-grad
-    # hook), when its backward is over; a frozen chunk is released when its last user is done.
-    # A unit whose inputs need no gradient gives no such signal: its chunks are released when
-    # backward ends, as before. A later unit needing a released chunk gathers it again. Every
-    # rank runs the same graph, so every rank releases, and gathers again, alike.
-
-    def _release_frozen_after_backward(self, args: Any, output: Any, frozen: list[Chunk]) -> None:
-        inputs = [
-            value
-            for value in tree_flatten(args)[0]
-            if isinstance(value, torch.Tensor) and value.requires_grad
-        ]
-        outputs = [
-            value
-            for value in tree_flatten(output)[0]
-            if isinstance(value, torch.Tensor) and value.requires_grad
-        ]
-        if not inputs or not outputs:
-            return
-        opened = [False]
-        # Graph hooks: the schedule weakly, the chunks by id (see `_register_pre_backward`).
-        schedule = weakref.ref(self)
-        frozen_ids = tuple(chunk.chunk_id for chunk in frozen)
-
-        def backward_started(grad: torch.Tensor) -> None:
-            owner = schedule()
-            if owner is not None and not opened[0]:
-                opened[0] = True
-                for chunk_id in frozen_ids:
-                    owner._frozen_users[chunk_id] = owner._frozen_users.get(chunk_id, 0) + 1
-
-        def backward_done(grads: Any) -> None:
-            owner = schedule()
-            if owner is None or not opened[0] or owner._serving is not Pass.BACKWARD:
-                return
-            opened[0] = False
-            for chunk in owner._chunks_of(frozen_ids):
-                users = owner._frozen_users.get(chunk.chunk_id, 0) - 1
-                owner._frozen_users[chunk.chunk_id] = users
-                if users <= 0 and owner._releasable(chunk, frozenset()):
-                    chunk.payload.release()
-
-        for tensor in outputs:
-            tensor.register_hook(backward_started)
-        torch.autograd.graph.register_multi_grad_hook(inputs, backward_done)
-
     @property
     def _serving(self) -> Pass:
         """The pass the gathers serve now."""
@@ -527,7 +427,7 @@ class GatherScheduler:
         if completed:
             self._backward.finish()
         elif not self._backward.recorded:
-            self._backward = _Trace(self._prefetch_chunks)
+            self._backward = PassTrace(self._prefetch_chunks)
         # Nothing computes once backward has ended. A module's re-run forward under
         # non-reentrant checkpointing stops as soon as it has recomputed what backward needs,
         # which may be before the module's own forward hook marks its tensors done.
@@ -537,7 +437,7 @@ class GatherScheduler:
                     chunk.set_hold(index)
         self._close_open_units()
         self._pinned.clear()
-        self._frozen_users.clear()
+        self._frozen.clear()
         self.release_all()
         if self._learning and completed:
             self._finish_learning()
@@ -551,7 +451,7 @@ class GatherScheduler:
         # Every rank decides alike: a prefetch is a collective.
         return self.prefetch and (self._gemini is None or self._gemini.prefetch_planned)
 
-    def _prefetch(self, trace: _Trace) -> None:
+    def _prefetch(self, trace: PassTrace) -> None:
         if not self._prefetching():
             return
         for chunk_id in trace.upcoming():

@@ -327,7 +327,7 @@ class GradReducer:
         for pending in retiring:
             for chunk in pending.chunks:
                 freed += storage_bytes(chunk.grads.full)
-                # Released when complete, unless in use: see GatherScheduler.release_done.
+                # Released when complete, unless in use: see runtime.release_if_idle.
                 if not chunk.in_use and not chunk.keep_gathered:
                     freed += gathered_held_bytes(chunk)
         return freed
