@@ -251,6 +251,22 @@ def wrap(engine: str, model: torch.nn.Module, args: argparse.Namespace) -> Step:
     return plain_step
 
 
+def estimated_activations(model: torch.nn.Module, args: argparse.Namespace) -> int:
+    """The planner's estimate of one step's activations (shardwise.planner
+    .estimate_activation_bytes), on a bf16 copy of the meta-device model, as the step computes:
+    nothing is allocated."""
+    import copy
+
+    from shardwise.planner import estimate_activation_bytes
+
+    meta = copy.deepcopy(model).to(torch.bfloat16)
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    # A 4-D mask: Hugging Face's own mask preparation reads values, which meta has not.
+    mask = torch.zeros(args.batch, 1, args.seq, args.seq, dtype=torch.bfloat16, device="meta")
+    estimate = estimate_activation_bytes(meta, input_ids=ids, labels=ids, attention_mask=mask)
+    return estimate.total_bytes
+
+
 def planned(engine: str, model: torch.nn.Module, args: argparse.Namespace) -> dict[str, Any]:
     """The planner's figures (GiB) for this placement at the engine's default budget."""
     from shardwise.planner import plan
@@ -263,15 +279,18 @@ def planned(engine: str, model: torch.nn.Module, args: argparse.Namespace) -> di
     else:
         return {"skipped": "no device budget on a CPU"}
     try:
+        activations = estimated_activations(model, args)
         answer = plan(
             model, world_size=1, device_memory_bytes=budget,
             host_memory_bytes=host_memory_bytes(), param_dtype=torch.bfloat16,
             optimizer="hybridadam", chunk_size_numel=args.chunk_numel,
+            activation_bytes=activations,
         )  # fmt: skip
         option = next(o for o in answer.options if o.stage == 3 and o.placement == placement)
     except Exception as error:  # the planner is the engine's to change: report, go on
         return {"error": f"{type(error).__name__}: {error}"}
     return {
+        "activation_bytes": activations,
         "device_state_bytes": int(option.device.total),
         "working_bytes": int(option.working_bytes),
         "host_bytes": int(option.host.total),

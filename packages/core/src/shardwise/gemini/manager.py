@@ -141,7 +141,13 @@ class GeminiManager:
         buffers come from the chunk manager's memory (pinned there where asked)."""
         chunks = self.chunk_manager.chunks
         if self.auto is not None:  # see [Note: auto places from the wrap] in wrap_plan.py
-            host_payload, host_optim = wrap_split(chunks, self.auto.budget, self.auto.margin_ratio)
+            assert isinstance(self.policy, AutoPlacement)
+            host_payload, host_optim = wrap_split(
+                chunks,
+                self.auto.budget,
+                self.auto.margin_ratio,
+                activation_bytes=self.policy.activation_bytes,
+            )
         else:
             host_payload, host_optim = self.policy.host_chunks(chunks)
         for chunk in chunks:

@@ -99,6 +99,10 @@ class AutoPlacement(PlacementPolicy):
     optimizer sides to the device where the warm-up showed room (see [Note: auto placement]).
 
     Args:
+        activation_bytes: the step's activations on the device, as estimated before any step
+            ran (`shardwise.planner.estimate_activation_bytes`), which the plan made at wrap
+            keeps room for (see [Note: auto places from the wrap] in wrap_plan.py); None:
+            a share of the budget.
         margin_ratio: the share, in [0, 1], of the device room left after warm-up that
             optimizer sides may use (the seeds' `gpu_margin_mem_ratio`: 0.0 keeps every
             optimizer side in host memory, as the seeds say); None, when it is not given: all
@@ -113,10 +117,19 @@ class AutoPlacement(PlacementPolicy):
     allows_overlapped_reduction: ClassVar[bool] = True
     needs_budget: ClassVar[bool] = True
     margin_ratio: float | None = None
+    activation_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.margin_ratio is not None:
             _check_fraction("gpu_margin_mem_ratio", self.margin_ratio)
+        value = self.activation_bytes
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ValueError(
+                f"activation_memory_bytes must be an int >= 0 (bytes, e.g. "
+                f"shardwise.planner.estimate_activation_bytes(...).total_bytes), got {value!r}"
+            )
 
     def host_chunks(self, chunks: list[Chunk]) -> tuple[set[int], set[int]]:
         return _sharded_and_trainable(chunks)
@@ -132,6 +145,7 @@ def placement_policy(
     offload_optim_frac: float = 0.0,
     offload_param_frac: float = 0.0,
     gpu_margin_mem_ratio: float | None = None,
+    activation_memory_bytes: int | None = None,
 ) -> PlacementPolicy:
     """The policy object for the seeds' `placement_policy` name and its arguments, refusing
     arguments the named policy has no use for."""
@@ -172,11 +186,19 @@ def placement_policy(
     if name == "auto":
         # Not given: the plan uses all the room (see [Note: auto placement]); a number is
         # honoured as the seeds define it, 0.0 keeping optimizer sides in host memory.
-        return AutoPlacement(margin_ratio=gpu_margin_mem_ratio)
-    AutoPlacement(margin_ratio=gpu_margin_mem_ratio)  # validates the value likewise
+        return AutoPlacement(
+            margin_ratio=gpu_margin_mem_ratio, activation_bytes=activation_memory_bytes
+        )
+    # Validates the values likewise.
+    AutoPlacement(margin_ratio=gpu_margin_mem_ratio, activation_bytes=activation_memory_bytes)
     if gpu_margin_mem_ratio:
         raise ValueError(
             f"gpu_margin_mem_ratio applies only to placement_policy='auto', got {name!r}"
+        )
+    if activation_memory_bytes is not None:
+        raise ValueError(
+            f"activation_memory_bytes applies only to placement_policy='auto' (the plan it "
+            f"makes at wrap), got {name!r}"
         )
     return HostPlacement() if name == "cpu" else DevicePlacement()
 

@@ -7,7 +7,9 @@ state in host memory: a 10.8B Llama's masters, gradients and, at the first step,
 moments, 150 GB and more, past a 125 GiB host while the device stood nearly empty. Now the
 wrap places by a plan against the device budget: room is kept for the step's working set (two
 gathered chunks and a gradient buffer) and for its activations, which are not known until a
-forward has run, so a stated share of the budget (`WRAP_ACTIVATION_SHARE`) is kept for them;
+forward has run: the planner's estimate where one is given (`activation_memory_bytes`, from
+`shardwise.planner.estimate_activation_bytes`), else a stated share of the budget
+(`WRAP_ACTIVATION_SHARE`) is kept for them;
 into the rest go the shards first, in chunk order (each saves its gathers' copies for the
 bytes it takes), then the optimizer sides of chunks whose shard is there (fp32 master,
 gradient shard, Adam's two moments: what the first step will allocate), up to
@@ -31,10 +33,15 @@ ASSUMED_STATE_BYTES = 8
 
 
 def wrap_split(
-    chunks: list[Chunk], budget: int, margin_ratio: float | None
+    chunks: list[Chunk],
+    budget: int,
+    margin_ratio: float | None,
+    *,
+    activation_bytes: int | None = None,
 ) -> tuple[set[int], set[int]]:
     """The chunks (by `id`) whose payload shard and whose optimizer side start in host memory
-    (see [Note: auto places from the wrap])."""
+    (see [Note: auto places from the wrap]), room kept for `activation_bytes` (None: a share
+    of the budget)."""
     host_payload = {id(c) for c in chunks if not c.keep_gathered}
     host_optim = {id(c) for c in chunks if c.requires_grad}
     sharded = [c for c in chunks if not c.keep_gathered]
@@ -45,7 +52,10 @@ def wrap_split(
     working = 2 * largest + largest_grads
     # Chunks kept gathered hold their payload on the device whatever the plan says.
     gathered = sum(c.padded_numel * _size(c.dtypes.payload) for c in chunks if c.keep_gathered)
-    room = budget - int(WRAP_ACTIVATION_SHARE * budget) - working - gathered
+    activations = (
+        int(WRAP_ACTIVATION_SHARE * budget) if activation_bytes is None else activation_bytes
+    )
+    room = budget - activations - working - gathered
     for chunk in sharded:
         shard = chunk.shard_numel * _size(chunk.dtypes.payload)
         if shard <= room:

@@ -55,6 +55,7 @@ GEMINI_CONFIG_KEYS = (
     "chunk_search_n_grids",
     "min_chunk_size",
     "gpu_margin_mem_ratio",
+    "activation_memory_bytes",
     "gradient_reduction",
     "reduce_scatter_bucket_bytes",
     "param_init_fn",
@@ -228,6 +229,7 @@ def _placement(options: Mapping[str, Any], device: torch.device) -> Placement:
         offload_optim_frac=options.get("offload_optim_frac", 0.0),
         offload_param_frac=options.get("offload_param_frac", 0.0),
         gpu_margin_mem_ratio=options.get("gpu_margin_mem_ratio"),
+        activation_memory_bytes=options.get("activation_memory_bytes"),
     )
     if options.get("strict_ddp_mode", False):
         policy = replicated(policy)  # parameters replicated on every rank, as ColossalAI's

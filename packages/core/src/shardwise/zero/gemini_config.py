@@ -283,7 +283,13 @@ def _placement(
                 stacklevel=3,
             )
         margin = None
-    asked = placement_policy(name, gpu_margin_mem_ratio=margin, **fractions)
+    asked = placement_policy(
+        name,
+        gpu_margin_mem_ratio=margin,
+        shard_param_frac=fractions.get("shard_param_frac", 1.0),
+        offload_optim_frac=fractions.get("offload_optim_frac", 0.0),
+        offload_param_frac=fractions.get("offload_param_frac", 0.0),
+    )
     budget = None
     if name == "auto" and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
