@@ -46,7 +46,8 @@ class CudaHostRegister:
     """Pins with `cudaHostRegister` (the memory stays the engine's allocation, at its size)."""
 
     def pin(self, storage: torch.UntypedStorage) -> None:
-        error = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
+        # cudaHostRegisterPortable, as torch registers memory: pinned for every context.
+        error = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 1)
         if int(error) != 0:
             raise RuntimeError(
                 f"cudaHostRegister of {storage.nbytes()} bytes failed with CUDA error "
