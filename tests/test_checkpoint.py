@@ -147,7 +147,7 @@ def test_resume_from_state_on_the_disk_tier_at_the_same_and_another_world_size(
     tmp_path: Path,
 ) -> None:
     # Saved while every master and optimizer state was in the disk tier's files (see [Note:
-    # the disk tier] in chunk/disk_pool.py), resumed exactly on the disk tier again, and at 4
+    # the disk tier] in memory/disk_pool.py), resumed exactly on the disk tier again, and at 4
     # ranks in memory (another world size sums in another order: the last bits).
     path = str(tmp_path / "ckpt")
     disk = {

@@ -1,5 +1,5 @@
-"""The disk tier (see [Note: the disk tier] in chunk/disk_pool.py and [Note: the disk tier in
-the step] in engine/disk_step.py) on 2 gloo ranks: every way of asking for it trains bit for
+"""The disk tier (see [Note: the disk tier] in memory/disk_pool.py and [Note: the disk tier in
+the step] in engine/step_loop.py) on 2 gloo ranks: every way of asking for it trains bit for
 bit as the same run in memory, moves what it should, removes its files when the optimizer is
 closed, and a failed read or write raises the same error on every rank with the model and
 optimizer left as they were before the step.
@@ -20,8 +20,9 @@ from helpers import CHUNK_NUMEL, batch_slice, logged_messages, make_model
 from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
 from shardwise.booster import Booster
 from shardwise.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
-from shardwise.chunk import Pool, disk_pool
-from shardwise.chunk.disk_pool import DiskTierError
+from shardwise.chunk import Pool
+from shardwise.memory import disk_pool
+from shardwise.memory.disk_pool import DiskTierError
 from shardwise.optim import HybridAdam
 from shardwise.testing import run_ranks
 

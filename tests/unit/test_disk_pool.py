@@ -1,7 +1,7 @@
 """DiskPool on one process: bytes round-trip exactly in every dtype, a write frees the tensors'
 memory and a read gives it back, only a commit makes a written copy the one read, a failed
 write leaves the tensors as they were, and the files go when the pool is closed (see [Note:
-the disk tier] in chunk/disk_pool.py)."""
+the disk tier] in memory/disk_pool.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.chunk import disk_pool
-from shardwise.chunk.disk_pool import DiskPool
+from shardwise.memory import disk_pool
+from shardwise.memory.disk_pool import DiskPool
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -124,7 +124,7 @@ def test_files_are_removed_when_the_process_exits(tmp_path: Path) -> None:
 
     code = (
         "import sys, torch\n"
-        "from shardwise.chunk.disk_pool import DiskPool\n"
+        "from shardwise.memory.disk_pool import DiskPool\n"
         "pool = DiskPool(sys.argv[1], rank=0)\n"
         "pool.write(0, [torch.ones(8)]).result()\n"
         "print(pool.path)\n"

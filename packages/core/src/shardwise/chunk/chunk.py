@@ -61,7 +61,6 @@ sharded chunk: it is copied to the device for each gather), and the optimizer si
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 
 import torch
@@ -69,7 +68,6 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk.context import ChunkContext
-from shardwise.chunk.disk_pool import DiskPool, DiskTierError
 from shardwise.chunk.grads import (
     AveragedFullGrads,
     GradSide,
@@ -93,6 +91,8 @@ from shardwise.chunk.states import (
     TensorInfo,
     TensorState,
 )
+from shardwise.chunk.tiers import IN_MEMORY, OnDisk, SideTier
+from shardwise.memory.disk_pool import DiskPool, DiskTierError
 
 
 class Chunk:
@@ -164,10 +164,6 @@ class Chunk:
         # The views the optimizer steps and its state for them, which move with the master
         # (see [Note: the chunk owns its optimizer state] in optimizer_state.py).
         self.optimizer_state = OptimizerState(self)
-        # On the disk tier: the tensors whose bytes its current copy holds, and those of the
-        # copy written since (until committed or discarded).
-        self._written_to_disk: list[torch.Tensor] = []
-        self._writing_to_disk: list[torch.Tensor] = []
 
     # ---- packing ---------------------------------------------------------------------------
 
@@ -273,7 +269,7 @@ class Chunk:
         optimizer's views following in place (see [Note: the chunk owns its optimizer state]
         in optimizer_state.py). An fp32 master that lands beside its shard becomes the shard
         itself. The disk tier (`disk`, for `Pool.DISK`) takes a side from host memory and gives
-        it back there (see [Note: the disk tier] in disk_pool.py)."""
+        it back there (see [Note: the disk tier] in memory/disk_pool.py)."""
         if pool is self.placement.optim or not self.requires_grad:
             self.placement.optim = pool
             return
@@ -292,7 +288,12 @@ class Chunk:
         self.placement.count_bytes(self.optimizer_state.follow(self.master), into=pool)
         self.placement.optim = pool
 
-    # ---- the disk tier (see [Note: the disk tier] in disk_pool.py) ----------------------------
+    # ---- tiers (see [Note: tiers] in tiers.py) ---------------------------------------------
+
+    @property
+    def tier(self) -> SideTier:
+        """Where the optimizer side lives between steps, and how a step brings it in."""
+        return self.placement.tier
 
     def _move_optim_to_or_from_disk(self, pool: Pool, disk: DiskPool | None) -> None:
         source = self.placement.optim
@@ -308,40 +309,38 @@ class Chunk:
                 # The payload stays in memory; the master on disk is a copy of its own.
                 self.master = self.master.clone()
                 self.optimizer_state.follow(self.master)
-            self.placement.disk = disk
-            self.placement.optim = Pool.DISK
+            tier = OnDisk(disk, self.chunk_id, self.side_tensors, self.placement.count_disk)
             try:
-                self.start_evict().result()
+                tier.evict().result()
             except OSError as error:
                 # Nothing was freed: the side stays in host memory.
-                self.placement.optim, self.placement.disk = Pool.HOST, None
-                self._writing_to_disk = []
+                tier.rollback()
                 raise DiskTierError(
                     f"chunk {self.chunk_id} could not be written to the disk tier "
                     f"({disk.path}): {error}"
                 ) from error
-            self.commit_disk()
+            tier.commit()
+            self.placement.tier, self.placement.optim = tier, Pool.DISK
             return
         if pool is not Pool.HOST:
             raise ValueError(
                 f"chunk {self.chunk_id}: an optimizer side leaves the disk tier for host "
                 f"memory, not {pool.value} memory"
             )
-        held = self.placement.disk
-        assert held is not None
+        held = self.placement.tier
+        assert isinstance(held, OnDisk)
         if not self.optim_side_resident:
-            self.start_fetch().result()
-        held.forget(self.chunk_id)
-        self.placement.disk = None
-        self.placement.optim = Pool.HOST
-        self._written_to_disk = []
+            held.fetch().result()
+        held.leave()
+        self.placement.tier, self.placement.optim = IN_MEMORY, Pool.HOST
         if self.dtypes.payload == torch.float32 and self.placement.payload is Pool.HOST:
             self.payload.shard.copy_(self.master)
             self.master = self.payload.shard
             self.optimizer_state.follow(self.master)
 
-    def disk_tensors(self) -> list[torch.Tensor]:
-        """What the disk tier is to hold of this chunk: its fp32 master and optimizer state."""
+    def side_tensors(self) -> list[torch.Tensor]:
+        """The optimizer side a tier other than memory holds: the fp32 master and the
+        optimizer's state (the gradient shard stays in memory)."""
         return [self.master, *self.optimizer_state.tensors]
 
     @property
@@ -350,78 +349,30 @@ class Chunk:
         tier only between a fetch and the next eviction."""
         return self.master.untyped_storage().size() > 0
 
-    def start_fetch(self) -> Future[None]:
-        """Start reading the master and state back into host memory (the disk tier), into
-        the tensors that were written (the state the optimizer had then)."""
-        disk = self._disk()
-        tensors = self._written_to_disk
-        self.placement.bytes_from_disk += sum(t.numel() * t.element_size() for t in tensors)
-        return disk.read(self.chunk_id, tensors)
-
     def ensure_resident(self) -> None:
-        """Read the master and state in now if they are on the disk tier; they stay in memory
-        (changes made to them included) until the next step writes them back."""
-        if self.placement.optim is Pool.DISK and not self.optim_side_resident:
-            self.start_fetch().result()
-
-    def start_evict(self) -> Future[None]:
-        """Start writing the master and state to the disk tier's next copy, their memory freed
-        once written; `DiskPool.commit` makes that copy the current one."""
-        disk = self._disk()
-        tensors = self.disk_tensors()
-        for tensor in tensors:
-            # Freeing a storage must free this tensor's elements and nobody else's (the
-            # optimizer's views of the master share them, and follow when they come back).
-            if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != (
-                tensor.numel() * tensor.element_size()
-            ):
-                raise RuntimeError(
-                    f"chunk {self.chunk_id}: a tensor of its optimizer side is part of a larger "
-                    f"storage ({tuple(tensor.shape)}), so the disk tier cannot free it"
-                )
-        self.placement.bytes_to_disk += sum(t.numel() * t.element_size() for t in tensors)
-        self._writing_to_disk = tensors
-        return disk.write(self.chunk_id, tensors)
-
-    def commit_disk(self) -> None:
-        """The copy written last becomes the disk tier's current one."""
-        self._disk().commit([self.chunk_id])
-        self._written_to_disk, self._writing_to_disk = self._writing_to_disk, []
-
-    def discard_disk(self) -> None:
-        """Forget the copy written since the last commit (a step rolled back)."""
-        self._disk().discard([self.chunk_id])
-        self._writing_to_disk = []
-
-    def drop_fetched(self) -> None:
-        """Free the master and state read in, leaving the disk tier's copy as it is (what was
-        read was only looked at, or is to be forgotten)."""
-        for tensor in self._written_to_disk:
-            tensor.untyped_storage().resize_(0)
+        """Bring the master and state in now if their tier holds them elsewhere; they stay in
+        memory (changes made to them included) until the next step sends them back."""
+        if not self.optim_side_resident:
+            self.tier.fetch().result()
 
     @contextmanager
     def optim_side_in_memory(self, *, write_back: bool) -> Iterator[None]:
-        """The master and state readable in host memory inside the block; on the disk tier
-        they are read in and, on leaving, written back as the current copy (`write_back`:
+        """The master and state readable in memory inside the block; from a tier elsewhere
+        they are brought in and, on leaving, sent back as the current copy (`write_back`:
         they were changed, e.g. loaded from a checkpoint) or dropped. Elsewhere nothing
         happens."""
-        if self.placement.optim is not Pool.DISK or self.optim_side_resident:
+        if self.optim_side_resident:
             yield
             return
-        self.start_fetch().result()
+        self.tier.fetch().result()
         try:
             yield
         finally:
             if write_back:
-                self.start_evict().result()
-                self.commit_disk()
+                self.tier.evict().result()
+                self.tier.commit()
             else:
-                self.drop_fetched()
-
-    def _disk(self) -> DiskPool:
-        if self.placement.optim is not Pool.DISK or self.placement.disk is None:
-            raise RuntimeError(f"chunk {self.chunk_id} is not on the disk tier")
-        return self.placement.disk
+                self.tier.drop()
 
     # ---- gradient layouts (see [Note: gradient layouts] in grads.py) -------------------------
 

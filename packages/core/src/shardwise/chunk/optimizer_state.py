@@ -13,7 +13,7 @@ and nothing above the chunk has to re-point anything when the memory manager mov
 between pools. Adopting a state tensor is a resident change (see [Note: resident changes] in
 resident.py), so the memory manager's running totals count the state the first step makes.
 
-The disk tier (see [Note: the disk tier] in disk_pool.py) uses the same references: it writes
+The disk tier (see [Note: the disk tier] in memory/disk_pool.py) uses the same references: it writes
 the master and the state tensors to a file and frees their storage (resized to zero, as a
 released payload is), then reads them back into the same tensors before the chunk steps.
 """

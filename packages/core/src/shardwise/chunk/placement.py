@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from shardwise.chunk.disk_pool import DiskPool
 from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import Pool
+from shardwise.chunk.tiers import IN_MEMORY, OnDisk, SideTier
 from shardwise.memory import Memory, PendingCopy
+from shardwise.memory.disk_pool import DiskPool
 
 
 class ChunkPlacement:
@@ -39,8 +40,9 @@ class ChunkPlacement:
         self.optim = Pool.DEVICE
         self.bytes_to_device = 0
         self.bytes_to_host = 0
-        # The disk tier holding the master and state while `optim` is DISK.
-        self.disk: DiskPool | None = None
+        # Where the optimizer side lives between steps (see [Note: tiers] in tiers.py): the
+        # disk tier's files while `optim` is DISK, else memory.
+        self.tier: SideTier = IN_MEMORY
         self.bytes_to_disk = 0
         self.bytes_from_disk = 0
 
@@ -87,6 +89,18 @@ class ChunkPlacement:
         """A new uninitialised buffer in `pool`'s memory (host memory feeding a CUDA device
         pinned where asked, from the engine's pool)."""
         return self.memory.empty(numel, dtype, host=pool is not Pool.DEVICE)
+
+    @property
+    def disk(self) -> DiskPool | None:
+        """The disk tier holding the master and state while `optim` is DISK."""
+        return self.tier.pool if isinstance(self.tier, OnDisk) else None
+
+    def count_disk(self, nbytes: int, read: bool) -> None:
+        """Count `nbytes` read from the disk tier (`read`) or written to it."""
+        if read:
+            self.bytes_from_disk += nbytes
+        else:
+            self.bytes_to_disk += nbytes
 
     def count_copy(self, tensor: torch.Tensor, into: Pool) -> None:
         """Count a copy of `tensor` made elsewhere into `into` (an in-place copy_ between

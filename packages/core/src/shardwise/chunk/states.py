@@ -91,7 +91,7 @@ class Pool(Enum):
     DISK = "disk"
     """Files under a directory the user names, for an optimizer side only: the fp32 master and
     the optimizer state, read into host memory for the chunk's step and written back after
-    (its gradient shard stays in host memory). See [Note: the disk tier] in disk_pool.py."""
+    (its gradient shard stays in host memory). See [Note: the disk tier] in memory/disk_pool.py."""
 
 
 @dataclass(slots=True)

@@ -234,7 +234,7 @@ class Placement:
     pin_memory: bool = False
     """Pin host copies of chunks when the compute device is CUDA."""
     disk_fraction: float = 0.0
-    """The disk tier (see [Note: the disk tier] in chunk/disk_pool.py): the share, in [0, 1],
+    """The disk tier (see [Note: the disk tier] in memory/disk_pool.py): the share, in [0, 1],
     of the chunks whose optimizer side the placement keeps in host memory that keep their
     fp32 master and optimizer state in files under `disk_dir` instead, the first in chunk
     order (HybridAdam's `nvme_offload_fraction`)."""

@@ -22,9 +22,9 @@ import torch
 
 from shardwise.chunk import Chunk, Pool
 from shardwise.chunk.accounting import resident_bytes_by_pool
-from shardwise.chunk.disk_pool import DiskPool
 from shardwise.engine.config import Placement
 from shardwise.logging.progress_bar import progress_bar, progress_wanted
+from shardwise.memory.disk_pool import DiskPool
 from shardwise.memory.pages import give_back_freed_memory
 from shardwise.optim import HybridAdam
 
@@ -184,7 +184,7 @@ class StepSnapshot:
     their disk copies keep): the optimizer's per-view state entries (scalar step counts, and
     which views have state at all), each chunk's adopted state tensors, and the loss scaler.
     Restored when the step rolls back (see [Note: the disk tier in the step] in
-    disk_step.py)."""
+    step_loop.py)."""
 
     views: list[tuple[torch.Tensor, dict[str, Any] | None]]
     adopted: list[tuple[Chunk, list[torch.Tensor]]]

@@ -42,8 +42,6 @@ import torch
 from shardwise import comm
 from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler, LossScaleConfig
 from shardwise.chunk import Chunk, Pool
-from shardwise.chunk.disk_pool import DiskPool, DiskTierError
-from shardwise.engine.disk_step import step_on_disk
 from shardwise.engine.disk_tier import (
     StepSnapshot,
     chunks_for_disk,
@@ -54,7 +52,9 @@ from shardwise.engine.disk_tier import (
 from shardwise.engine.grad_norm import global_grad_norm
 from shardwise.engine.model import ZeroModel
 from shardwise.engine.shard_views import bind_shard_views
+from shardwise.engine.step_loop import step_chunks
 from shardwise.engine.step_parts import step_parts
+from shardwise.memory.disk_pool import DiskPool, DiskTierError
 from shardwise.optim import HybridAdam
 
 
@@ -155,7 +155,7 @@ class ZeroOptimizer:
         # Every group's parameters by name, in the order the user gave them (frozen ones and
         # ones this rank owns no element of too): torch's parameter numbers in checkpoints.
         self.group_param_names = views.group_param_names
-        # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py): chunks an optimizer
+        # The disk tier (see [Note: the disk tier] in memory/disk_pool.py): chunks an optimizer
         # before this one left there (it was collected without `close()`: their masters wait
         # there still), and those the settings send there now.
         self._disk_chunks = [c for c in self._chunks if c.placement.optim is Pool.DISK]
@@ -259,7 +259,7 @@ class ZeroOptimizer:
         self.last_grad_norm = norm
         self.last_loss_scale = scale
         overflow = not math.isfinite(norm)
-        # What a rolled-back step of the disk tier restores (see engine/disk_step.py).
+        # What a rolled-back step of the disk tier restores (see engine/step_loop.py).
         self._scaler_before = self.grad_scaler.state_dict() if self.disk is not None else {}
         self._skips_before = (self.skipped_in_a_row, self._stuck_in_a_row, self.skip_warning)
         self._count_skips(overflow)
@@ -283,59 +283,44 @@ class ZeroOptimizer:
         self, coef: float, grads: list[torch.Tensor | None], got_grad: list[bool]
     ) -> None:
         """See [Note: the step, chunk by chunk]; `grads` are the chunks' gradient shards
-        where the norm read them already (the others are read as each chunk steps). The
-        disk tier's chunks go first (see [Note: the disk tier in the step] in
-        engine/disk_step.py): when their step fails, nothing else has stepped."""
+        where the norm read them already (the others are read as each chunk steps: its host
+        step runs while later chunks' gradients may still be landing, see [Note: reduced
+        gradients leave for the host] in chunk/grads.py). One loop for every tier (see [Note:
+        the disk tier in the step] in engine/step_loop.py): when the disk tier's step fails,
+        nothing else has stepped, and the step is undone."""
         groups = self.optim.param_groups
         whole = [group["params"] for group in groups]
-        wait = not self._parts.defers_param_gather
+        read = {chunk.chunk_id: grad for chunk, grad in zip(self._chunks, grads, strict=True)}
 
-        def read(chunk: Chunk, grad: torch.Tensor | None) -> torch.Tensor:
+        def step(chunk: Chunk) -> None:
+            grad = read[chunk.chunk_id]
             grad = chunk.grads.for_step() if grad is None else grad
             for view, begin, end, position in self._slots[chunk.chunk_id]:
                 # See [Note: tensors without gradients].
                 view.grad = grad[begin:end] if got_grad[position] else None
-            return grad
+            self._step_one_chunk(chunk, coef, grad)
 
-        work = list(zip(self._chunks, grads, strict=True))
-        on_disk = [
-            (chunk, read(chunk, grad)) for chunk, grad in work if chunk.placement.optim is Pool.DISK
-        ]
-        try:
-            if on_disk:
-                self._step_on_disk(on_disk, coef, wait)
-            for chunk, grad in work:
-                if chunk.placement.optim is Pool.DISK:
-                    continue
-                # The host step of this chunk runs while the next chunk's gradient may still
-                # be landing and the chunk before's parameters go up (see [Note: reduced
-                # gradients leave for the host] in chunk/grads.py).
-                self._step_one_chunk(chunk, coef, read(chunk, grad))
-                chunk.publish_master(wait=wait)
-                chunk.grads.end_step()
-        finally:
-            for group, params in zip(groups, whole, strict=True):
-                group["params"] = params
-
-    def _step_on_disk(
-        self, work: list[tuple[Chunk, torch.Tensor]], coef: float, wait: bool
-    ) -> None:
-        snapshot = StepSnapshot.take(
-            [chunk for chunk, _ in work], self.optim.state, self._scaler_before
+        fallible = [chunk for chunk in self._chunks if chunk.tier.fallible]
+        snapshot = (
+            StepSnapshot.take(fallible, self.optim.state, self._scaler_before) if fallible else None
         )
         try:
-            step_on_disk(
-                work,
-                lambda chunk, grad: self._step_one_chunk(chunk, coef, grad),
-                wait_publish=wait,
+            step_chunks(
+                self._chunks,
+                step,
+                wait_publish=not self._parts.defers_param_gather,
                 stats=self._parts.comm_stats,
                 group=self._parts.data_parallel,
             )
         except DiskTierError:
+            assert snapshot is not None
             snapshot.restore(self.optim.state)
             self.grad_scaler.load_state_dict(snapshot.scaler)
             self.skipped_in_a_row, self._stuck_in_a_row, self.skip_warning = self._skips_before
             raise
+        finally:
+            for group, params in zip(groups, whole, strict=True):
+                group["params"] = params
 
     def _step_one_chunk(self, chunk: Chunk, coef: float, grad: torch.Tensor) -> None:
         """The inner optimizer over `chunk`'s views alone (its param groups hold only them),
@@ -450,14 +435,14 @@ class ZeroOptimizer:
             if on_disk:
                 # Written through at once: the disk copy holds the loaded state from now on.
                 try:
-                    chunk.start_evict().result()
+                    chunk.tier.evict().result()
                 except OSError as error:
                     raise DiskTierError(
                         f"the loaded optimizer state of chunk {chunk.chunk_id} could not be "
                         f"written to the disk tier ({error}); it stays in memory until the "
                         f"next step writes it"
                     ) from error
-                chunk.commit_disk()
+                chunk.tier.commit()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (e.g. Adam moments) this rank holds in memory."""

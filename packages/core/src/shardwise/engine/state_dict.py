@@ -54,7 +54,7 @@ def _read_in(chunk: Chunk) -> bool:
     """Read `chunk`'s master in from the disk tier if it is there; whether it was."""
     if chunk.placement.optim is not Pool.DISK or chunk.optim_side_resident:
         return False
-    chunk.start_fetch().result()
+    chunk.tier.fetch().result()
     return True
 
 
@@ -63,7 +63,7 @@ def _finished(gather: tuple[Chunk, torch.Tensor, Any, bool]) -> tuple[Chunk, tor
     if work is not None:
         work.wait()
     if fetched:  # gathered: its disk copy is the current one still
-        chunk.drop_fetched()
+        chunk.tier.drop()
     return chunk, full
 
 
@@ -131,7 +131,7 @@ def _keep_whole(
         info = chunk.tensors[index]
         values[id(info.param)] = whole.view(info.shape)
     if fetched:  # sent: its disk copy is the current one still
-        chunk.drop_fetched()
+        chunk.tier.drop()
 
 
 def gather_full_grads(chunk_manager: ChunkManager, *, keep: bool) -> dict[str, torch.Tensor | None]:

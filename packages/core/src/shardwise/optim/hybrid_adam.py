@@ -48,7 +48,7 @@ class HybridAdam(torch.optim.Optimizer):
         nvme_offload_fraction: the share, in [0, 1], of the optimizer sides kept in host
             memory that the engine keeps on the disk tier instead (their fp32 masters and
             this optimizer's state, in files: see [Note: the disk tier] in
-            chunk/disk_pool.py). Honoured when the engine steps this optimizer
+            memory/disk_pool.py). Honoured when the engine steps this optimizer
             (`zero_optim_wrapper`, the Booster's ZeRO plugins) with optimizer state in host
             memory ("cpu" placement, `cpu_offload=True`, "static" `offload_optim_frac`);
             refused at the first step otherwise.

@@ -107,7 +107,7 @@ def plan(
             ranks, from secondary shards every rank holds from forward to backward (see
             [Note: secondary shards] in chunk/chunk.py); counted in the working memory.
         disk_memory_bytes: bytes the disk tier's files may take per rank (see [Note: the disk
-            tier] in chunk/disk_pool.py); 0 plans without a disk tier.
+            tier] in memory/disk_pool.py); 0 plans without a disk tier.
         gather_format, reduce_format, quant_block_numel: the wire formats, as in
             `gemini_config`; their buffers count in the working memory and their records in
             the traffic (see [Note: wire buffers in the plan]).
@@ -189,7 +189,7 @@ def plan(
         if placement == "disk":
             # fp32 masters (held apart from the parameters on disk) and optimizer state go to
             # the files; the step holds three chunks' of them at once (see [Note: the disk
-            # tier in the step] in engine/disk_step.py).
+            # tier in the step] in engine/step_loop.py).
             shard_of_chunk = chunk / n
             disk = StateBytes(
                 params=0, grads=0, optimizer=host.optimizer, master=4 * psi_padded / n

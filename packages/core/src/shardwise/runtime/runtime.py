@@ -13,7 +13,7 @@ an engine's hooks] in runtime/hooks.py) and removes them when closed, or when it
 the hooks torch keeps in C++ hold the engine only weakly (see [Note: hooks hold the engine
 weakly] in runtime/grad_reducer.py), so a dropped model is collected, and a tensor the user
 kept (a parameter in a list, an EMA copy's source) carries no dead hook of it afterwards. The
-runtime starts no thread: the disk tier's threads belong to its pool (chunk/disk_pool.py) and
+runtime starts no thread: the disk tier's threads belong to its pool (memory/disk_pool.py) and
 telemetry's to its emitter, each stopped when its owner is collected.
 """
 

@@ -240,7 +240,7 @@ def _placement(options: Mapping[str, Any], device: torch.device) -> Placement:
         # engine's pool: see [Note: pinned buffers, pooled] in memory/pinned.py).
         pin_memory=options.get("pin_memory", pins_host_copies(device)),
         host_buffer_pool=options.get("host_buffer_pool", False),
-        # The disk tier (see [Note: the disk tier] in chunk/disk_pool.py).
+        # The disk tier (see [Note: the disk tier] in memory/disk_pool.py).
         disk_fraction=options.get("nvme_offload_fraction", 0.0),
         disk_dir=options.get("nvme_offload_dir"),
         host_budget_bytes=options.get("host_budget_bytes"),
