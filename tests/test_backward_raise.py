@@ -86,11 +86,11 @@ def _plain_loop() -> tuple[list[float], dict[str, torch.Tensor], int]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, raised
 
 
-def _sharded_loop(
-    stage: int, overlap: bool, placement: str
-) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """The same loop under shardwise, on this rank."""
-    rank = dist.get_rank()
+def _wrapped(
+    stage: int, overlap: bool | None = None, placement: str = "cuda"
+) -> tuple[Any, Any, Any]:
+    """The test model wrapped at `stage`, its optimizer wrapped over it (`overlap`: the
+    optimizer's overlap_communication, its default when None): (model, wrapped, optimizer)."""
     model = make_model()
     config: dict[str, Any] = {"device": torch.device("cpu"), "placement_policy": placement}
     if placement == "auto":  # a budget that holds about half the model's state
@@ -99,9 +99,20 @@ def _sharded_loop(
     if stage == 3:
         config["chunk_size_numel"] = CHUNK_NUMEL
     else:
-        optim_config = {"reduce_bucket_size": CHUNK_NUMEL, "overlap_communication": overlap}
+        optim_config = {"reduce_bucket_size": CHUNK_NUMEL}
+        if overlap is not None:
+            optim_config["overlap_communication"] = overlap
     wrapped = zero_model_wrapper(model, stage, config)
     optimizer = zero_optim_wrapper(wrapped, adamw(model.parameters()), optim_config=optim_config)
+    return model, wrapped, optimizer
+
+
+def _sharded_loop(
+    stage: int, overlap: bool, placement: str
+) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """The same loop under shardwise, on this rank."""
+    rank = dist.get_rank()
+    model, wrapped, optimizer = _wrapped(stage, overlap, placement)
     losses, raised = [], 0
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -182,13 +193,7 @@ def _plain_loop_zeroing_after_step() -> tuple[list[float], dict[str, torch.Tenso
 
 def _sharded_loop_zeroing_after_step(stage: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     rank = dist.get_rank()
-    model = make_model()
-    config: dict[str, Any] = {"device": torch.device("cpu")}
-    if stage == 3:
-        config["chunk_size_numel"] = CHUNK_NUMEL
-    wrapped = zero_model_wrapper(model, stage, config)
-    optim_config = {"reduce_bucket_size": CHUNK_NUMEL} if stage < 3 else None
-    optimizer = zero_optim_wrapper(wrapped, adamw(model.parameters()), optim_config=optim_config)
+    model, wrapped, optimizer = _wrapped(stage)
     losses = []
     for step in range(STEPS):
         handle = _raise_midway(model) if step == RAISING_STEP else None
