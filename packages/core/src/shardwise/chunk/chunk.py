@@ -68,13 +68,12 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.chunk.context import ChunkContext
+from shardwise.chunk.facade_grads import InPayloadGrads, WholeGrads
 from shardwise.chunk.grads import (
     AveragedFullGrads,
     GradSide,
-    InPayloadGrads,
     OwnBufferGrads,
     SliceOfFullGrads,
-    WholeGrads,
 )
 from shardwise.chunk.optimizer_state import OptimizerState
 from shardwise.chunk.parameters import (

@@ -24,7 +24,8 @@ that assert where they start from, so no method branches over the places:
 - `WholeGrads` (stage 0, `ColoDDP`): no shard; the whole gradient buffer, in the parameters'
   dtype, is averaged across the replicas in place after each backward and `.grad` of every
   tensor views it, as DDP's `gradient_as_bucket_view` (see [Note: stage 0] in reduction.py).
-The last two serve one facade each: the engine's stages 1-3 never build them.
+The last two serve one facade each, and live in facade_grads.py: the engine's stages 1-3
+never build them.
 
 [Note: stage 1 averages in backward]
 A user reads `.grad` after backward as DDP gives it: the average over the ranks (ColossalAI's
@@ -47,13 +48,13 @@ keeps reducing once at the step (`SliceOfFullGrads`, `OwnBufferGrads`), which is
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar, Protocol
 
 import torch
 
 from shardwise.chunk.context import ChunkContext
 from shardwise.chunk.grad_buffer import owns_storage, zero_unwritten
+from shardwise.chunk.norm_partial import norm_partial
 from shardwise.chunk.placement import ChunkPlacement
 from shardwise.chunk.resident import Resident
 from shardwise.chunk.states import ChunkDtypes, GradLayout, GradState, Pool, TensorInfo, TensorState
@@ -134,8 +135,8 @@ class GradSide:
         self._ready = 0
         # `full` holds local gradients no reduction has taken yet.
         self._unreduced = False
-        # See [Note: norm partials]: the norm the step clips by, set by its optimizer, and
-        # this chunk's share of it, taken where the reduction ran.
+        # See [Note: norm partials] in norm_partial.py: the norm the step clips by, set by its
+        # optimizer, and this chunk's share of it, taken where the reduction ran.
         self.norm_type: float | None = None
         self.norm_partial: torch.Tensor | None = None
 
@@ -328,7 +329,7 @@ class OwnBufferGrads(GradSide):
     def _take_reduced(self, reduced: torch.Tensor) -> None:
         chunk = self._chunk
         if self.state is GradState.STALE:  # the first gradients since zero_grad()
-            self.norm_partial = _norm_partial(reduced, self.norm_type)
+            self.norm_partial = norm_partial(reduced, self.norm_type)
             self._allocate()
             # Straight into the shard, wherever it lives (stage 2's offload copies each
             # bucket's reduced gradient to the host here, as its reduction completes).
@@ -422,7 +423,7 @@ class SliceOfFullGrads(GradSide):
         self._enter(GradState.OPEN)
 
 
-class _ViewedGrads(GradSide):
+class ViewedGrads(GradSide):
     """The layouts whose whole gradient buffer `.grad` of every tensor views and which average
     it over ranks in place, as DDP's buckets (`AveragedFullGrads`, `WholeGrads`)."""
 
@@ -457,7 +458,7 @@ class _ViewedGrads(GradSide):
         self._hide()
 
 
-class AveragedFullGrads(_ViewedGrads):
+class AveragedFullGrads(ViewedGrads):
     """Stage 1 with fp32 compute and reduction: the whole gradient buffer, averaged over the
     ranks in place during each synchronised backward and viewed by `.grad`, as DDP's
     `gradient_as_bucket_view`; the optimizer reads this rank's own slice of it (see [Note:
@@ -519,104 +520,6 @@ class AveragedFullGrads(_ViewedGrads):
         self._enter(GradState.OPEN)
 
 
-class InPayloadGrads(GradSide):
-    """`reuse_fp16_shard`: this rank's reduced gradients live in the 16-bit payload shard
-    between backward and step instead of a persistent fp32 gradient shard (the fp32 master
-    restores the parameters at the step). Saves 4 bytes per owned element between steps;
-    refuses gradient accumulation, since the next forward would gather gradients as
-    parameters (see [Note: gradient layouts])."""
-
-    layout = GradLayout.IN_PAYLOAD
-    STATES = frozenset({GradState.OPEN, GradState.CLOSED})
-
-    def __init__(self, chunk: OwningChunk) -> None:
-        if chunk.master is chunk.payload.shard or chunk.keep_gathered:
-            raise ValueError(
-                "reuse_fp16_shard=True needs 16-bit parameters (a separate fp32 master) and "
-                "sharded chunks; build the model with ZeroInitContext(default_dtype=torch.float16)"
-            )
-        super().__init__(chunk, _no_shard(chunk))
-
-    def _take_reduced(self, reduced: torch.Tensor) -> None:
-        if self.state is GradState.CLOSED:
-            raise ValueError(_NO_ACCUMULATION)
-        self._chunk.payload.shard.copy_(reduced)
-        self._enter(GradState.CLOSED, GradState.OPEN)
-
-    def check_payload_holds_params(self) -> None:
-        if self.state is GradState.CLOSED:
-            raise ValueError(_NO_ACCUMULATION)
-
-    def for_step(self) -> torch.Tensor:
-        """A transient fp32 copy of the payload's gradients (zeros when none arrived)."""
-        chunk = self._chunk
-        if self.state is GradState.CLOSED:
-            self.shard = chunk.payload.shard.to(torch.float32)
-        else:
-            self.shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.device)
-        if chunk.placement.optim is not Pool.DEVICE:
-            self.shard = chunk.placement.move_to(self.shard, Pool.HOST)
-        return self.shard
-
-    def end_step(self) -> None:
-        """Put the parameters back into the payload and drop the transient gradient copy."""
-        chunk = self._chunk
-        chunk.payload.shard.copy_(chunk.master)
-        self._enter(GradState.OPEN)
-        self.shard = _no_shard(chunk)
-
-
-class WholeGrads(_ViewedGrads):
-    """Stage 0, whose shard is the whole chunk (a shard group of this rank alone): the
-    gradients stay in one persistent buffer, in the parameters' dtype, that `.grad` of every
-    tensor views, and there is no optimizer side (see [Note: gradient layouts])."""
-
-    layout = GradLayout.WHOLE
-    STATES = frozenset({GradState.OPEN})
-
-    def __init__(self, chunk: OwningChunk) -> None:
-        assert chunk.world_size == 1 and chunk.keep_gathered, "stage 0 keeps whole chunks"
-        assert chunk.dtypes.reduce == chunk.dtypes.compute, "`.grad` has its parameter's dtype"
-        full = torch.zeros(chunk.padded_numel, dtype=chunk.dtypes.reduce, device=chunk.device)
-        super().__init__(chunk, _no_shard(chunk), full)
-        self.exposes = True
-
-    def prepare_reduce(self) -> torch.Tensor:
-        self._contribute_what_grad_holds()
-        assert self.full is not None
-        return self.full
-
-    def accept_reduced(self, reduced: torch.Tensor, *, keep_full: bool) -> None:
-        """The buffer was averaged in place and stays, whatever `keep_full` says: `.grad`
-        views it."""
-        self.end_pass()
-
-    def zero_grad(self) -> None:
-        """The next reduction zeroes what no gradient reaches then."""
-        super().zero_grad()
-
-
-# [Note: norm partials]
-# The step needs the global norm of the gradient before any chunk steps (clipping, and the
-# overflow check of fp16). Read from the shards at the step, it reads every shard, which under
-# offload live in host memory: every chunk's host step would wait for all of them. So where a
-# chunk's shard holds exactly one reduction since zero_grad() (the usual step: one
-# synchronised backward), its share of the norm (the p-norm of its reduced slice) is taken as
-# that reduction is accepted, on the device where the reduction ran, from the same fp32 values
-# the shard receives; the step sums the shares (engine/grad_norm.py). A second reduction added
-# into the shard (backward passes accumulating outside no_sync) or a change of the shard
-# across replicas (hybrid sharding) drops the share, and the step reads that shard. The
-# infinity norm, which must also carry NaN apart, is always read from the shards. Each share is
-# the kernel the step would run over the same values, so the norm is the same bit for bit.
-
-
-def _norm_partial(reduced: torch.Tensor, norm_type: float | None) -> torch.Tensor | None:
-    """`reduced`'s share of the step's `norm_type` norm (see [Note: norm partials])."""
-    if norm_type is None or math.isinf(norm_type):
-        return None
-    return torch._foreach_norm([reduced.to(torch.float32)], norm_type)[0]
-
-
 def _own_slice_or_host_shard(chunk: OwningChunk, full: torch.Tensor) -> torch.Tensor:
     """Stage 1's gradient shard: this rank's slice of `full`, or, where the optimizer side
     lives in host memory (offload), an fp32 buffer of its own there."""
@@ -625,16 +528,11 @@ def _own_slice_or_host_shard(chunk: OwningChunk, full: torch.Tensor) -> torch.Te
     return torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.placement.host)
 
 
-def _no_shard(chunk: OwningChunk) -> torch.Tensor:
+def no_shard(chunk: OwningChunk) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=chunk.device)
 
 
 _ZERO_GRAD_FIRST = (
     "stage 1 keeps the reduced gradients of the last step in this rank's slice of the "
     "gradient buffer: call optimizer.zero_grad() between step() and the next backward"
-)
-_NO_ACCUMULATION = (
-    "reuse_fp16_shard=True keeps gradients in the parameter shard until step(): call step() "
-    "after every backward; for gradient accumulation build ShardedModelV2 with "
-    "reuse_fp16_shard=False"
 )

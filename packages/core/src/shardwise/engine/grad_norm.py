@@ -53,7 +53,7 @@ def global_grad_norm(
     each rank's sum is divided by that count (exact for a power of two).
 
     `partials`, one per shard where given, are shares of a finite-`norm_type` norm taken when
-    the shard's reduction was accepted (see [Note: norm partials] in chunk/grads.py): the
+    the shard's reduction was accepted (see [Note: norm partials] in chunk/norm_partial.py): the
     shard itself is not read where its share is there.
 
     The reduction travels on `device`, the model's compute device (NCCL's tensors live on

@@ -144,7 +144,7 @@ class ZeroOptimizer:
         self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
         for chunk in self._chunks:
             # Each reduction takes its share of the norm this optimizer's step reads (see
-            # [Note: norm partials] in chunk/grads.py).
+            # [Note: norm partials] in chunk/norm_partial.py).
             chunk.grads.norm_type = self.norm_type
         # See [Note: the optimizer sees shard views] in engine/shard_views.py.
         views = bind_shard_views(optimizer, model.chunk_manager, self._chunks)
@@ -229,7 +229,7 @@ class ZeroOptimizer:
         parts.reducer.reduce_all()
         # A chunk whose share of the norm is taken is read only when it steps, so its
         # gradient's copy to the host can still be landing (see [Note: norm partials] in
-        # chunk/grads.py); the others are read now, for the norm.
+        # chunk/norm_partial.py); the others are read now, for the norm.
         partials = [chunk.grads.norm_partial for chunk in self._chunks]
         grads: list[torch.Tensor | None] = [
             chunk.grads.for_step() if partial is None else None
