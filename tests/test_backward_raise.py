@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from helpers import CHUNK_NUMEL, adamw, batch_slice, make_model, max_abs_diff
 
-from shardwise import zero_model_wrapper, zero_optim_wrapper
+from shardwise import ColoDDP, zero_model_wrapper, zero_optim_wrapper
 from shardwise.testing import run_ranks
 
 STEPS = 5
@@ -219,3 +219,38 @@ def test_a_backward_that_raised_keeps_its_partial_gradients_until_zero_grad(stag
     for losses, state in run_ranks(_sharded_loop_zeroing_after_step, WORLD, stage):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         assert max_abs_diff(state, ref_state) < 1e-4
+
+
+def _colo_ddp_loop() -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """Stage 0 (ColoDDP) under a plain torch optimizer, as its users write the loop."""
+    rank = dist.get_rank()
+    model = make_model()
+    wrapped = ColoDDP(model)
+    optimizer = adamw(model.parameters())
+    losses, raised = [], 0
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        handle = _raise_midway(model) if step == RAISING_STEP else None
+        try:
+            loss = wrapped(*batch_slice(step, 0, rank, WORLD))
+            wrapped.backward(loss)
+        except BadBatch:
+            raised += 1
+            optimizer.zero_grad()
+            continue
+        finally:
+            if handle is not None:
+                handle.remove()
+        step_loss = loss.detach().float()
+        dist.all_reduce(step_loss)
+        optimizer.step()
+        losses.append(float(step_loss / WORLD))
+    return losses, {k: v.detach().clone() for k, v in wrapped.state_dict().items()}, raised
+
+
+def test_colo_ddp_forgets_a_backward_that_raised_too() -> None:
+    ref_losses, ref_state, _ = _plain_loop()
+    for losses, state, raised in run_ranks(_colo_ddp_loop, WORLD):
+        assert raised == 1
+        assert losses == ref_losses
+        assert max_abs_diff(state, ref_state) == 0.0

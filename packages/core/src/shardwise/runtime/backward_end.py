@@ -35,6 +35,13 @@ class BackwardEnd:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._run)
 
+    def settle(self) -> None:
+        """Outside a backward pass: a pass that raised before autograd ended it never ran
+        the steps; run them now, as autograd would have (see [Note: the phase of the pass] in
+        runtime/phase.py, whose `Runtime` does the same for a wrapped model)."""
+        if self._queued and torch._C._current_graph_task_id() == -1:
+            self._run()
+
     def _run(self) -> None:
         self._queued = False
         for step in self.steps:

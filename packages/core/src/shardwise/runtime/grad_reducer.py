@@ -138,7 +138,11 @@ class GradReducer:
         self._complete: set[int] = set()
         # See [Note: one end of backward] in runtime/backward_end.py: the model's runtime
         # runs end_of_backward; alone (ColoDDP), the reducer queues its own.
-        self._enter_backward = enter_backward or BackwardEnd([self.end_of_backward]).queue
+        self._own_end: BackwardEnd | None = None
+        if enter_backward is None:
+            self._own_end = BackwardEnd([self.end_of_backward])
+            enter_backward = self._own_end.queue
+        self._enter_backward = enter_backward
         self._unreduced_passes = False
         # Hybrid sharding: gradients were reduced within the shard groups since the last
         # average across them (see reduce_across_replicas).
@@ -361,6 +365,13 @@ class GradReducer:
             self._unreduced_passes = True
             self._replicas_differ = self._hybrid
         self._start_afresh()
+
+    def settle(self) -> None:
+        """A reducer used alone (ColoDDP's), before its model's next forward: a backward pass
+        that raised before autograd ended it is ended now, its gradients averaged as they
+        stand (a collective every rank reaches alike when every rank caught the exception)."""
+        if self._own_end is not None:
+            self._own_end.settle()
 
     def _start_afresh(self) -> None:
         self._next = 0

@@ -120,6 +120,9 @@ class ColoDDP(nn.Module):
         mark_ignored(params_to_ignore)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # A backward that raised is ended first, as DDP users skip a bad batch (see [Note: the
+        # phase of the pass] in runtime/phase.py).
+        self.reducer.settle()
         return self.module(*args, **kwargs)
 
     # ---- the inner module's names ------------------------------------------------------------
