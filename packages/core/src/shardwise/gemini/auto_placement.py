@@ -217,7 +217,6 @@ class AutoPlacer:
                 partial(self.make_room, chunks, with_grads, reductions, position, drained=True)
             )
         needed = {c.chunk_id for c in chunks}
-        excess = self._device_bytes() + need - room
         while excess > 0:
             victim = self._victim(needed, position)
             if victim is None:
