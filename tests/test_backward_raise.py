@@ -111,15 +111,24 @@ def _sharded_loop(
     stage: int, overlap: bool, placement: str
 ) -> tuple[list[float], dict[str, torch.Tensor], int]:
     """The same loop under shardwise, on this rank."""
-    rank = dist.get_rank()
     model, wrapped, optimizer = _wrapped(stage, overlap, placement)
+    losses, raised = _skipping_the_bad_batch(model, wrapped, optimizer, optimizer.backward)
+    return losses, wrapped.state_dict(only_rank_0=False), raised
+
+
+def _skipping_the_bad_batch(
+    model: torch.nn.Module, wrapped: Any, optimizer: Any, backward: Any
+) -> tuple[list[float], int]:
+    """The user's loop on this rank: the batch whose backward raises is skipped after
+    zero_grad(); the losses of the steps taken, and how many batches raised."""
+    rank = dist.get_rank()
     losses, raised = [], 0
     for step in range(STEPS):
         optimizer.zero_grad()
         handle = _raise_midway(model) if step == RAISING_STEP else None
         try:
             loss = wrapped(*batch_slice(step, 0, rank, WORLD))
-            optimizer.backward(loss)
+            backward(loss)
         except BadBatch:
             raised += 1
             optimizer.zero_grad()
@@ -131,7 +140,7 @@ def _sharded_loop(
         dist.all_reduce(step_loss)
         optimizer.step()
         losses.append(float(step_loss / WORLD))
-    return losses, wrapped.state_dict(only_rank_0=False), raised
+    return losses, raised
 
 
 @pytest.mark.parametrize(
@@ -223,28 +232,10 @@ def test_a_backward_that_raised_keeps_its_partial_gradients_until_zero_grad(stag
 
 def _colo_ddp_loop() -> tuple[list[float], dict[str, torch.Tensor], int]:
     """Stage 0 (ColoDDP) under a plain torch optimizer, as its users write the loop."""
-    rank = dist.get_rank()
     model = make_model()
     wrapped = ColoDDP(model)
     optimizer = adamw(model.parameters())
-    losses, raised = [], 0
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        handle = _raise_midway(model) if step == RAISING_STEP else None
-        try:
-            loss = wrapped(*batch_slice(step, 0, rank, WORLD))
-            wrapped.backward(loss)
-        except BadBatch:
-            raised += 1
-            optimizer.zero_grad()
-            continue
-        finally:
-            if handle is not None:
-                handle.remove()
-        step_loss = loss.detach().float()
-        dist.all_reduce(step_loss)
-        optimizer.step()
-        losses.append(float(step_loss / WORLD))
+    losses, raised = _skipping_the_bad_batch(model, wrapped, optimizer, wrapped.backward)
     return losses, {k: v.detach().clone() for k, v in wrapped.state_dict().items()}, raised
 
 
