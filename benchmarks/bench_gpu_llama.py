@@ -253,17 +253,14 @@ def wrap(engine: str, model: torch.nn.Module, args: argparse.Namespace) -> Step:
 
 def estimated_activations(model: torch.nn.Module, args: argparse.Namespace) -> int:
     """The planner's estimate of one step's activations (shardwise.planner
-    .estimate_activation_bytes), on a bf16 copy of the meta-device model, as the step computes:
-    nothing is allocated."""
+    .estimate_token_activation_bytes: input_ids, labels and a 4-D attention mask), on a bf16
+    copy of the meta-device model, as the step computes: nothing is allocated."""
     import copy
 
-    from shardwise.planner import estimate_activation_bytes
+    from shardwise.planner import estimate_token_activation_bytes
 
     meta = copy.deepcopy(model).to(torch.bfloat16)
-    ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
-    # A 4-D mask: Hugging Face's own mask preparation reads values, which meta has not.
-    mask = torch.zeros(args.batch, 1, args.seq, args.seq, dtype=torch.bfloat16, device="meta")
-    estimate = estimate_activation_bytes(meta, input_ids=ids, labels=ids, attention_mask=mask)
+    estimate = estimate_token_activation_bytes(meta, batch_size=args.batch, seq_len=args.seq)
     return estimate.total_bytes
 
 

@@ -1,14 +1,16 @@
 """The `shardwise plan` command line's traps: sizes without units, a plan where nothing fits,
-activations left out, the host's memory credited to every rank, and a `--model` that does not
-build."""
+activations left out, the host's memory credited to every rank, a `--model` that does not
+build, and activations estimated from the model other than the estimator would."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from shardwise.cli import main, size_in_bytes
+from shardwise.planner import estimate_activation_bytes
 
 # Fits at every stage on these machines: a small model, plenty of memory.
 SMALL = ["plan", "--params", "1e6", "--world-size", "2"]
@@ -107,7 +110,8 @@ def test_help_documents_the_exit_status(capsys: pytest.CaptureFixture[str]) -> N
     text = " ".join(capsys.readouterr().out.split())
     assert "exit status: 0 when a configuration fits; 1 when none does" in text
     assert "A bare number is refused" in text
-    assert "without --activation-memory, activations are not counted" in text
+    assert "Without either, activations are not counted" in text
+    assert "--batch 8 --seq-len 1024" in text
 
 
 def test_the_exit_status_reaches_the_shell() -> None:
@@ -243,6 +247,17 @@ def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
             def frozen():
                 return torch.nn.Linear(4, 4).requires_grad_(False)
 
+            def llama():
+                from transformers import LlamaConfig, LlamaForCausalLM
+
+                config = LlamaConfig(hidden_size=64, intermediate_size=172,
+                                     num_hidden_layers=3, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=256)
+                return LlamaForCausalLM(config)
+
+            def token_mlp():  # reads token ids positionally; takes no labels, no checkpointing
+                return torch.nn.Sequential(torch.nn.Embedding(256, 32), torch.nn.Linear(32, 8))
+
             not_callable = 3
             """
         )
@@ -284,3 +299,130 @@ def test_a_model_that_builds_is_planned(models: str, capsys: pytest.CaptureFixtu
     assert main(["plan", "--model", f"{models}:build", "--world-size", "2", *ROOMY,
                  "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["num_params"] == 1000 * 1000 + 1000
+
+
+# Trap 6: activations estimated from --model are the estimator's own figure, and say so.
+
+ESTIMATE = ["--batch", "2", "--seq-len", "16"]
+
+
+def _planned(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    assert main([*argv, "--json"]) == 0
+    result: dict[str, object] = json.loads(capsys.readouterr().out)
+    return result
+
+
+def _meta_llama(models: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    with torch.device("meta"):
+        model: torch.nn.Module = importlib.import_module(models).llama()
+    return model.to(dtype).train()
+
+
+def _llama_inputs(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    # A 4-D mask: Hugging Face's own mask preparation reads values, which meta has not.
+    mask = torch.zeros(2, 1, 16, 16, dtype=dtype, device="meta")
+    return {"input_ids": ids, "labels": ids, "attention_mask": mask}
+
+
+def test_activations_estimated_from_a_llama_are_the_estimators_figure(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    llama = ["plan", "--model", f"{models}:llama", "--world-size", "2", *ROOMY]
+    result = _planned([*llama, *ESTIMATE], capsys)
+    direct = estimate_activation_bytes(_meta_llama(models), **_llama_inputs())
+    assert direct.saved_bytes > 0 and direct.recompute_bytes == 0
+    assert result["activations_counted"] is True
+    assert result["activation_source"] == "estimated"
+    assert result["activation_bytes"] == direct.total_bytes
+    assert result["activation_estimate"] == {
+        "batch_size": 2, "seq_len": 16, "checkpointing": False, "dtype": "fp32",
+        "saved_bytes": direct.saved_bytes, "output_bytes": direct.output_bytes,
+        "recompute_bytes": 0,
+    }  # fmt: skip
+    # The plan counts it as it counts the same bytes given.
+    given = _planned([*llama, "--activation-memory", f"{direct.total_bytes}B"], capsys)
+    assert given["activation_source"] == "given" and given["activation_estimate"] is None
+    for key in ("options", "smallest_budget_bytes", "activation_bytes"):
+        assert result[key] == given[key]
+    budget, none = result["smallest_budget_bytes"], _planned(llama, capsys)["smallest_budget_bytes"]
+    assert isinstance(budget, dict) and isinstance(none, dict)
+    assert budget["auto"] == none["auto"] + direct.total_bytes
+    # The forward computes in the compute dtype: bf16 activations, a bf16 mask.
+    bf16 = _planned([*llama, *ESTIMATE, "--dtype", "bf16"], capsys)
+    direct_bf16 = estimate_activation_bytes(
+        _meta_llama(models, torch.bfloat16), **_llama_inputs(torch.bfloat16)
+    )
+    assert bf16["activation_bytes"] == direct_bf16.total_bytes < direct.total_bytes
+    # The text says where the figure came from.
+    assert main([*llama, *ESTIMATE]) == 0
+    out = capsys.readouterr().out
+    assert "activations estimated from the model at batch 2 x 16 (checkpointing off)" in out
+    assert main([*llama, "--activation-memory", "2GB"]) == 0
+    assert "activations as given (--activation-memory): 2.0 GB per rank" in (
+        capsys.readouterr().out
+    )
+
+
+def test_checkpointing_estimates_less_than_without(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    llama = ["plan", "--model", f"{models}:llama", "--world-size", "2", *ROOMY, *ESTIMATE]
+    plain = _planned(llama, capsys)
+    checkpointed = _planned([*llama, "--checkpointing"], capsys)
+    assert checkpointed["activation_bytes"] < plain["activation_bytes"]  # type: ignore[operator]
+    model = _meta_llama(models)
+    with warnings.catch_warnings():  # renamed activation_checkpointing_enable in 5.2x
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable()
+    direct = estimate_activation_bytes(model, **_llama_inputs())
+    assert direct.recompute_bytes > 0
+    assert checkpointed["activation_bytes"] == direct.total_bytes
+    estimate = checkpointed["activation_estimate"]
+    assert isinstance(estimate, dict) and estimate["checkpointing"] is True
+    assert estimate["recompute_bytes"] == direct.recompute_bytes
+    assert main([*llama, "--checkpointing"]) == 0
+    assert "at batch 2 x 16 (checkpointing on)" in capsys.readouterr().out
+
+
+def test_a_model_without_labels_gets_the_token_ids_alone(
+    models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "--model", f"{models}:token_mlp", "--world-size", "2", *ROOMY, *ESTIMATE]
+    result = _planned(argv, capsys)
+    with torch.device("meta"):
+        model = importlib.import_module(models).token_mlp()
+    direct = estimate_activation_bytes(model, torch.zeros(2, 16, dtype=torch.long, device="meta"))
+    # The Linear keeps the embeddings (2 x 16 x 32 fp32); the output is 2 x 16 x 8 fp32.
+    assert direct.saved_bytes == 2 * 16 * 32 * 4 and direct.output_bytes == 2 * 16 * 8 * 4
+    assert result["activation_bytes"] == direct.total_bytes
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--model", "{models}:llama", *ESTIMATE, "--activation-memory", "2GB"],
+         "--activation-memory gives the activations and --batch/--seq-len estimate them: pick "
+         "one"),
+        (["--model", "{models}:llama", "--seq-len", "16", "--activation-memory", "2GB"],
+         "pick one"),
+        (["--model", "{models}:llama", "--batch", "2"], "--batch without --seq-len"),
+        (["--model", "{models}:llama", "--seq-len", "16"], "--seq-len without --batch"),
+        (["--params", "1e6", *ESTIMATE], "--batch/--seq-len estimate the activations from the "
+         "model: give it with --model (package.module:factory"),
+        (["--model", "{models}:llama", "--checkpointing"], "--checkpointing applies to the "
+         "estimate: give --model with --batch and --seq-len"),
+        (["--model", "{models}:token_mlp", *ESTIMATE, "--checkpointing"], "builds a Sequential, "
+         "which has no gradient_checkpointing_enable()"),
+        (["--model", "{models}:llama", "--batch", "0", "--seq-len", "16"],
+         "argument --batch: not a positive int: '0'"),
+        (["--model", "{models}:build", *ESTIMATE], "estimating the activations at "
+         "batch 2 x 16, its forward raised"),
+    ],
+)  # fmt: skip
+def test_activation_options_that_cannot_be_honoured_are_refused(
+    models: str, argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [arg.format(models=models) for arg in argv]
+    line = _usage_error(["plan", "--world-size", "2", *ROOMY, *argv], capsys)
+    assert line.startswith("shardwise plan: error: ") and expected in line

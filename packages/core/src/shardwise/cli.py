@@ -21,9 +21,12 @@ import math
 import os
 import re
 import sys
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from shardwise.planner import ModelSpec
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -44,8 +47,13 @@ node (--ranks-per-node; default one per CUDA device, at most --world-size, or,
 without CUDA, --world-size: every rank on this host, whose memory the CPU then
 computes from as well). The first output line reports what it detected.
 
-without --activation-memory, activations are not counted: every device figure is
-a lower bound and a configuration marked as fitting may not fit. The output says
+activations per rank are given (--activation-memory 6GiB) or, with --model,
+estimated from the model on the meta device, nothing allocated (--batch 8
+--seq-len 1024: input_ids, and labels where its forward takes them, in the
+compute dtype; --checkpointing: with gradient_checkpointing_enable()). The
+output says which (--json: "activation_source", and "activation_estimate"'s
+parts). Without either, activations are not counted: every device figure is a
+lower bound and a configuration marked as fitting may not fit. The output says
 so (text: a line; --json: "activations_counted": false).
 
 exit status: 0 when a configuration fits; 1 when none does (the table and advice,
@@ -116,14 +124,11 @@ def _one_line(error: BaseException) -> str:
 _MISSING = object()
 
 
-def _model_spec(target: str) -> ModelSpec:
-    """Build `package.module:factory` on the meta device (sizes without allocation) and return
-    its `ModelSpec`.
+def _meta_model(target: str) -> nn.Module:
+    """Build `package.module:factory` on the meta device (sizes without allocation).
 
     Raises ValueError, naming `target` and what was expected, where it builds no module."""
     import torch
-
-    from shardwise.planner import ModelSpec
 
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
@@ -155,10 +160,43 @@ def _model_spec(target: str) -> ModelSpec:
             f"--model {target!r}: {attribute}() returned {type(model).__name__}, expected a "
             f"torch.nn.Module"
         )
+    return model
+
+
+def _model_spec(model: nn.Module, target: str) -> ModelSpec:
+    from shardwise.planner import ModelSpec
+
     try:
         return ModelSpec.from_module(model)
     except ValueError as error:
         raise ValueError(f"--model {target!r}: {error}") from None
+
+
+def _check_activation_options(args: argparse.Namespace) -> None:
+    """Activations come from one source: given, or estimated from --model at a batch."""
+    estimate = args.batch is not None or args.seq_len is not None
+    if estimate and args.activation_memory is not None:
+        raise ValueError(
+            "--activation-memory gives the activations and --batch/--seq-len estimate them: "
+            "pick one"
+        )
+    if estimate and (args.batch is None or args.seq_len is None):
+        given = "--batch" if args.batch is not None else "--seq-len"
+        raise ValueError(
+            f"{given} without {'--seq-len' if given == '--batch' else '--batch'}: the estimate "
+            f"needs both, sequences per rank and tokens per sequence (e.g. --batch 8 "
+            f"--seq-len 1024)"
+        )
+    if estimate and not args.model:
+        raise ValueError(
+            "--batch/--seq-len estimate the activations from the model: give it with --model "
+            f"({_MODEL_FORM}), or give the activations' bytes per rank with --activation-memory"
+        )
+    if args.checkpointing and not estimate:
+        raise ValueError(
+            "--checkpointing applies to the estimate: give --model with --batch and --seq-len "
+            "(with --activation-memory, give the bytes measured under checkpointing)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +283,21 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "not counted, and the output says its figures are a lower bound)",
     )
     planner.add_argument(
+        "--batch",
+        type=_positive_int,
+        help="with --model and --seq-len: estimate the activations per rank from the model at "
+        "this many sequences per rank (its micro-batch) instead of --activation-memory",
+    )
+    planner.add_argument(
+        "--seq-len", type=_positive_int, help="with --batch: tokens per sequence, e.g. 1024"
+    )
+    planner.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="with --batch: estimate under activation checkpointing (the model's "
+        "gradient_checkpointing_enable(), as Hugging Face models have)",
+    )
+    planner.add_argument(
         "--shard-size", type=int, help="hybrid sharding: ranks per shard group (e.g. per node)"
     )
     planner.add_argument(
@@ -287,25 +340,27 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 def _plan(args: argparse.Namespace) -> int:
     """Plan, print the plan (after any line on what it assumed), and return 0 if a
     configuration fits, else 1. User mistakes raise ValueError."""
+    _check_activation_options(args)
     import torch
 
     from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
     from shardwise.planner import ModelSpec, plan
 
-    if args.model:
-        spec = _model_spec(args.model)
+    model = _meta_model(args.model) if args.model else None
+    if model is not None:
+        spec = _model_spec(model, args.model)
     else:
         # Without the largest tensor, plan as if no tensor outgrew the default chunk size.
         spec = ModelSpec(num_params=args.params, largest_tensor_numel=args.largest_tensor or 1)
+    # After the spec: the estimate casts the model and turns its checkpointing on.
+    if args.batch is None:
+        said, activations = _given_activations(args)
+    else:
+        assert model is not None  # _check_activation_options: --batch comes with --model
+        said, activations = _estimated_activations(args, model)
     device_memory, host_memory, ranks_per_node, detected = _memory_per_rank(args)
     notes = [detected] if detected else []
-    activations_counted = args.activation_memory is not None
-    if not activations_counted:
-        notes.append(
-            "activations not counted (no --activation-memory): every device figure is a lower "
-            "bound and a 'yes' may not fit; pass the bytes a step's activations take per rank, "
-            "e.g. --activation-memory 6GiB"
-        )
+    notes.append(said)
     result = plan(
         spec,
         world_size=args.world_size,
@@ -315,7 +370,7 @@ def _plan(args: argparse.Namespace) -> int:
         compute_dtype=getattr(torch, _DTYPES[args.compute_dtype]) if args.compute_dtype else None,
         optimizer=args.optimizer,
         chunk_size_numel=args.chunk_size,
-        activation_bytes=args.activation_memory or 0,
+        activation_bytes=activations["activation_bytes"],
         shard_size=args.shard_size,
         secondary_shard_size=args.secondary_shard_size,
         disk_memory_bytes=args.disk_memory,
@@ -331,8 +386,7 @@ def _plan(args: argparse.Namespace) -> int:
             device_memory_bytes=device_memory,
             host_memory_bytes=host_memory,
             ranks_per_node=ranks_per_node,
-            activations_counted=activations_counted,
-            activation_bytes=args.activation_memory or 0,
+            **activations,
             notes=notes,
         )
         print(json.dumps(output, indent=1))
@@ -342,6 +396,93 @@ def _plan(args: argparse.Namespace) -> int:
         print("shardwise plan: no configuration fits (exit status 1)", file=sys.stderr)
         return 1
     return 0
+
+
+def _given_activations(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The line saying where the activations came from (--activation-memory, or nowhere: not
+    counted) and the JSON's fields for them."""
+    if args.activation_memory is None:
+        said = (
+            "activations not counted (no --activation-memory or --batch/--seq-len): every "
+            "device figure is a lower bound and a 'yes' may not fit; pass the bytes a step's "
+            "activations take per rank, e.g. --activation-memory 6GiB, or with --model estimate "
+            "them, e.g. --batch 8 --seq-len 1024"
+        )
+    else:
+        said = f"activations as given (--activation-memory): {_gb(args.activation_memory)} per rank"
+    return said, {
+        "activations_counted": args.activation_memory is not None,
+        "activation_bytes": args.activation_memory or 0,
+        "activation_source": "none" if args.activation_memory is None else "given",
+        "activation_estimate": None,
+    }
+
+
+def _estimated_activations(
+    args: argparse.Namespace, model: nn.Module
+) -> tuple[str, dict[str, Any]]:
+    """The activations estimated from `model` (on the meta device) at --batch x --seq-len: the
+    line saying so and the JSON's fields, the estimate's parts included."""
+    import torch
+
+    from shardwise.planner import estimate_token_activation_bytes
+
+    # A step's activations are in the dtype its forward computes in.
+    compute = args.compute_dtype or args.dtype
+    model.to(getattr(torch, _DTYPES[compute])).train()
+    if args.checkpointing:
+        _enable_checkpointing(model, args.model)
+    at = f"batch {args.batch} x {args.seq_len}"
+    try:
+        estimate = estimate_token_activation_bytes(
+            model, batch_size=args.batch, seq_len=args.seq_len
+        )
+    except Exception as error:  # whatever the user's forward raises on these inputs
+        raise ValueError(
+            f"--model {args.model!r}: estimating the activations at {at}, its forward raised "
+            f"{_one_line(error)}; give them per rank with --activation-memory instead"
+        ) from None
+    checkpointing = "on" if args.checkpointing else "off"
+    said = (
+        f"activations estimated from the model at {at} (checkpointing {checkpointing}), "
+        f"computing in {compute}: {_gb(estimate.total_bytes)} per rank (saved for backward "
+        f"{_gb(estimate.saved_bytes)}, output and its gradient 2 x {_gb(estimate.output_bytes)}, "
+        f"recomputed in backward {_gb(estimate.recompute_bytes)})"
+    )
+    return said, {
+        "activations_counted": True,
+        "activation_bytes": estimate.total_bytes,
+        "activation_source": "estimated",
+        "activation_estimate": {
+            "batch_size": args.batch,
+            "seq_len": args.seq_len,
+            "checkpointing": args.checkpointing,
+            "dtype": compute,
+            "saved_bytes": estimate.saved_bytes,
+            "output_bytes": estimate.output_bytes,
+            "recompute_bytes": estimate.recompute_bytes,
+        },
+    }
+
+
+def _enable_checkpointing(model: nn.Module, target: str) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if not callable(enable):
+        raise ValueError(
+            f"--checkpointing: --model {target!r} builds a {type(model).__name__}, which has no "
+            f"gradient_checkpointing_enable() (Hugging Face models have it): leave "
+            f"--checkpointing out, or give the activations measured under your checkpointing "
+            f"with --activation-memory"
+        )
+    try:
+        with warnings.catch_warnings():  # Hugging Face 5.2x: activation_checkpointing_enable
+            warnings.simplefilter("ignore", FutureWarning)
+            enable()
+    except Exception as error:  # e.g. a Hugging Face model that does not support it
+        raise ValueError(
+            f"--checkpointing: --model {target!r}: {type(model).__name__}"
+            f".gradient_checkpointing_enable() raised {_one_line(error)}"
+        ) from None
 
 
 def _memory_per_rank(args: argparse.Namespace) -> tuple[int, int, int | None, str | None]:

@@ -1,6 +1,10 @@
 """Predict memory per rank and choose stage, placement and chunk size before a run."""
 
-from shardwise.planner.activations import ActivationEstimate, estimate_activation_bytes
+from shardwise.planner.activations import (
+    ActivationEstimate,
+    estimate_activation_bytes,
+    estimate_token_activation_bytes,
+)
 from shardwise.planner.answer import Plan, PlanOption
 from shardwise.planner.formulas import StateBytes, engine_bytes, zero_paper_bytes
 from shardwise.planner.model_spec import ModelSpec
@@ -14,6 +18,7 @@ __all__ = [
     "StateBytes",
     "engine_bytes",
     "estimate_activation_bytes",
+    "estimate_token_activation_bytes",
     "plan",
     "zero_paper_bytes",
 ]

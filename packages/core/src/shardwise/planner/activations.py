@@ -22,6 +22,7 @@ operation are not counted.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,6 +75,47 @@ def estimate_activation_bytes(
         output_bytes=output_bytes,
         recompute_bytes=_largest_region(model, args, kwargs),
     )
+
+
+def estimate_token_activation_bytes(
+    model: nn.Module, *, batch_size: int, seq_len: int
+) -> ActivationEstimate:
+    """`estimate_activation_bytes` for a model that reads token ids, at `batch_size` sequences
+    of `seq_len` tokens: the inputs are built on the model's device (nothing allocated on the
+    meta device) from what its forward accepts, `input_ids` (batch_size, seq_len) as a keyword
+    where the forward names it (else positionally), `labels` the same where it takes them (a
+    Hugging Face causal LM then returns its loss, which is counted), and where it takes an
+    `attention_mask`, a 4-D one: Hugging Face's preparation of a 2-D mask reads its values,
+    which meta tensors have not.
+
+    Args:
+        model: the model, in training mode and with checkpointing as it will train, in the
+            dtype its forward computes in (the mask takes its floating-point parameters' dtype).
+        batch_size: sequences in one micro-batch (per rank).
+        seq_len: tokens per sequence.
+    """
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(
+            f"batch_size and seq_len must be positive ints, got {batch_size} and {seq_len}"
+        )
+    parameters = list(model.parameters())
+    device = parameters[0].device if parameters else torch.device("meta")
+    dtype = next((p.dtype for p in parameters if p.is_floating_point()), torch.get_default_dtype())
+    accepted = inspect.signature(model.forward).parameters
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)  # (B, T)
+    args: tuple[torch.Tensor, ...] = ()
+    kwargs: dict[str, Any] = {}
+    if "input_ids" in accepted:
+        kwargs["input_ids"] = ids
+    else:
+        args = (ids,)
+    if "labels" in accepted:
+        kwargs["labels"] = ids
+    if "attention_mask" in accepted:  # (B, 1, T, T), additive: zeros attend everywhere
+        kwargs["attention_mask"] = torch.zeros(
+            batch_size, 1, seq_len, seq_len, dtype=dtype, device=device
+        )
+    return estimate_activation_bytes(model, *args, **kwargs)
 
 
 class _SavedBytes:
@@ -226,4 +268,4 @@ def _checkpointed_children(region: nn.Module) -> list[nn.Module]:
     return layers or [region]
 
 
-__all__ = ["ActivationEstimate", "estimate_activation_bytes"]
+__all__ = ["ActivationEstimate", "estimate_activation_bytes", "estimate_token_activation_bytes"]
