@@ -10,6 +10,14 @@ parameters of the open chunks and one chunk buffer are whole at a time, never th
 Planning first also keeps `sharded_fraction` exact: the number of chunks is known before the
 first one closes. Every rank plans the same layout and so issues the same gathers and
 broadcasts in the same order.
+
+[Note: placed as each chunk closes]
+A chunk closes on the device: its payload shard and, for a trainable chunk in 16 bits, its
+fp32 master are cut there. Placing the chunks only once all were packed held every shard and
+master on the device at once: a 10.8B model's 65 GB on one rank, before most of it went to
+host memory. A `ChunkPlacer` (the memory manager) is handed the planned chunks before the
+first one is packed, so it can plan from their sizes, and places each chunk right after it
+closes: the device holds, beyond what the plan keeps there, one chunk's buffers at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,6 +39,45 @@ from shardwise.chunk.wire import WireFormats
 from shardwise.comm import CommStats
 from shardwise.comm.topology import Topology
 from shardwise.memory import BufferPool, Memory
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedChunk:
+    """A chunk as planned before its parameters are packed: the (still empty) chunk and the
+    elements it will hold."""
+
+    chunk: Chunk
+    numel: int
+
+    @property
+    def padded_numel(self) -> int:
+        world_size = self.chunk.world_size
+        return -(-self.numel // world_size) * world_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.chunk.world_size
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.chunk.requires_grad
+
+
+class ChunkPlacer(Protocol):
+    """Places chunks as they close (see [Note: placed as each chunk closes])."""
+
+    def plan_placement(self, planned: list[PlannedChunk]) -> None:
+        """Called once with every chunk of a packing, in chunk order, before any is packed."""
+
+    def place_closed(self, chunk: Chunk) -> None:
+        """Called right after `chunk` closes, in chunk order."""
+
+
+def place_packed(chunks: list[Chunk], placer: ChunkPlacer) -> None:
+    """Place chunks already packed and closed, planned together, in chunk order."""
+    placer.plan_placement([PlannedChunk(c, c.numel) for c in chunks])
+    for chunk in chunks:
+        placer.place_closed(chunk)
 
 
 class ChunkManager:
@@ -115,6 +162,7 @@ class ChunkManager:
         numel_of: Callable[[nn.Parameter], int] = torch.Tensor.numel,
         make_whole: Callable[[nn.Parameter], None] | None = None,
         values_agree: bool = False,
+        placer: ChunkPlacer | None = None,
     ) -> None:
         """Pack the parameters into chunks, closing each chunk as soon as its last parameter is
         in (same order on all ranks; see [Note: packing one chunk at a time]).
@@ -130,6 +178,8 @@ class ChunkManager:
                 same parameters in the same order).
             values_agree: every rank already holds the same values (a re-pack), so no chunk
                 broadcasts rank 0's.
+            placer: places each chunk as it closes (see [Note: placed as each chunk
+                closes]); None leaves every buffer on the device.
         """
         unique: dict[int, tuple[str, nn.Parameter]] = {}  # tied parameters are stored once
         for name, param in named_params:
@@ -154,6 +204,11 @@ class ChunkManager:
             owner.update(dict.fromkeys(layout.members, chunk))
             last[layout.members[-1]] = chunk
             new_chunks.append(chunk)
+        if placer is not None:
+            sizes = [layout.numel for layout in layouts]
+            placer.plan_placement(
+                [PlannedChunk(c, n) for c, n in zip(new_chunks, sizes, strict=True)]
+            )
         for index, (name, param) in enumerate(params):
             if make_whole is not None:
                 make_whole(param)
@@ -172,6 +227,8 @@ class ChunkManager:
                     # A sharded chunk's parameters have a compute face too (see [Note: two
                     # faces of a stage-3 parameter] in chunk/parameters.py).
                     self._where[id(info.compute)] = (closed, position)
+                if placer is not None:
+                    placer.place_closed(closed)
         assert all(chunk.closed for chunk in new_chunks)
         self.chunks.extend(new_chunks)
         # The pools' spare limits grow with the largest chunk.

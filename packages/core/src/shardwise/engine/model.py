@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 
 from shardwise import comm
 from shardwise.chunk import ChunkManager
+from shardwise.chunk.manager import ChunkPlacer
 from shardwise.comm import CommStats
 from shardwise.engine.build import (
     averages_in_backward,
@@ -228,9 +229,8 @@ class ZeroModel(nn.Module):
             chunk_manager,
             gemini.sharded_fraction if gemini is not None else 1.0,
             values_agree=values_agree,
+            placer=gemini,
         )
-        if gemini is not None:
-            gemini.place_chunks()
         if self.config.stage == 1:
             # See [Note: stage 1 averages in backward] in chunk/grads.py.
             average = averages_in_backward(1, chunk_manager.dtypes, chunk_manager.topology)
@@ -258,7 +258,12 @@ class ZeroModel(nn.Module):
             self._runtime.close()
 
     def _register_parameters(
-        self, chunk_manager: ChunkManager, sharded_fraction: float, *, values_agree: bool
+        self,
+        chunk_manager: ChunkManager,
+        sharded_fraction: float,
+        *,
+        values_agree: bool,
+        placer: ChunkPlacer | None,
     ) -> None:
         """Pack the module's parameters into chunks, in `named_parameters()` order. A parameter
         built in a ZeroInitContext is made whole only just before it is packed, and each chunk
@@ -285,6 +290,7 @@ class ZeroModel(nn.Module):
             numel_of=whole_numel,
             make_whole=make_whole,
             values_agree=values_agree,
+            placer=placer,
         )
 
     def configure_reduction(self, config: EngineConfig) -> None:

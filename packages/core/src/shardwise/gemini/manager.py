@@ -27,6 +27,7 @@ import torch
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager, Pool
 from shardwise.chunk.accounting import disk_bytes, resident_bytes_by_pool
+from shardwise.chunk.manager import PlannedChunk, place_packed
 from shardwise.gemini.auto_placement import AutoPlacer
 from shardwise.gemini.collaborators import NO_REDUCTIONS, ReductionsInFlight
 from shardwise.gemini.device_tally import DeviceTally
@@ -42,7 +43,7 @@ from shardwise.gemini.policies import placement_policy as placement_policy_objec
 from shardwise.gemini.room import Room
 from shardwise.gemini.tracer import MemoryTracer
 from shardwise.gemini.working_set import WorkingSetGuard
-from shardwise.gemini.wrap_plan import wrap_split
+from shardwise.gemini.wrap_plan import WrapPlan
 
 _log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class GeminiManager:
             self.working_set = WorkingSetGuard(
                 chunk_manager, self.device_budget_bytes, self.policy.name
             )
+        # The pools of each chunk of the packing being placed (see `plan_placement`).
+        self._pools_of: Callable[[Chunk], tuple[Pool, Pool]] | None = None
         self.auto: AutoPlacer | None = None
         if isinstance(self.policy, AutoPlacement):
             assert self.device_budget_bytes is not None
@@ -137,24 +140,41 @@ class GeminiManager:
         return self.policy.sharded_fraction
 
     def place_chunks(self) -> None:
-        """Apply the policy to the packed chunks (see [Note: placement policies]); their host
-        buffers come from the chunk manager's memory (pinned there where asked)."""
-        chunks = self.chunk_manager.chunks
+        """Apply the policy to chunks packed without a placer (see [Note: placement
+        policies]); their host buffers come from the chunk manager's memory (pinned there
+        where asked). A packing that passes this manager as its `placer` places each chunk as
+        it closes instead (see [Note: placed as each chunk closes] in chunk/manager.py)."""
+        place_packed(self.chunk_manager.chunks, self)
+
+    def plan_placement(self, planned: list[PlannedChunk]) -> None:
+        """Plan where the chunks of a packing go, before any of them is packed."""
         if self.auto is not None:  # see [Note: auto places from the wrap] in wrap_plan.py
             assert isinstance(self.policy, AutoPlacement)
-            host_payload, host_optim = wrap_split(
-                chunks,
+            wrap_plan = WrapPlan(
+                planned,
                 self.auto.budget,
                 self.auto.margin_ratio,
                 activation_bytes=self.policy.activation_bytes,
             )
+            self._pools_of = wrap_plan.pools
         else:
-            host_payload, host_optim = self.policy.host_chunks(chunks)
-        for chunk in chunks:
-            chunk.place(
-                payload=Pool.HOST if id(chunk) in host_payload else Pool.DEVICE,
-                optim=Pool.HOST if id(chunk) in host_optim else Pool.DEVICE,
-            )
+            # The policies decide by chunk order and kind alone, known before packing.
+            host_payload, host_optim = self.policy.host_chunks([p.chunk for p in planned])
+
+            def pools(chunk: Chunk) -> tuple[Pool, Pool]:
+                return (
+                    Pool.HOST if id(chunk) in host_payload else Pool.DEVICE,
+                    Pool.HOST if id(chunk) in host_optim else Pool.DEVICE,
+                )
+
+            self._pools_of = pools
+
+    def place_closed(self, chunk: Chunk) -> None:
+        """Put a chunk that has just closed where the plan says."""
+        if self._pools_of is None:
+            raise RuntimeError("place_closed() before plan_placement()")
+        payload, optim = self._pools_of(chunk)
+        chunk.place(payload=payload, optim=optim)
 
     @property
     def prefetch_planned(self) -> bool:

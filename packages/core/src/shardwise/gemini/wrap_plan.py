@@ -23,13 +23,89 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.chunk import Chunk
-from shardwise.chunk.accounting import gathered_bytes
+from shardwise.chunk import Chunk, Pool
+from shardwise.chunk.manager import PlannedChunk
 
 # The share of the device budget kept at wrap for the activations of a step not yet run.
 WRAP_ACTIVATION_SHARE = 0.25
 # Bytes of optimizer state per element before the optimizer has made any (Adam's moments).
 ASSUMED_STATE_BYTES = 8
+
+
+class WrapPlan:
+    """Where "auto" puts each chunk's shard and optimizer side at wrap (see [Note: auto places
+    from the wrap]), decided as each chunk closes (see [Note: placed as each chunk closes] in
+    chunk/manager.py).
+
+    Args:
+        planned: every chunk of the wrap with the elements it will hold, in chunk order (the
+            chunks may still be empty).
+        budget: the device budget, in bytes.
+        margin_ratio: the share of the room left after the shards that sides may take (None:
+            all of it).
+        activation_bytes: room kept for a step's activations (None: a share of the budget).
+    """
+
+    def __init__(
+        self,
+        planned: list[PlannedChunk],
+        budget: int,
+        margin_ratio: float | None,
+        *,
+        activation_bytes: int | None = None,
+    ) -> None:
+        sharded = [p for p in planned if not p.chunk.keep_gathered]
+        largest = max(
+            (p.chunk.wire.gather.gathered_nbytes(p.padded_numel) for p in sharded), default=0
+        )
+        largest_grads = max(
+            (p.padded_numel * _size(p.chunk.dtypes.reduce) for p in sharded if p.requires_grad),
+            default=0,
+        )
+        working = 2 * largest + largest_grads
+        # Chunks kept gathered hold their payload on the device whatever the plan says.
+        gathered = sum(
+            p.padded_numel * _size(p.chunk.dtypes.payload) for p in planned if p.chunk.keep_gathered
+        )
+        activations = (
+            int(WRAP_ACTIVATION_SHARE * budget) if activation_bytes is None else activation_bytes
+        )
+        room = budget - activations - working - gathered
+        self._device_shards: set[int] = set()
+        for p in sharded:
+            shard = p.shard_numel * _size(p.chunk.dtypes.payload)
+            if shard <= room:
+                self._device_shards.add(id(p.chunk))
+                room -= shard
+        # Sides take what the shards left, in chunk order; a side's bytes depend on which of
+        # its elements are parameters, known once its chunk is packed.
+        self._side_room = int((1.0 if margin_ratio is None else margin_ratio) * max(room, 0))
+        # Trainable chunks close in chunk order (frozen ones close among them, as their last
+        # parameters come): the sides are decided in that order.
+        self._trainable = [id(p.chunk) for p in planned if p.requires_grad]
+        self._next = 0
+
+    def pools(self, chunk: Chunk) -> tuple[Pool, Pool]:
+        """The pools of `chunk`'s shard and optimizer side; ask for every chunk once, closed,
+        the trainable ones in chunk order."""
+        if chunk.keep_gathered or id(chunk) in self._device_shards:
+            payload = Pool.DEVICE
+        else:
+            payload = Pool.HOST
+        if not chunk.requires_grad:
+            return payload, Pool.DEVICE
+        if self._next >= len(self._trainable) or self._trainable[self._next] != id(chunk):
+            raise RuntimeError(
+                f"chunk {chunk.chunk_id} asked out of order: the wrap plan decides the sides "
+                f"of trainable chunks in chunk order, once each"
+            )
+        self._next += 1
+        # A side beside a host shard saves no copy: it stays in host memory.
+        side = wrap_side_bytes(chunk)
+        if payload is Pool.DEVICE and side <= self._side_room:
+            self._side_room -= side
+            return payload, Pool.DEVICE
+        return payload, Pool.HOST
 
 
 def wrap_split(
@@ -39,36 +115,22 @@ def wrap_split(
     *,
     activation_bytes: int | None = None,
 ) -> tuple[set[int], set[int]]:
-    """The chunks (by `id`) whose payload shard and whose optimizer side start in host memory
-    (see [Note: auto places from the wrap]), room kept for `activation_bytes` (None: a share
-    of the budget)."""
-    host_payload = {id(c) for c in chunks if not c.keep_gathered}
-    host_optim = {id(c) for c in chunks if c.requires_grad}
-    sharded = [c for c in chunks if not c.keep_gathered]
-    largest = max((gathered_bytes(c) for c in sharded), default=0)
-    largest_grads = max(
-        (c.padded_numel * _size(c.dtypes.reduce) for c in sharded if c.requires_grad), default=0
+    """The packed chunks (by `id`) whose payload shard and whose optimizer side start in host
+    memory under `WrapPlan`, room kept for `activation_bytes` (None: a share of the budget)."""
+    plan = WrapPlan(
+        [PlannedChunk(c, c.numel) for c in chunks],
+        budget,
+        margin_ratio,
+        activation_bytes=activation_bytes,
     )
-    working = 2 * largest + largest_grads
-    # Chunks kept gathered hold their payload on the device whatever the plan says.
-    gathered = sum(c.padded_numel * _size(c.dtypes.payload) for c in chunks if c.keep_gathered)
-    activations = (
-        int(WRAP_ACTIVATION_SHARE * budget) if activation_bytes is None else activation_bytes
-    )
-    room = budget - activations - working - gathered
-    for chunk in sharded:
-        shard = chunk.shard_numel * _size(chunk.dtypes.payload)
-        if shard <= room:
-            host_payload.discard(id(chunk))
-            room -= shard
-    sides = int((1.0 if margin_ratio is None else margin_ratio) * max(room, 0))
+    host_payload: set[int] = set()
+    host_optim: set[int] = set()
     for chunk in chunks:
-        if not chunk.requires_grad or id(chunk) in host_payload:
-            continue
-        side = wrap_side_bytes(chunk)
-        if side <= sides:
-            host_optim.discard(id(chunk))
-            sides -= side
+        payload, optim = plan.pools(chunk)
+        if payload is Pool.HOST:
+            host_payload.add(id(chunk))
+        if optim is Pool.HOST and chunk.requires_grad:
+            host_optim.add(id(chunk))
     return host_payload, host_optim
 
 
@@ -90,4 +152,10 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-__all__ = ["ASSUMED_STATE_BYTES", "WRAP_ACTIVATION_SHARE", "wrap_side_bytes", "wrap_split"]
+__all__ = [
+    "ASSUMED_STATE_BYTES",
+    "WRAP_ACTIVATION_SHARE",
+    "WrapPlan",
+    "wrap_side_bytes",
+    "wrap_split",
+]

@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 from shardwise import telemetry
 from shardwise.amp import loss_scale_from
 from shardwise.chunk import ChunkManager, Pool
+from shardwise.chunk.manager import ChunkPlacer, place_packed
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
 from shardwise.engine.communication import communication_settings
 from shardwise.engine.config import (
@@ -157,15 +158,23 @@ class ShardedModelV2(ZeroModel):
         )
 
     def _register_parameters(
-        self, chunk_manager: ChunkManager, sharded_fraction: float, *, values_agree: bool
+        self,
+        chunk_manager: ChunkManager,
+        sharded_fraction: float,
+        *,
+        values_agree: bool,
+        placer: ChunkPlacer | None,
     ) -> None:
-        """One strategy group at a time: made whole (if built sliced), packed, sharded."""
+        """One strategy group at a time: made whole (if built sliced), packed, sharded; then
+        placed, every group's chunks planned together."""
         for group in self.shard_strategy.groups(self.module):
             for _, param in group:
                 if sliced(param):
                     unslice(param, self.comm_stats, self.config.topology.process_group)
             chunk_manager.chunk_size_numel = max(1, sum(p.numel() for _, p in group))
             chunk_manager.register(group, values_agree=values_agree)
+        if placer is not None:
+            place_packed(chunk_manager.chunks, placer)
 
     @property
     def cpu_offload(self) -> bool:
