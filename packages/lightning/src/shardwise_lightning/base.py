@@ -1,9 +1,9 @@
-"""What both shardwise strategies share: wrapping, the optimizer, checkpoints, teardown.
+"""What both shardwise strategies share: wrapping, the optimizer, checkpoint hooks, teardown.
 
 A subclass only translates its own arguments into the engine's configuration
 (`shardwise.EngineConfig`); this class hands the LightningModule to `wrap_model`, the optimizer
-from `configure_optimizers` to `wrap_optimizer`, and Lightning's checkpoints to
-`shardwise.checkpoint`. It leans on Lightning's public strategy hooks only.
+from `configure_optimizers` to `wrap_optimizer`, and Lightning's state-dict and checkpoint
+hooks to its `Checkpoints` (checkpoints.py). It leans on Lightning's public strategy hooks only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,24 +35,16 @@ from shardwise import (
     ZeroOptimizer,
     telemetry,
 )
-from shardwise import checkpoint as sharded_checkpoint
 from shardwise.amp import LossScaleConfig
-from shardwise.checkpoint import CheckpointError
-from shardwise.checkpoint.consolidate import PARAM_GROUP_NAMES, SHARDWISE_KEY
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
-from shardwise.engine.module_at_rest import (
-    ModuleState,
-    agree_to_gather,
-    whole_copy_bytes,
-    write_whole_values,
-)
+from shardwise.engine.module_at_rest import ModuleState, agree_to_gather, whole_copy_bytes
 from shardwise.engine.optimizer import optimizer_of
 from shardwise.engine.refine import Parts
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise_lightning.checkpoint_io import StreamingCheckpointIO
-from shardwise_lightning.checkpoint_paths import is_sharded_checkpoint, remove_sharded_checkpoint
+from shardwise_lightning.checkpoint_paths import remove_sharded_checkpoint
+from shardwise_lightning.checkpoints import STATE_DICT_TYPES, Checkpoints, StateDictType
 from shardwise_lightning.engine_settings import strategy_settings
-from shardwise_lightning.full_checkpoint import save_on_rank_0, write_full_checkpoint
 from shardwise_lightning.namespace import check_namespaces, describe
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
 from shardwise_lightning.trainer_checks import (
@@ -61,8 +53,8 @@ from shardwise_lightning.trainer_checks import (
     unmanaged_parameters,
 )
 
-StateDictType = Literal["sharded", "full"]
-STATE_DICT_TYPES: tuple[str, ...] = ("sharded", "full")
+# The state_dict_type names were defined here before checkpoints.py: still importable from here.
+__all__ = ["STATE_DICT_TYPES", "ShardwiseStrategyBase", "StateDictType"]
 
 
 class ShardwiseStrategyBase(DDPStrategy):
@@ -119,11 +111,8 @@ class ShardwiseStrategyBase(DDPStrategy):
             type(self).__name__, accelerator=accelerator, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )  # fmt: skip
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(
-                f"state_dict_type must be one of {', '.join(map(repr, STATE_DICT_TYPES))}, got "
-                f"{state_dict_type!r}"
-            )
+        # Refuses a wrong state_dict_type before Lightning's strategy is built.
+        self._checkpoints = Checkpoints(state_dict_type)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -144,10 +133,6 @@ class ShardwiseStrategyBase(DDPStrategy):
             gather_format=gather_format, reduce_format=reduce_format,
             quant_block_numel=quant_block_numel,
         )  # fmt: skip
-        self.state_dict_type = cast(StateDictType, state_dict_type)
-        # Per optimizer parameter group, its parameters' names in group order: how torch
-        # numbers them in an optimizer state dict (see [Note: consolidated checkpoints]).
-        self._param_group_names: list[list[str]] = []
         self._zero_model: ZeroModel | None = None
         # The fit's telemetry, when the environment says where (SHARDWISE_DASHBOARD_URL, ...):
         # reported finished at teardown.
@@ -155,8 +140,6 @@ class ShardwiseStrategyBase(DDPStrategy):
         # Every module this strategy sharded, by id: one Trainer may fit one module, test
         # another and come back to the first, whose parameters already live in its engine.
         self._engines: dict[int, ZeroModel] = {}
-        self._loaded_sharded = False
-        self._loaded_path = Path()
 
     __repr__ = describe  # names the namespace (see [Note: two Lightning namespaces])
 
@@ -201,6 +184,15 @@ class ShardwiseStrategyBase(DDPStrategy):
     @property
     def lightning_restore_optimizer(self) -> bool:
         return False  # the engine restores its optimizer in load_checkpoint
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        """What `save_checkpoint` writes: "full" or "sharded" (see the class's arguments)."""
+        return self._checkpoints.state_dict_type
+
+    @state_dict_type.setter
+    def state_dict_type(self, state_dict_type: StateDictType) -> None:
+        self._checkpoints.state_dict_type = state_dict_type
 
     @property
     def zero_model(self) -> ZeroModel | None:
@@ -283,11 +275,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         if previous is not None:
             # A later fit of the same sharded module: its new optimizer replaces the old one.
             previous.close()
-        names = {id(p): name for name, p in self._zero_model.module.named_parameters()}
-        self._param_group_names = [
-            [names[id(p)] for p in group["params"] if id(p) in names]
-            for group in optimizer.param_groups
-        ]
+        self._checkpoints.record_param_groups(self._zero_model.module, optimizer)
         clip = trainer.gradient_clip_val
         engine = wrap_optimizer(
             self._zero_model,
@@ -307,7 +295,7 @@ class ShardwiseStrategyBase(DDPStrategy):
         inner = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
         return inner if isinstance(inner, ZeroOptimizer) else None
 
-    # ---- state dicts and checkpoints -------------------------------------------------------------
+    # ---- state dicts and checkpoints: Lightning's hooks, done by the Checkpoints -------------
 
     def lightning_module_state_dict(self, rank_zero_only: bool = True) -> dict[str, Any]:
         """The module state with the LightningModule's names, as Lightning's FSDPStrategy gives
@@ -322,77 +310,31 @@ class ShardwiseStrategyBase(DDPStrategy):
         if self._zero_model is None:
             assert self.lightning_module is not None
             return self.lightning_module.state_dict()
-        if self.state_dict_type == "sharded":
-            if self._zero_model.module_state is ModuleState.WHOLE:
-                # See [Note: the module after a run]: the values the module holds now.
-                write_whole_values(self._zero_model.chunk_manager)
-            return sharded_checkpoint.sharded_state_dict(self._zero_model)
-        state = self._zero_model.state_dict(only_rank_0=rank_zero_only)
-        device = self.state_dict_device()
-        if device.type != "cpu":
-            state = {
-                k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()
-            }
-        return state
+        return self._checkpoints.module_state_dict(
+            self._zero_model, rank_zero_only=rank_zero_only, device=self.state_dict_device()
+        )
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """With `state_dict_type="full"` the whole optimizer state in torch's format, on rank 0
-        (other ranks get an empty dict; a collective), which `save_checkpoint` writes as it is
-        (see [Note: full checkpoints] in full_checkpoint.py); with "sharded" this rank's
-        shards, which it does not read (the engine writes its own)."""
-        engine = getattr(optimizer, "_optimizer", optimizer)
-        if self.state_dict_type == "full" and isinstance(engine, ZeroOptimizer):
-            return sharded_checkpoint.gather_optimizer_state(engine, only_rank_0=True)
-        return cast(dict[str, Any], engine.state_dict())
+        """The optimizer's state for Lightning's checkpoint (see `Checkpoints.optimizer_state`):
+        with "full" a collective."""
+        return self._checkpoints.optimizer_state(optimizer)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Write the checkpoint at `filepath`: model and, unless weights only, optimizer and
-        loss scaler from the engine, with the rest of Lightning's checkpoint (loops,
-        schedulers, callbacks). With `state_dict_type="full"` (the default) one ordinary file
-        from rank 0 (see [Note: full checkpoints] in full_checkpoint.py); with "sharded" a
-        directory, every rank its shards, world-size independent. Either form replaces a
-        checkpoint of the other under the same name (see [Note: saving over an earlier
-        checkpoint] in checkpoint_paths.py); an ordinary directory is refused."""
-        if storage_options is not None and self.state_dict_type == "sharded":
-            raise TypeError(
-                "save_checkpoint(storage_options=...) cannot be honoured: sharded checkpoints "
-                "are written by the engine, not through a CheckpointIO (state_dict_type='full' "
-                "writes through it)"
-            )
+        """Write the checkpoint at `filepath` in the form `state_dict_type` names, with the
+        engine's model and optimizer (see `Checkpoints.save`); a collective."""
+        self._checkpoints.check_storage_options(storage_options)
         if self._zero_model is None:
             raise ValueError("nothing to save: the model is not set up by the strategy yet")
         self._check_all_managed("when saving a checkpoint")
-        path = Path(self.broadcast(str(filepath)))
-        if self.state_dict_type == "full":
-            self._save_full_checkpoint(checkpoint, path, storage_options)
-            return
-        if self._zero_model.module_state is ModuleState.WHOLE:
-            # Saved after a run (see [Note: the module after a run]): the checkpoint reads the
-            # shards, so they take the values the module holds first; it keeps them (a local
-            # copy, where sharding the module and gathering it again would free and rebuild
-            # a whole copy of it, with a collective).
-            write_whole_values(self._zero_model.chunk_manager)
-        self._save_sharded_checkpoint(checkpoint, path)
-
-    def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
-        assert self._zero_model is not None
-        optimizer = self.zero_optimizer() if "optimizer_states" in checkpoint else None
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        if optimizer is not None:
-            rest[PARAM_GROUP_NAMES] = self._param_group_names
-        # A full checkpoint file of the same name is replaced (see [Note: saving over an
-        # earlier checkpoint] in checkpoint_paths.py).
-        sharded_checkpoint.save(path, self._zero_model, optimizer, extra=rest, replace_file=True)
-
-    def _save_full_checkpoint(
-        self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None
-    ) -> None:
-        """One file from rank 0 (see [Note: full checkpoints] in full_checkpoint.py)."""
-        save_on_rank_0(
-            path,
-            lambda: write_full_checkpoint(self.checkpoint_io, checkpoint, path, storage_options),
+        self._checkpoints.save(
+            checkpoint,
+            Path(self.broadcast(str(filepath))),
+            self._zero_model,
+            self.zero_optimizer(),
+            storage_options=storage_options,
+            checkpoint_io=self.checkpoint_io,
             is_rank_0=self.is_global_zero,
             broadcast=self.broadcast,
         )
@@ -400,86 +342,59 @@ class ShardwiseStrategyBase(DDPStrategy):
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load a sharded checkpoint (from any world size) into the engine and return the
-        rest of Lightning's checkpoint. A single file (a full checkpoint of these strategies,
-        `shardwise consolidate`'s output, or one of any Lightning strategy) is returned whole:
-        `load_model_state_dict` loads its weights and, when fitting, its optimizer state
-        sliced into this rank's shards, after the LightningModule's on_load_checkpoint."""
+        """Load a sharded checkpoint into the engine and return the rest of Lightning's
+        checkpoint, or read a single file whole through the CheckpointIO, for
+        `load_model_state_dict` to load (see `Checkpoints.load`)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None and self._zero_model is not None
-        self._loaded_path = path
-        if is_sharded_checkpoint(path):
-            extra = dict(self._load_sharded(path))
-            self._loaded_sharded = True
-            extra.pop(PARAM_GROUP_NAMES, None)
+        extra = self._checkpoints.load(path, self._zero_model, self._optimizer_to_restore())
+        if extra is not None:
             return extra
-        self._loaded_sharded = False
         return super().load_checkpoint(path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load the checkpoint's weights (and, when fitting, optimizer state) into the engine,
+        after the LightningModule's on_load_checkpoint, which may have rebuilt layers (see
+        [Note: layers rebuilt in on_load_checkpoint] in checkpoints.py)."""
+        assert self._zero_model is not None
+        rebuilt = bool(self._unmanaged_parameters())
+        if rebuilt:
+            self._shard_rebuilt_module()
+        self._checkpoints.load_model_state(
+            checkpoint,
+            self._zero_model,
+            self._optimizer_to_restore(),
+            strict=strict,
+            rewrapped=rebuilt,
+        )
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # the engine restored it in load_checkpoint or load_model_state_dict
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a shardwise checkpoint (the link and the directory it names)."""
+        if not self.is_global_zero:
+            return
+        path = Path(filepath)
+        if path.is_symlink():
+            remove_sharded_checkpoint(path)
+        else:
+            super().remove_checkpoint(filepath)
 
     def _fitting(self) -> bool:
         assert self.lightning_module is not None
         return bool(self.lightning_module.trainer.state.fn == TrainerFn.FITTING)
 
-    def _load_sharded(self, path: Path) -> Any:
-        assert self._zero_model is not None
-        optimizer = self.zero_optimizer() if self._fitting() else None
-        return sharded_checkpoint.load(path, self._zero_model, optimizer)
-
-    def _load_whole_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
-        """Slice a torch-format optimizer state (numbered by the parameter groups of
-        configure_optimizers, as every Lightning strategy saves it) into this rank's shards;
-        the loss scaler's state rides under "shardwise"."""
+    def _optimizer_to_restore(self) -> ZeroOptimizer | None:
+        """The engine's optimizer when fitting, which a checkpoint restores; else None."""
+        if not self._fitting():
+            return None
         optimizer = self.zero_optimizer()
-        assert optimizer is not None
-        states = checkpoint["optimizer_states"]
-        scaler = checkpoint.get(SHARDWISE_KEY, {}).get("grad_scaler")
-        fix = (
-            "resume with the same configure_optimizers, or load the weights alone "
-            "(trainer.validate(ckpt_path=...), or a checkpoint saved with "
-            "save_weights_only=True)"
-        )
-        if len(states) != 1:
-            raise ValueError(
-                f"{self._loaded_path} holds optimizer state for {len(states)} optimizers, but "
-                f"configure_optimizers gives one: {fix}"
-            )
-        whole = dict(states[0])
-        if scaler is not None:
-            whole["loss_scaler"] = scaler
-        try:
-            sharded_checkpoint.load_optimizer_state(optimizer, whole)
-        except CheckpointError as error:
-            raise ValueError(f"{self._loaded_path}: {error}; {fix}") from error
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load the checkpoint's weights (and, when fitting, optimizer state) into the engine,
-        after the LightningModule's on_load_checkpoint, which may have rebuilt layers (see
-        [Note: layers rebuilt in on_load_checkpoint])."""
-        assert self._zero_model is not None
-        if self._unmanaged_parameters():
-            self._shard_rebuilt_module()
-            if self._loaded_sharded:
-                # The shards were read into the engine the rebuilt layers left behind.
-                self._load_sharded(self._loaded_path)
-                return
-        elif self._loaded_sharded:
-            return  # load_checkpoint already wrote the weights into the shards
-        self._zero_model.load_state_dict(checkpoint["state_dict"], strict=strict)
-        if self._fitting() and checkpoint.get("optimizer_states"):
-            self._load_whole_optimizer_state(checkpoint)
-
-    # [Note: layers rebuilt in on_load_checkpoint]
-    # Lightning restores a checkpoint after this strategy sharded the module, and the idiom of
-    # its fully sharded strategies' tests (and of users porting them) rebuilds layers in
-    # on_load_checkpoint, "to load the full state dict into a new unwrapped model". The new
-    # layers' parameters are no chunk's, so the engine hands the module back whole
-    # (`ZeroModel.release_module`: one gather of the kept layers' values), a new engine wraps
-    # it with the same configuration, rebuilt layers included, and the checkpoint loads into
-    # that one; when fitting, configure_optimizers runs again, over the new parameters. Costs
-    # one whole copy of the module per rank while it is rewrapped, as the end of a run does
-    # (see [Note: the module after a run]).
+        assert optimizer is not None  # setup_optimizers wrapped one for the fit
+        return optimizer
 
     def _shard_rebuilt_module(self) -> None:
+        # See [Note: layers rebuilt in on_load_checkpoint] in checkpoints.py.
         old = self._zero_model
         assert old is not None and self.lightning_module is not None
         previous = optimizer_of(old)
@@ -513,19 +428,6 @@ class ShardwiseStrategyBase(DDPStrategy):
     def on_predict_start(self) -> None:
         self._check_all_managed("at the start of predict")
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # the engine restored it in load_checkpoint
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove a shardwise checkpoint (the link and the directory it names)."""
-        if not self.is_global_zero:
-            return
-        path = Path(filepath)
-        if path.is_symlink():
-            remove_sharded_checkpoint(path)
-        else:
-            super().remove_checkpoint(filepath)
-
     # ---- end -----------------------------------------------------------------------------------
 
     # [Note: the module after a run]
@@ -540,12 +442,6 @@ class ShardwiseStrategyBase(DDPStrategy):
     # `trainer.save_checkpoint` still works after fit, and the next run of the same module
     # shards the values the module holds then (changed in place or by load_state_dict). A run
     # that raised skips the gather: another rank may never reach that collective.
-
-    def _whole_state_call(self) -> str:
-        """How a user takes the whole weights from the engine under this state_dict_type."""
-        if self.state_dict_type == "sharded":
-            return "trainer.strategy.zero_model.state_dict()"
-        return "trainer.strategy.lightning_module_state_dict()"
 
     def teardown(self) -> None:
         """Release the plugins and, after a run that finished, give the LightningModule its
@@ -571,8 +467,8 @@ class ShardwiseStrategyBase(DDPStrategy):
                     f"the LightningModule keeps its parameters sharded after this run (empty "
                     f"outside the engine): a whole fp32 copy, {gib:.1f} GiB per rank, would not "
                     f"fit in this host's memory. Take its weights with "
-                    f"{self._whole_state_call()}, called on every rank (rank 0 gets them), or "
-                    f"trainer.save_checkpoint(path)"
+                    f"{self._checkpoints.whole_state_call()}, called on every rank (rank 0 gets "
+                    f"them), or trainer.save_checkpoint(path)"
                 )
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

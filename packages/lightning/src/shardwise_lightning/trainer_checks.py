@@ -45,7 +45,7 @@ def check_all_managed(engine: ZeroModel, when: str) -> None:
     """Raise when the LightningModule holds parameters the engine does not manage: a layer
     built or replaced after the strategy sharded the module (in setup after the first fit,
     between Trainer calls; not in on_load_checkpoint, see [Note: layers rebuilt in
-    on_load_checkpoint] in base.py). Such a layer would run unsharded, be left out of
+    on_load_checkpoint] in checkpoints.py). Such a layer would run unsharded, be left out of
     checkpoints and loads, and fail at stage 3's next gather."""
     strays = unmanaged_parameters(engine)
     if strays:
