@@ -36,10 +36,15 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 
 
 def _whole_step(
-    self: ZeroOptimizer, coef: float, grads: list[torch.Tensor | None], got_grad: list[bool]
+    self: ZeroOptimizer,
+    coef: float,
+    grads: list[torch.Tensor | None],
+    got_grad: list[bool],
+    stepped_early: set[int],
 ) -> None:
     """The step before it went chunk by chunk: every gradient shard read, then one inner step
-    over every view."""
+    over every view (no chunk stepped during backward here)."""
+    assert not stepped_early
     grads = [
         grad if grad is not None else chunk.grads.for_step()
         for chunk, grad in zip(self._chunks, grads, strict=True)

@@ -42,6 +42,7 @@ import torch
 from shardwise import comm
 from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler, LossScaleConfig
 from shardwise.chunk import Chunk, Pool
+from shardwise.engine.backward_step import StepsInBackward
 from shardwise.engine.disk_tier import (
     StepSnapshot,
     chunks_for_disk,
@@ -71,6 +72,11 @@ class ZeroOptimizer:
             many steps in a row were skipped for non-finite gradients while the loss scale
             could not back off any further (fp32 and bf16 always; fp16 at `min_scale`), and
             again every as many steps after: training then makes no progress.
+        step_in_backward: step each of stage 3's sharded chunks during backward, as soon as
+            its reduced gradient is in, and only the rest in `step()` (see [Note: the
+            optimizer steps during backward] in engine/backward_step.py): the same update,
+            overlapped with backward. Needs no clipping and no fp16 loss scaling; gradient
+            accumulation needs `no_sync()`; a non-finite gradient is stepped, not skipped.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class ZeroOptimizer:
         max_norm: float = 0.0,
         norm_type: float = 2.0,
         warn_after_skipped_steps: int = 10,
+        step_in_backward: bool = False,
     ) -> None:
         if not isinstance(model, ZeroModel):
             raise TypeError(
@@ -117,6 +124,7 @@ class ZeroOptimizer:
             raise ValueError(
                 "optimizer already has state (it has stepped); wrap it before its first step"
             )
+        _check_step_in_backward(step_in_backward, model, grad_scaler, max_norm)
         check_no_optimizer_yet(model)
         self.model = model
         # What the step uses of the model, handed over once (see engine/step_parts.py).
@@ -178,12 +186,27 @@ class ZeroOptimizer:
                 self._disk_chunks = sorted(
                     [*self._disk_chunks, *chosen], key=lambda chunk: chunk.chunk_id
                 )
+        # See [Note: the optimizer steps during backward] in engine/backward_step.py.
+        self._in_backward = StepsInBackward() if step_in_backward else None
+        # How many chunks stepped during the backward passes of the last step (this rank).
+        self.last_stepped_in_backward = 0
+        if self._in_backward is not None:
+            stepper = weakref.WeakMethod(self._step_reduced)
+
+            def step_reduced(chunk: Chunk) -> None:
+                method = stepper()
+                if method is not None:  # else this optimizer is gone
+                    method(chunk)
+
+            self._parts.runtime.step_reduced_in_backward(step_reduced)
         _OPTIMIZER_OF[model] = weakref.ref(self)
 
     def close(self) -> None:
         """Detach from the model so that another optimizer can be wrapped over it (a second
         `fit` with a new optimizer); this one can no longer step. Masters and state on the
         disk tier come back into host memory and its files are removed."""
+        if self._in_backward is not None and not self._closed:
+            self._parts.runtime.step_reduced_in_backward(None)
         if optimizer_of(self.model) is self:
             del _OPTIMIZER_OF[self.model]
         if self.disk is not None and not self._closed:
@@ -226,6 +249,7 @@ class ZeroOptimizer:
             raise ValueError("this ZeroOptimizer was closed; step the one that replaced it")
         parts = self._parts
         parts.runtime.settle()
+        stepped_early = self._take_stepped_in_backward()
         parts.reducer.reduce_all()
         # A chunk whose share of the norm is taken is read only when it steps, so its
         # gradient's copy to the host can still be landing (see [Note: norm partials] in
@@ -259,6 +283,16 @@ class ZeroOptimizer:
         self.last_grad_norm = norm
         self.last_loss_scale = scale
         overflow = not math.isfinite(norm)
+        if overflow and self._in_backward is not None:
+            # See [Note: the optimizer steps during backward]: stepped as torch would.
+            warnings.warn(
+                f"the gradient norm is {norm} and step_in_backward=True steps it as it is "
+                f"(a step can be skipped only when nothing stepped during backward): check "
+                f"the loss and inputs for inf/nan, or use step_in_backward=False",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            overflow = False
         # What a rolled-back step of the disk tier restores (see engine/step_loop.py).
         self._scaler_before = self.grad_scaler.state_dict() if self.disk is not None else {}
         self._skips_before = (self.skipped_in_a_row, self._stuck_in_a_row, self.skip_warning)
@@ -275,19 +309,60 @@ class ZeroOptimizer:
         if self.max_norm > 0:
             # As torch.nn.utils.clip_grad_norm_: never scale up, epsilon against zero norms.
             coef *= min(1.0, self.max_norm / (norm + 1e-6))
-        self._step_chunk_by_chunk(coef, grads, reduced.got_grad)
+        self._step_chunk_by_chunk(coef, grads, reduced.got_grad, stepped_early)
         self._after_step()
         return True
 
+    def _take_stepped_in_backward(self) -> set[int]:
+        """The chunks that stepped during this step's backward passes (see [Note: the
+        optimizer steps during backward] in engine/backward_step.py)."""
+        if self._in_backward is None:
+            return set()
+        stepped = self._in_backward.take(self.optim.param_groups)
+        if stepped and self._parts.reducer.has_unreduced_passes:
+            raise ValueError(
+                f"{len(stepped)} chunks stepped during a backward (step_in_backward=True) and "
+                f"a later backward under no_sync() left gradients for them: accumulate under "
+                f"no_sync() before the last micro-batch's backward, not after it"
+            )
+        self.last_stepped_in_backward = len(stepped)
+        return stepped
+
+    def _step_reduced(self, chunk: Chunk) -> None:
+        """Step `chunk` during backward, its gradient just reduced, where it may (see [Note:
+        the optimizer steps during backward] in engine/backward_step.py)."""
+        tracker = self._in_backward
+        assert tracker is not None
+        tracker.check_not_stepped(chunk)
+        if chunk.chunk_id not in self._slots or not tracker.may_step(chunk):
+            return
+        grad = chunk.grads.for_step()
+        for view, begin, end, _ in self._slots[chunk.chunk_id]:
+            view.grad = grad[begin:end]  # every tensor of it got a gradient here
+        groups = self.optim.param_groups
+        whole = [group["params"] for group in groups]
+        try:
+            self._step_one_chunk(chunk, 1.0 / self.grad_scaler.scale, grad)
+        finally:
+            for group, params in zip(groups, whole, strict=True):
+                group["params"] = params
+        chunk.publish_master()
+        tracker.record(chunk, groups)
+
     def _step_chunk_by_chunk(
-        self, coef: float, grads: list[torch.Tensor | None], got_grad: list[bool]
+        self,
+        coef: float,
+        grads: list[torch.Tensor | None],
+        got_grad: list[bool],
+        stepped_early: set[int],
     ) -> None:
         """See [Note: the step, chunk by chunk]; `grads` are the chunks' gradient shards
         where the norm read them already (the others are read as each chunk steps: its host
         step runs while later chunks' gradients may still be landing, see [Note: reduced
         gradients leave for the host] in chunk/grads.py). One loop for every tier (see [Note:
         the disk tier in the step] in engine/step_loop.py): when the disk tier's step fails,
-        nothing else has stepped, and the step is undone."""
+        nothing else has stepped, and the step is undone. The chunks in `stepped_early` (ids)
+        stepped during backward already."""
         groups = self.optim.param_groups
         whole = [group["params"] for group in groups]
         read = {chunk.chunk_id: grad for chunk, grad in zip(self._chunks, grads, strict=True)}
@@ -300,13 +375,17 @@ class ZeroOptimizer:
                 view.grad = grad[begin:end] if got_grad[position] else None
             self._step_one_chunk(chunk, coef, grad)
 
-        fallible = [chunk for chunk in self._chunks if chunk.tier.fallible]
+        for chunk in self._chunks:
+            if chunk.chunk_id in stepped_early:
+                chunk.grads.end_step()
+        left = [chunk for chunk in self._chunks if chunk.chunk_id not in stepped_early]
+        fallible = [chunk for chunk in left if chunk.tier.fallible]
         snapshot = (
             StepSnapshot.take(fallible, self.optim.state, self._scaler_before) if fallible else None
         )
         try:
             step_chunks(
-                self._chunks,
+                left,
                 step,
                 wait_publish=not self._parts.defers_param_gather,
                 stats=self._parts.comm_stats,
@@ -395,6 +474,17 @@ class ZeroOptimizer:
         compatibility and zeroes all the same); a backward pass that raised midway is
         forgotten with them (see [Note: the phase of the pass] in runtime/phase.py)."""
         self._parts.runtime.forget()
+        if self._in_backward is not None and self._in_backward.stepped:
+            stepped = self._in_backward.take(self.optim.param_groups)
+            warnings.warn(
+                f"zero_grad() without step(): {len(stepped)} chunks had stepped during "
+                f"backward already (step_in_backward=True) and keep that step",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            for chunk in self._chunks:
+                if chunk.chunk_id in stepped:
+                    chunk.grads.end_step()
         for chunk in self._chunks:
             chunk.grads.zero_grad()
 
@@ -493,6 +583,36 @@ def check_no_optimizer_yet(model: ZeroModel) -> None:
 
 class SkippedStepsWarning(RuntimeWarning):
     """Optimizer steps keep being skipped for non-finite gradients."""
+
+
+def _check_step_in_backward(
+    step_in_backward: bool, model: ZeroModel, grad_scaler: GradScaler, max_norm: float
+) -> None:
+    """Refuse `step_in_backward` where a chunk's update depends on the whole gradient, or
+    where no chunk could step during backward (see [Note: the optimizer steps during
+    backward] in engine/backward_step.py)."""
+    if not isinstance(step_in_backward, bool):
+        raise TypeError(f"step_in_backward must be a bool, got {step_in_backward!r}")
+    if not step_in_backward:
+        return
+    if model.stage != 3:
+        raise ValueError(
+            f"step_in_backward=True steps stage 3's sharded chunks during backward; at stage "
+            f"{model.stage} every chunk keeps its parameters gathered and publishes them by an "
+            f"all-gather at the step: use stage 3, or step_in_backward=False"
+        )
+    if max_norm > 0:
+        raise ValueError(
+            f"step_in_backward=True cannot clip (max_norm={max_norm}): clipping scales every "
+            f"chunk by the whole gradient's norm, known only once backward has ended. Set "
+            f"max_norm=0, or step_in_backward=False"
+        )
+    if isinstance(grad_scaler, DynamicGradScaler):
+        raise ValueError(
+            "step_in_backward=True cannot be used with fp16 loss scaling: a step is skipped "
+            "when any rank's gradient overflowed, known only once backward has ended. Use "
+            "bf16, or step_in_backward=False"
+        )
 
 
 def grad_scaler_for(model: ZeroModel, loss_scale: LossScaleConfig) -> GradScaler:

@@ -49,6 +49,7 @@ def wrap_optimizer(
     max_norm: float = 0.0,
     norm_type: float = 2.0,
     warn_after_skipped_steps: int = 10,
+    step_in_backward: bool = False,
 ) -> ZeroOptimizer:
     """`optimizer` (built over `model`'s parameters, not yet stepped) stepping `model`'s
     sharded fp32 master weights; see `ZeroOptimizer` for the arguments. The loss scale is
@@ -68,6 +69,7 @@ def wrap_optimizer(
         max_norm=max_norm,
         norm_type=norm_type,
         warn_after_skipped_steps=warn_after_skipped_steps,
+        step_in_backward=step_in_backward,
     )
 
 

@@ -411,6 +411,11 @@ class GradReducer:
             chunk.grads.expose_reached(reached[offset : offset + len(chunk.tensors)])
             offset += len(chunk.tensors)
 
+    @property
+    def has_unreduced_passes(self) -> bool:
+        """Whether backward passes left gradients that `reduce_all()` would reduce."""
+        return self._unreduced_passes
+
     def reduce_all(self) -> None:
         """Reduce the gradients that backward passes left unreduced (every pass where stage 1
         reduces at the step, passes under no_sync otherwise), every chunk in the fixed order;

@@ -20,6 +20,7 @@ telemetry's to its emitter, each stopped when its owner is collected.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,11 @@ class Runtime:
         self._warmed_up = False  # a backward pass ended (stage 3's memory manager learnt)
         self._forwards_in_backward = 0  # see before_forward
         self._forward_was_recorded = False
+        self._releases_reduced = settings.conditional_units is not None
+        # See [Note: stepping during backward]: chunks reduced in this pass, and what steps
+        # them when the pass reaches a safe point.
+        self._reduced_in_pass: list[Chunk] = []
+        self._step_reduced: Callable[[Chunk], None] | None = None
         conditional = settings.conditional_units
         # 1. Stage 3's conditional units: their backward signals the reducer (unit_done).
         units = (
@@ -116,7 +122,7 @@ class Runtime:
             overlap=settings.overlap_reductions,
             max_in_flight=settings.max_in_flight,
             bucket_bytes=settings.bucket_bytes,
-            on_reduced=release_if_idle if units is not None else None,
+            on_reduced=self._reduced,
             on_complete=release_if_idle if units is not None else None,
             gemini=gemini,
             units=units,
@@ -201,6 +207,7 @@ class Runtime:
         """A hook of a part was reached by a backward pass: the first of the pass queues its
         end on autograd and starts the backward's gathers and checks."""
         if self.state.phase is Phase.PRE_BACKWARD:
+            self._step_reduced_chunks()
             return
         self.settle()
         self.state.phase = Phase.PRE_BACKWARD
@@ -224,7 +231,39 @@ class Runtime:
                 else:
                     self._gemini.restart_warmup()
         self.reducer.end_of_backward()
+        if completed:
+            self._step_reduced_chunks()
+        self._reduced_in_pass.clear()
         self.state.phase = Phase.IDLE
+
+    # [Note: stepping during backward]
+    # Where the step needs nothing global before a chunk steps (no clipping, no fp16 overflow
+    # check: `ZeroOptimizer(step_in_backward=True)`), a chunk can step as soon as its reduced
+    # gradient is in, while backward goes on: its host step then overlaps the backward of the
+    # chunks before it. The reducer ends reductions at moments that differ between ranks (the
+    # memory manager may wait for them to make room), sometimes inside the memory manager's
+    # decisions, so a chunk reduced in a pass is only noted there; the runtime steps the
+    # noted chunks at the next point of the pass that is safe on every rank: the next hook a
+    # backward reaches (before it adds a gradient or gathers), and the end of a backward that
+    # completed. Stepping one chunk issues no collective (its own shard, published into its
+    # own payload), so ranks need not step it at the same moment. A pass that raised steps
+    # nothing more; what it stepped before it raised stays stepped.
+
+    def step_reduced_in_backward(self, step: Callable[[Chunk], None] | None) -> None:
+        """Call `step(chunk)` for each chunk reduced in a backward pass, at the pass's next
+        safe point (see [Note: stepping during backward]); None stops it."""
+        self._step_reduced = step
+
+    def _reduced(self, chunk: Chunk) -> None:
+        if self._releases_reduced:
+            release_if_idle(chunk)
+        if self._step_reduced is not None and self.state.phase.in_backward:
+            self._reduced_in_pass.append(chunk)
+
+    def _step_reduced_chunks(self) -> None:
+        step = self._step_reduced
+        while self._reduced_in_pass and step is not None:
+            step(self._reduced_in_pass.pop(0))
 
     def _unit_done(self, unit: int) -> None:
         self.reducer.unit_done(unit)
@@ -250,6 +289,7 @@ class Runtime:
         if self.scheduler is not None:
             self.scheduler.end_backward(completed=False)
         self.reducer.abandon_pass()
+        self._reduced_in_pass.clear()
         if self._gemini is not None and not self._warmed_up:
             self._gemini.restart_warmup()
         self.state.phase = Phase.IDLE

@@ -66,6 +66,7 @@ def zero_optim_wrapper(
     *,
     warn_after_skipped_steps: int = 10,
     loss_scale: LossScaleConfig | None = None,
+    step_in_backward: bool = False,
 ) -> ZeroOptimizer:
     """Wrap `optimizer` (built over `model.parameters()`) to step sharded fp32 master weights.
 
@@ -95,6 +96,8 @@ def zero_optim_wrapper(
             nan gradients with no loss scale left to lower (see `ZeroOptimizer`).
         loss_scale: the seven scaler settings as one `LossScaleConfig`; the separate
             arguments refine it (one left at its default keeps loss_scale's value).
+        step_in_backward: stage 3: step each sharded chunk during backward as soon as its
+            reduced gradient is in (no clipping, no fp16; see `ZeroOptimizer`).
     """
     if not isinstance(model, ZeroModel):
         raise TypeError(
@@ -115,6 +118,7 @@ def zero_optim_wrapper(
         max_norm=max_norm,
         norm_type=norm_type,
         warn_after_skipped_steps=warn_after_skipped_steps,
+        step_in_backward=step_in_backward,
     )
     # Streams when the environment says where.
     telemetry.enable(model, engine, entry_point="zero_optim_wrapper")
