@@ -66,10 +66,17 @@ class StepsInBackward:
             self._hyperparameters = _hyperparameters(param_groups)
         self.stepped.add(chunk.chunk_id)
 
-    def take(self, param_groups: list[dict[str, Any]]) -> set[int]:
+    def take(self, param_groups: list[dict[str, Any]], *, gradients_left: bool = False) -> set[int]:
         """At `step()`: the chunks stepped during backward, forgotten here; raises when
-        `param_groups` changed since they stepped."""
+        `param_groups` changed since they stepped, or when later passes under no_sync() left
+        gradients (`gradients_left`) that would reach them too."""
         stepped, self.stepped = self.stepped, set()
+        if stepped and gradients_left:
+            raise ValueError(
+                f"{len(stepped)} chunks stepped during a backward (step_in_backward=True) and "
+                f"a later backward under no_sync() left gradients for them: accumulate under "
+                f"no_sync() before the last micro-batch's backward, not after it"
+            )
         before, self._hyperparameters = self._hyperparameters, None
         if before is not None and not _same(before, _hyperparameters(param_groups)):
             raise ValueError(

@@ -15,6 +15,8 @@ import logging
 import math
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ from shardwise.chunk import Chunk, Pool
 from shardwise.chunk.accounting import resident_bytes_by_pool
 from shardwise.engine.config import Placement
 from shardwise.logging.progress_bar import progress_bar, progress_wanted
-from shardwise.memory.disk_pool import DiskPool
+from shardwise.memory.disk_pool import DiskPool, DiskTierError
 from shardwise.memory.pages import give_back_freed_memory
 from shardwise.optim import HybridAdam
 
@@ -176,6 +178,70 @@ def release_disk(chunks: list[Chunk], disk: DiskPool) -> None:
                 chunk.move_optim(Pool.HOST)
     finally:
         disk.close()
+
+
+def disk_chunks_for(
+    chunks: list[Chunk],
+    placement: Placement,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+) -> tuple[list[Chunk], DiskPool | None]:
+    """The chunks (in chunk order) whose optimizer sides live on the disk tier, and its pool:
+    those an optimizer before this one left there (it was collected without `close()`: their
+    masters wait there still), and those the settings send there now."""
+    on_disk = [c for c in chunks if c.placement.optim is Pool.DISK]
+    disk = on_disk[0].placement.disk if on_disk else None
+    settings = disk_settings(placement, optimizer)
+    if not settings.wanted:
+        return on_disk, disk
+    chosen = chunks_for_disk(
+        chunks, settings, already=len(on_disk), planned=placement.policy.name == "auto"
+    )
+    if not chosen:
+        return on_disk, disk
+    disk = place_on_disk(chosen, disk or DiskPool(settings.directory, rank=rank))
+    return sorted([*on_disk, *chosen], key=lambda chunk: chunk.chunk_id), disk
+
+
+@contextmanager
+def sides_in_memory(disk_chunks: list[Chunk]) -> Iterator[None]:
+    """Every master and optimizer state of `disk_chunks` readable in memory inside the block,
+    dropped again on leaving (their disk copies unchanged)."""
+    with ExitStack() as stack:
+        for chunk in disk_chunks:
+            stack.enter_context(chunk.optim_side_in_memory(write_back=False))
+        yield
+
+
+def cloned_state(state: dict[Any, Any]) -> dict[Any, Any]:
+    """A state dict's per-parameter state with its tensors copied (the originals of the disk
+    tier's chunks lose their memory when written out again)."""
+    return {
+        key: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for key, entry in state.items()
+    }
+
+
+def adopt_replaced_state(chunks: list[Chunk], state: dict[Any, Any]) -> None:
+    """The inner optimizer's `state` was replaced (loaded): each chunk adopts its new tensors
+    (see [Note: the chunk owns its optimizer state] in chunk/optimizer_state.py); a chunk on
+    the disk tier writes them through at once, so its disk copy holds the loaded state."""
+    for chunk in chunks:
+        states = chunk.optimizer_state
+        on_disk = chunk.placement.optim is Pool.DISK
+        if on_disk:
+            chunk.ensure_resident()
+        states.adopt(state.get(view, {}) for view, _, _ in states.views)
+        if on_disk:
+            try:
+                chunk.tier.evict().result()
+            except OSError as error:
+                raise DiskTierError(
+                    f"the loaded optimizer state of chunk {chunk.chunk_id} could not be "
+                    f"written to the disk tier ({error}); it stays in memory until the "
+                    f"next step writes it"
+                ) from error
+            chunk.tier.commit()
 
 
 @dataclass(slots=True)

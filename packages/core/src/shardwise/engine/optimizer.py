@@ -34,29 +34,38 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from shardwise import comm
 from shardwise.amp import ConstantGradScaler, DynamicGradScaler, GradScaler, LossScaleConfig
-from shardwise.chunk import Chunk, Pool
+from shardwise.chunk import Chunk
 from shardwise.engine.backward_step import StepsInBackward
+from shardwise.engine.chunk_step import ChunkStepper
 from shardwise.engine.disk_tier import (
     StepSnapshot,
-    chunks_for_disk,
-    disk_settings,
-    place_on_disk,
+    adopt_replaced_state,
+    cloned_state,
+    disk_chunks_for,
     release_disk,
+    sides_in_memory,
 )
 from shardwise.engine.grad_norm import global_grad_norm
 from shardwise.engine.model import ZeroModel
+from shardwise.engine.optimizer_checks import check_optimizer_arguments, check_step_in_backward
+from shardwise.engine.optimizer_registry import (
+    check_no_optimizer_yet,
+    optimizer_of,
+    register_optimizer,
+    unregister_optimizer,
+)
 from shardwise.engine.shard_views import bind_shard_views
+from shardwise.engine.skipped_steps import SkippedSteps, SkippedStepsWarning
 from shardwise.engine.step_loop import step_chunks
 from shardwise.engine.step_parts import step_parts
-from shardwise.memory.disk_pool import DiskPool, DiskTierError
-from shardwise.optim import HybridAdam
+from shardwise.memory.disk_pool import DiskTierError
 
 
 class ZeroOptimizer:
@@ -90,41 +99,14 @@ class ZeroOptimizer:
         warn_after_skipped_steps: int = 10,
         step_in_backward: bool = False,
     ) -> None:
-        if not isinstance(model, ZeroModel):
-            raise TypeError(
-                f"model must be wrapped by zero_model_wrapper first, got {type(model).__name__}"
-            )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if (
-            isinstance(max_norm, bool)
-            or not isinstance(max_norm, (int, float))
-            or not max_norm >= 0  # also refuses nan, which would turn clipping off unseen
-        ):
-            raise ValueError(
-                f"max_norm must be a number >= 0 (0 disables clipping), got {max_norm!r}"
-            )
-        if (
-            isinstance(norm_type, bool)
-            or not isinstance(norm_type, (int, float))
-            or not norm_type > 0
-        ):
-            raise ValueError(f"norm_type must be a number > 0 or math.inf, got {norm_type!r}")
-        if (
-            isinstance(warn_after_skipped_steps, bool)
-            or not isinstance(warn_after_skipped_steps, int)
-            or warn_after_skipped_steps < 1
-        ):
-            raise ValueError(
-                f"warn_after_skipped_steps must be an int >= 1, got {warn_after_skipped_steps!r}"
-            )
-        if optimizer.state:
-            raise ValueError(
-                "optimizer already has state (it has stepped); wrap it before its first step"
-            )
-        _check_step_in_backward(step_in_backward, model, grad_scaler, max_norm)
+        check_optimizer_arguments(
+            model,
+            optimizer,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            warn_after_skipped_steps=warn_after_skipped_steps,
+        )
+        check_step_in_backward(step_in_backward, model, grad_scaler, max_norm)
         check_no_optimizer_yet(model)
         self.model = model
         # What the step uses of the model, handed over once (see engine/step_parts.py).
@@ -141,12 +123,9 @@ class ZeroOptimizer:
         self.last_loss_scale = grad_scaler.scale
         self.num_steps = 0
         self._replan_after_step = False
-        self.warn_after_skipped_steps = warn_after_skipped_steps
-        self.skipped_in_a_row = 0
-        self.skip_warning: str | None = None
-        self._stuck_in_a_row = 0
+        self._skips = SkippedSteps(warn_after_skipped_steps)
         self._scaler_before: dict[str, Any] = {}
-        self._skips_before: tuple[int, int, str | None] = (0, 0, None)
+        self._skips_before = self._skips.snapshot()
         self._closed = False
         self._step_hooks: list[Callable[[ZeroOptimizer], None]] = []
         self._chunks: list[Chunk] = list(model.chunk_manager.trainable_chunks())
@@ -157,35 +136,19 @@ class ZeroOptimizer:
         # See [Note: the optimizer sees shard views] in engine/shard_views.py.
         views = bind_shard_views(optimizer, model.chunk_manager, self._chunks)
         self._slots = views.slots
-        self._groups_of_chunk = views.groups_of_chunk
+        self._stepper = ChunkStepper(optimizer, views.slots, views.groups_of_chunk)
         # Parameter name -> the shard view the inner optimizer steps (checkpoints use it).
         self.shard_views = views.by_name
         # Every group's parameters by name, in the order the user gave them (frozen ones and
         # ones this rank owns no element of too): torch's parameter numbers in checkpoints.
         self.group_param_names = views.group_param_names
-        # The disk tier (see [Note: the disk tier] in memory/disk_pool.py): chunks an optimizer
-        # before this one left there (it was collected without `close()`: their masters wait
-        # there still), and those the settings send there now.
-        self._disk_chunks = [c for c in self._chunks if c.placement.optim is Pool.DISK]
-        self.disk: DiskPool | None = (
-            self._disk_chunks[0].placement.disk if self._disk_chunks else None
+        # The disk tier (see [Note: the disk tier] in memory/disk_pool.py).
+        self._disk_chunks, self.disk = disk_chunks_for(
+            self._chunks,
+            model.config.placement,
+            optimizer,
+            comm.rank(model.config.topology.process_group),
         )
-        settings = disk_settings(model.config.placement, optimizer)
-        if settings.wanted:
-            chosen = chunks_for_disk(
-                self._chunks,
-                settings,
-                already=len(self._disk_chunks),
-                planned=model.config.placement.policy.name == "auto",
-            )
-            if chosen:
-                group = model.config.topology.process_group
-                self.disk = place_on_disk(
-                    chosen, self.disk or DiskPool(settings.directory, rank=comm.rank(group))
-                )
-                self._disk_chunks = sorted(
-                    [*self._disk_chunks, *chosen], key=lambda chunk: chunk.chunk_id
-                )
         # See [Note: the optimizer steps during backward] in engine/backward_step.py.
         self._in_backward = StepsInBackward() if step_in_backward else None
         # How many chunks stepped during the backward passes of the last step (this rank).
@@ -199,7 +162,7 @@ class ZeroOptimizer:
                     method(chunk)
 
             self._parts.runtime.step_reduced_in_backward(step_reduced)
-        _OPTIMIZER_OF[model] = weakref.ref(self)
+        register_optimizer(model, self)
 
     def close(self) -> None:
         """Detach from the model so that another optimizer can be wrapped over it (a second
@@ -207,8 +170,7 @@ class ZeroOptimizer:
         disk tier come back into host memory and its files are removed."""
         if self._in_backward is not None and not self._closed:
             self._parts.runtime.step_reduced_in_backward(None)
-        if optimizer_of(self.model) is self:
-            del _OPTIMIZER_OF[self.model]
+        unregister_optimizer(self.model, self)
         if self.disk is not None and not self._closed:
             release_disk(self._disk_chunks, self.disk)
         self._closed = True
@@ -216,6 +178,20 @@ class ZeroOptimizer:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optim.param_groups
+
+    @property
+    def warn_after_skipped_steps(self) -> int:
+        return self._skips.warn_after
+
+    @property
+    def skipped_in_a_row(self) -> int:
+        """Steps skipped in a row for non-finite gradients, up to the last one."""
+        return self._skips.in_a_row
+
+    @property
+    def skip_warning(self) -> str | None:
+        """The `SkippedStepsWarning` last given while steps keep being skipped, else None."""
+        return self._skips.warning
 
     @property
     def loss_scale(self) -> float:
@@ -295,8 +271,8 @@ class ZeroOptimizer:
             overflow = False
         # What a rolled-back step of the disk tier restores (see engine/step_loop.py).
         self._scaler_before = self.grad_scaler.state_dict() if self.disk is not None else {}
-        self._skips_before = (self.skipped_in_a_row, self._stuck_in_a_row, self.skip_warning)
-        self._count_skips(overflow)
+        self._skips_before = self._skips.snapshot()
+        self._skips.count(overflow, self.grad_scaler)
         self.grad_scaler.update(overflow)
         self.last_step_skipped = overflow
         if overflow:
@@ -318,13 +294,9 @@ class ZeroOptimizer:
         optimizer steps during backward] in engine/backward_step.py)."""
         if self._in_backward is None:
             return set()
-        stepped = self._in_backward.take(self.optim.param_groups)
-        if stepped and self._parts.reducer.has_unreduced_passes:
-            raise ValueError(
-                f"{len(stepped)} chunks stepped during a backward (step_in_backward=True) and "
-                f"a later backward under no_sync() left gradients for them: accumulate under "
-                f"no_sync() before the last micro-batch's backward, not after it"
-            )
+        stepped = self._in_backward.take(
+            self.optim.param_groups, gradients_left=self._parts.reducer.has_unreduced_passes
+        )
         self.last_stepped_in_backward = len(stepped)
         return stepped
 
@@ -336,18 +308,10 @@ class ZeroOptimizer:
         tracker.check_not_stepped(chunk)
         if chunk.chunk_id not in self._slots or not tracker.may_step(chunk):
             return
-        grad = chunk.grads.for_step()
-        for view, begin, end, _ in self._slots[chunk.chunk_id]:
-            view.grad = grad[begin:end]  # every tensor of it got a gradient here
-        groups = self.optim.param_groups
-        whole = [group["params"] for group in groups]
-        try:
-            self._step_one_chunk(chunk, 1.0 / self.grad_scaler.scale, grad)
-        finally:
-            for group, params in zip(groups, whole, strict=True):
-                group["params"] = params
+        # Every tensor of it got a gradient on this rank: no flag is needed from the others.
+        self._stepper.step(chunk, chunk.grads.for_step(), 1.0 / self.grad_scaler.scale)
         chunk.publish_master()
-        tracker.record(chunk, groups)
+        tracker.record(chunk, self.optim.param_groups)
 
     def _step_chunk_by_chunk(
         self,
@@ -363,17 +327,12 @@ class ZeroOptimizer:
         the disk tier in the step] in engine/step_loop.py): when the disk tier's step fails,
         nothing else has stepped, and the step is undone. The chunks in `stepped_early` (ids)
         stepped during backward already."""
-        groups = self.optim.param_groups
-        whole = [group["params"] for group in groups]
         read = {chunk.chunk_id: grad for chunk, grad in zip(self._chunks, grads, strict=True)}
 
         def step(chunk: Chunk) -> None:
             grad = read[chunk.chunk_id]
             grad = chunk.grads.for_step() if grad is None else grad
-            for view, begin, end, position in self._slots[chunk.chunk_id]:
-                # See [Note: tensors without gradients].
-                view.grad = grad[begin:end] if got_grad[position] else None
-            self._step_one_chunk(chunk, coef, grad)
+            self._stepper.step(chunk, grad, coef, got_grad)
 
         for chunk in self._chunks:
             if chunk.chunk_id in stepped_early:
@@ -395,31 +354,8 @@ class ZeroOptimizer:
             assert snapshot is not None
             snapshot.restore(self.optim.state)
             self.grad_scaler.load_state_dict(snapshot.scaler)
-            self.skipped_in_a_row, self._stuck_in_a_row, self.skip_warning = self._skips_before
+            self._skips.restore(self._skips_before)
             raise
-        finally:
-            for group, params in zip(groups, whole, strict=True):
-                group["params"] = params
-
-    def _step_one_chunk(self, chunk: Chunk, coef: float, grad: torch.Tensor) -> None:
-        """The inner optimizer over `chunk`'s views alone (its param groups hold only them),
-        then the state it made or replaced adopted by the chunk (see [Note: the chunk owns its
-        optimizer state] in chunk/optimizer_state.py)."""
-        views = self._groups_of_chunk.get(chunk.chunk_id)
-        if views is None:  # no element of this chunk is this rank's to step
-            return
-        for group, chunk_views in zip(self.optim.param_groups, views, strict=True):
-            group["params"] = chunk_views
-        states = chunk.optimizer_state
-        states.adopt(self.optim.state.get(view, {}) for view, _, _ in states.views)
-        if isinstance(self.optim, HybridAdam):
-            # Unscaled and clipped inside the fused update: no separate pass over gradients.
-            self.optim.step(grad_scale=1.0 / coef)
-        else:
-            if coef != 1.0:
-                grad.mul_(coef)
-            self.optim.step()
-        states.adopt(self.optim.state.get(view, {}) for view, _, _ in states.views)
 
     def _overran_plan(self) -> bool:
         gemini = self._parts.gemini
@@ -436,24 +372,6 @@ class ZeroOptimizer:
             else:
                 flags.extend(index in received for index in range(count))
         return flags
-
-    def _count_skips(self, overflow: bool) -> None:
-        """Warn when steps keep being skipped with no loss scale left to lower."""
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if overflow else 0
-        if not overflow:
-            self._stuck_in_a_row, self.skip_warning = 0, None
-            return
-        if self.grad_scaler.can_back_off:
-            return
-        self._stuck_in_a_row += 1
-        if self._stuck_in_a_row % self.warn_after_skipped_steps == 0:
-            self.skip_warning = (
-                f"{self.skipped_in_a_row} optimizer steps in a row were skipped: the gradients "
-                f"are inf or nan on some rank at loss scale {self.grad_scaler.scale:g}, which "
-                f"cannot be lowered further, so training makes no progress. Check the loss and "
-                f"inputs for inf/nan, the learning rate, and fp16 overflow (try bf16)"
-            )
-            warnings.warn(self.skip_warning, SkippedStepsWarning, stacklevel=3)
 
     def add_step_hook(self, hook: Callable[[ZeroOptimizer], None]) -> None:
         """Call `hook(optimizer)` after every step, taken or skipped (telemetry uses it)."""
@@ -493,9 +411,7 @@ class ZeroOptimizer:
         """Every master and optimizer state readable in memory inside the block: those on the
         disk tier are read in, and dropped again on leaving (their disk copies unchanged).
         Elsewhere nothing happens. Checkpoints of the optimizer read its state inside it."""
-        with ExitStack() as stack:
-            for chunk in self._disk_chunks:
-                stack.enter_context(chunk.optim_side_in_memory(write_back=False))
+        with sides_in_memory(self._disk_chunks):
             yield
 
     def state_dict(self) -> dict[str, Any]:
@@ -504,7 +420,7 @@ class ZeroOptimizer:
         with self.optim_sides_in_memory():
             inner = self.optim.state_dict()
             if self.disk is not None:
-                inner = {**inner, "state": _cloned(inner["state"])}
+                inner = {**inner, "state": cloned_state(inner["state"])}
         return {"optimizer": inner, "grad_scaler": self.grad_scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -515,24 +431,9 @@ class ZeroOptimizer:
     def state_replaced(self) -> None:
         """The inner optimizer's state was replaced (loaded): let each chunk adopt the new
         tensors now, so the old ones are freed and the new ones move with the chunk (see
-        [Note: the chunk owns its optimizer state] in chunk/optimizer_state.py)."""
-        for chunk in self._chunks:
-            states = chunk.optimizer_state
-            on_disk = chunk.placement.optim is Pool.DISK
-            if on_disk:
-                chunk.ensure_resident()
-            states.adopt(self.optim.state.get(view, {}) for view, _, _ in states.views)
-            if on_disk:
-                # Written through at once: the disk copy holds the loaded state from now on.
-                try:
-                    chunk.tier.evict().result()
-                except OSError as error:
-                    raise DiskTierError(
-                        f"the loaded optimizer state of chunk {chunk.chunk_id} could not be "
-                        f"written to the disk tier ({error}); it stays in memory until the "
-                        f"next step writes it"
-                    ) from error
-                chunk.tier.commit()
+        [Note: the chunk owns its optimizer state] in chunk/optimizer_state.py); those on the
+        disk tier write it through at once."""
+        adopt_replaced_state(self._chunks, self.optim.state)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (e.g. Adam moments) this rank holds in memory."""
@@ -548,76 +449,18 @@ class ZeroOptimizer:
         return f"ZeroOptimizer(stage={self.model.stage}, optim={name}, scale={self.loss_scale})"
 
 
-# The ZeroOptimizer stepping each model's shards (one at a time), held weakly both ways: kept
-# here rather than on the model, which knows nothing of the optimizer above it.
-_OPTIMIZER_OF: weakref.WeakKeyDictionary[ZeroModel, weakref.ref[ZeroOptimizer]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _cloned(state: dict[Any, Any]) -> dict[Any, Any]:
-    """A state dict's per-parameter state with its tensors copied (the originals of the disk
-    tier's chunks lose their memory when written out again)."""
-    return {
-        key: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-        for key, entry in state.items()
-    }
-
-
-def optimizer_of(model: ZeroModel) -> ZeroOptimizer | None:
-    """The optimizer wrapped over `model`, while it is alive and not closed."""
-    ref = _OPTIMIZER_OF.get(model)
-    return ref() if ref is not None else None
-
-
-def check_no_optimizer_yet(model: ZeroModel) -> None:
-    """Refuse a second optimizer over one model: both would step the same shards."""
-    current = optimizer_of(model)
-    if current is not None:
-        raise ValueError(
-            f"this model already has a ZeroOptimizer ({current!r}); one optimizer drives a "
-            f"model's shards: use parameter groups instead of a second optimizer, or call "
-            f"close() on the first one before wrapping another"
-        )
-
-
-class SkippedStepsWarning(RuntimeWarning):
-    """Optimizer steps keep being skipped for non-finite gradients."""
-
-
-def _check_step_in_backward(
-    step_in_backward: bool, model: ZeroModel, grad_scaler: GradScaler, max_norm: float
-) -> None:
-    """Refuse `step_in_backward` where a chunk's update depends on the whole gradient, or
-    where no chunk could step during backward (see [Note: the optimizer steps during
-    backward] in engine/backward_step.py)."""
-    if not isinstance(step_in_backward, bool):
-        raise TypeError(f"step_in_backward must be a bool, got {step_in_backward!r}")
-    if not step_in_backward:
-        return
-    if model.stage != 3:
-        raise ValueError(
-            f"step_in_backward=True steps stage 3's sharded chunks during backward; at stage "
-            f"{model.stage} every chunk keeps its parameters gathered and publishes them by an "
-            f"all-gather at the step: use stage 3, or step_in_backward=False"
-        )
-    if max_norm > 0:
-        raise ValueError(
-            f"step_in_backward=True cannot clip (max_norm={max_norm}): clipping scales every "
-            f"chunk by the whole gradient's norm, known only once backward has ended. Set "
-            f"max_norm=0, or step_in_backward=False"
-        )
-    if isinstance(grad_scaler, DynamicGradScaler):
-        raise ValueError(
-            "step_in_backward=True cannot be used with fp16 loss scaling: a step is skipped "
-            "when any rank's gradient overflowed, known only once backward has ended. Use "
-            "bf16, or step_in_backward=False"
-        )
-
-
 def grad_scaler_for(model: ZeroModel, loss_scale: LossScaleConfig) -> GradScaler:
     """A DynamicGradScaler with `loss_scale` when any of the model's dtypes is fp16, otherwise
     a constant scale of 1 (the settings were validated all the same, when built)."""
     if model.config.precision.uses_loss_scaling:
         return DynamicGradScaler.from_config(loss_scale)
     return ConstantGradScaler()
+
+
+__all__ = [
+    "SkippedStepsWarning",
+    "ZeroOptimizer",
+    "check_no_optimizer_yet",
+    "grad_scaler_for",
+    "optimizer_of",
+]
