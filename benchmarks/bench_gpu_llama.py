@@ -24,7 +24,9 @@ out-of-memory error, the OOM killer or a hang ends that attempt only:
       shardwise/prepare/meta_init.py), so the model is never whole anywhere; HybridAdam through
       `zero_optim_wrapper`; everything else at its default. `+disk` (e.g. shardwise-cpu+disk):
       HybridAdam(nvme_offload_fraction=--disk-fraction, nvme_offload_dir=--disk-dir), the disk
-      tier.
+      tier; `+early` (e.g. shardwise-cpu+early): `step_in_backward=True`, each chunk's host
+      step during backward (see [Note: the optimizer steps during backward] in
+      shardwise/engine/backward_step.py). Both may be given (shardwise-cpu+disk+early).
   fsdp2-offload  built on the device (HF's initialisation there), `fully_shard` per decoder
       layer and the root with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and
       CPUOffloadPolicy() (shards, gradients and the optimizer step on the host; unpinned
@@ -70,6 +72,8 @@ PLACEMENTS = ("auto", "cpu", "cuda")
 ENGINES = (
     *(f"shardwise-{p}" for p in PLACEMENTS),
     *(f"shardwise-{p}+disk" for p in PLACEMENTS),
+    *(f"shardwise-{p}+early" for p in PLACEMENTS),
+    *(f"shardwise-{p}+disk+early" for p in PLACEMENTS),
     *("fsdp2-offload", "fsdp2", "torch"),
 )
 Step = Callable[[torch.Tensor], torch.Tensor]
@@ -189,7 +193,8 @@ def wrap(engine: str, model: torch.nn.Module, args: argparse.Namespace) -> Step:
     if engine.startswith("shardwise"):
         from shardwise import HybridAdam, MixedPrecision, zero_model_wrapper, zero_optim_wrapper
 
-        placement, _, disk = engine.removeprefix("shardwise-").partition("+")
+        placement, *options = engine.removeprefix("shardwise-").split("+")
+        disk = "disk" in options
         config: dict[str, Any] = {
             "placement_policy": placement,
             "param_init_fn": model._init_weights,  # type: ignore[operator]
@@ -204,7 +209,11 @@ def wrap(engine: str, model: torch.nn.Module, args: argparse.Namespace) -> Step:
         tier = tier if disk else {}
         if disk:
             os.makedirs(args.disk_dir, exist_ok=True)
-        optimizer = zero_optim_wrapper(wrapped, HybridAdam(model.parameters(), lr=1e-4, **tier))
+        optimizer = zero_optim_wrapper(
+            wrapped,
+            HybridAdam(model.parameters(), lr=1e-4, **tier),
+            step_in_backward="early" in options,
+        )
 
         def step(ids: torch.Tensor) -> torch.Tensor:
             optimizer.zero_grad()

@@ -11,7 +11,8 @@
 #         bounds             bench_gpu.py bounds: pinned copies each way and both, HybridAdam
 #                            and fused AdamW on the host's cores, host memory bandwidth     40
 #         offload-2.7b       bench_gpu.py llama: a 2.7B Llama, FSDP2 CPUOffloadPolicy,
-#                            shardwise "cpu", plain torch (ratios to FSDP2)               130
+#                            shardwise "cpu", the same stepping during backward,
+#                            plain torch (ratios to FSDP2)                                170
 #         llama-10.8b-ckpt   the 10.8B Llama, checkpointing, "auto" defaults: 1 warm-up and
 #                            2 timed steps                                                160
 #         llama-10.8b        the same without checkpointing, 1 + 1 steps          what is left
@@ -144,9 +145,10 @@ torch.cuda.is_available() and torch.cuda.get_device_name())'" || status=1
     part gpu-tests "$python" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/gpu || status=1
     budget 40
     part bounds $bench_gpu bounds $smoke --out "$out/bounds.json" || status=1
-    budget 130
+    budget 170
     part offload-2.7b $bench_gpu llama $smoke --model 2.7b \
-        --engines fsdp2-offload,shardwise-cpu,torch --timeouts 50,50,25 --warmup 1 --steps 2 \
+        --engines fsdp2-offload,shardwise-cpu,shardwise-cpu+early,torch \
+        --timeouts 50,45,45,25 --warmup 1 --steps 2 \
         --budget $((b - 5)) --out "$out/offload-2.7b.json" || status=1
     budget 160
     part llama-10.8b-ckpt $bench_gpu llama $smoke --model 10.8b --engines shardwise-auto \
