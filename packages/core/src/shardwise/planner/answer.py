@@ -204,11 +204,11 @@ class Plan:
             f"activations; 'auto' trains wherever 'cpu' does)"
         )
         counted = (
-            f"{_gb(self.activation_bytes)} GB of activations (activation_bytes, "
-            f"--activation-memory)"
+            f"{_gb(self.activation_bytes)} GB of activations (activation_bytes: "
+            f"--activation-memory, or estimated from --model at --batch x --seq-len)"
             if self.activation_bytes
             else "no activations (none given, so each is a lower bound: pass activation_bytes, "
-            "--activation-memory)"
+            "--activation-memory, or --batch and --seq-len with --model to estimate them)"
         )
         device = f"device GB: the model state, the chunks gathered at once and {counted}"
         chunks = f"stage-3 chunk size: {self.chunk_size_reason}"
