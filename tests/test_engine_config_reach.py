@@ -61,6 +61,7 @@ VALUES: dict[str, Any] = {
     "overlap.param_gather": False,
     "overlap.prefetch": False,
     "overlap.prefetch_chunks": 3,
+    "overlap.step_in_backward": True,
     "topology.process_group": cast(Any, object()),  # never used: no model is wrapped
     "topology.shard_size": 2,
     "topology.secondary_shard_size": 2,

@@ -17,7 +17,15 @@ import torch
 import torch.distributed as dist
 from helpers import CHUNK_NUMEL, adamw, batch_slice, make_model
 
-from shardwise import MixedPrecision, zero_model_wrapper, zero_optim_wrapper
+from shardwise import (
+    Chunking,
+    EngineConfig,
+    MixedPrecision,
+    Overlap,
+    zero_model_wrapper,
+    zero_optim_wrapper,
+)
+from shardwise.engine.wrap import wrap_model, wrap_optimizer
 from shardwise.optim import HybridAdam
 from shardwise.testing import run_ranks
 
@@ -218,3 +226,28 @@ def test_what_needs_the_whole_gradient_is_refused() -> None:
     assert "at stage 2" in said[0]
     assert "cannot clip (max_norm=1.0)" in said[1]
     assert "fp16 loss scaling" in said[2]
+
+
+def _from_the_engine_config() -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    config = EngineConfig(
+        stage=3,
+        device=CPU,
+        chunking=Chunking(size_numel=CHUNK_NUMEL),
+        overlap=Overlap(step_in_backward=True),
+    )
+    wrapped = wrap_model(model, config)
+    optimizer = wrap_optimizer(wrapped, adamw(model.parameters()))
+    idx, targets = batch_slice(0, 0, rank, world)
+    optimizer.backward(wrapped(idx, targets))
+    optimizer.step()
+    return optimizer.last_stepped_in_backward
+
+
+def test_the_engine_config_turns_it_on_for_every_front_door() -> None:
+    # The adapters (Lightning, the Trainer) take an EngineConfig (engine_config=): its
+    # overlap.step_in_backward is the optimizer's default.
+    assert all(n > 0 for n in run_ranks(_from_the_engine_config, 2))
+    with pytest.raises(ValueError, match="step_in_backward applies to stage 3"):
+        EngineConfig(stage=2, device=CPU, overlap=Overlap(step_in_backward=True))

@@ -350,10 +350,17 @@ class Overlap:
     """Stage 3, with `prefetch`: how many chunks of the recorded order the prefetch gathers
     ahead of the module running (ColossalAI's `max_prefetch`); all of a module call's chunks
     count at once, so a prefetch may take more than this where one call needs several."""
+    step_in_backward: bool = False
+    """Stage 3: the optimizer steps each sharded chunk during backward, as soon as its reduced
+    gradient is in, and `step()` only the rest: the same update, its host step overlapped
+    with backward (see [Note: the optimizer steps during backward] in engine/backward_step.py;
+    no clipping, no fp16 loss scaling, accumulation under `no_sync()`). The default of
+    `zero_optim_wrapper`'s and `ZeroOptimizer`'s own argument."""
 
     def __post_init__(self) -> None:
         # Named as the seeds' options, which users set.
         _check_bool("overlap_communication", self.communication)
+        _check_bool("step_in_backward", self.step_in_backward)
         if self.param_gather is not None:
             _check_bool("overlap_param_gather", self.param_gather)
         _check_bool("prefetch", self.prefetch)
@@ -458,6 +465,11 @@ class EngineConfig:
             raise ValueError(
                 "overlap_param_gather applies to stages 1 and 2; stage 3 gathers each chunk "
                 "before use and prefetches the next (prefetch=True)"
+            )
+        if self.overlap.step_in_backward and self.stage != 3:
+            raise ValueError(
+                f"step_in_backward applies to stage 3, whose sharded chunks can step during "
+                f"backward; got zero_stage={self.stage}"
             )
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(

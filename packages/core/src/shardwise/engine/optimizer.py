@@ -86,6 +86,7 @@ class ZeroOptimizer:
             optimizer steps during backward] in engine/backward_step.py): the same update,
             overlapped with backward. Needs no clipping and no fp16 loss scaling; gradient
             accumulation needs `no_sync()`; a non-finite gradient is stepped, not skipped.
+            None: the model's `EngineConfig.overlap.step_in_backward`.
     """
 
     def __init__(
@@ -97,7 +98,7 @@ class ZeroOptimizer:
         max_norm: float = 0.0,
         norm_type: float = 2.0,
         warn_after_skipped_steps: int = 10,
-        step_in_backward: bool = False,
+        step_in_backward: bool | None = None,
     ) -> None:
         check_optimizer_arguments(
             model,
@@ -106,6 +107,8 @@ class ZeroOptimizer:
             norm_type=norm_type,
             warn_after_skipped_steps=warn_after_skipped_steps,
         )
+        if step_in_backward is None:
+            step_in_backward = model.config.overlap.step_in_backward
         check_step_in_backward(step_in_backward, model, grad_scaler, max_norm)
         check_no_optimizer_yet(model)
         self.model = model

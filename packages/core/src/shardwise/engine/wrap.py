@@ -49,7 +49,7 @@ def wrap_optimizer(
     max_norm: float = 0.0,
     norm_type: float = 2.0,
     warn_after_skipped_steps: int = 10,
-    step_in_backward: bool = False,
+    step_in_backward: bool | None = None,
 ) -> ZeroOptimizer:
     """`optimizer` (built over `model`'s parameters, not yet stepped) stepping `model`'s
     sharded fp32 master weights; see `ZeroOptimizer` for the arguments. The loss scale is

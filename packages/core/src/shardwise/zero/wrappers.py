@@ -66,7 +66,7 @@ def zero_optim_wrapper(
     *,
     warn_after_skipped_steps: int = 10,
     loss_scale: LossScaleConfig | None = None,
-    step_in_backward: bool = False,
+    step_in_backward: bool | None = None,
 ) -> ZeroOptimizer:
     """Wrap `optimizer` (built over `model.parameters()`) to step sharded fp32 master weights.
 
@@ -97,7 +97,8 @@ def zero_optim_wrapper(
         loss_scale: the seven scaler settings as one `LossScaleConfig`; the separate
             arguments refine it (one left at its default keeps loss_scale's value).
         step_in_backward: stage 3: step each sharded chunk during backward as soon as its
-            reduced gradient is in (no clipping, no fp16; see `ZeroOptimizer`).
+            reduced gradient is in (no clipping, no fp16; see `ZeroOptimizer`); None: the
+            model's configuration says (`EngineConfig.overlap.step_in_backward`, default off).
     """
     if not isinstance(model, ZeroModel):
         raise TypeError(
