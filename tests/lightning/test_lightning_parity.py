@@ -20,7 +20,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_cases import FitResult, Net, fit, trainer
 
-from shardwise import Communication, DynamicGradScaler
+from shardwise import Communication, DynamicGradScaler, EngineConfig, Overlap
 from shardwise.testing import run_ranks
 from shardwise_lightning import FullyShardedStrategy, GeminiStrategy, ShardwisePrecision
 
@@ -46,6 +46,14 @@ EXACT_CASES: dict[str, Any] = {
     # from forward to backward, which then gathers nothing over both ranks.
     "gemini_hpz": lambda: GeminiStrategy(
         placement_policy="cuda", chunk_size=500, secondary_shard_size=1
+    ),
+    # Chunks stepping during backward, inside Lightning's optimizer closure.
+    "gemini_step_in_backward": lambda: GeminiStrategy(
+        engine_config=EngineConfig(
+            stage=3, device=torch.device("cpu"), overlap=Overlap(step_in_backward=True)
+        ),
+        placement_policy="cpu",
+        chunk_size=500,
     ),
 }
 

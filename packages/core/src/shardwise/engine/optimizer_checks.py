@@ -67,8 +67,9 @@ def check_step_in_backward(
     if max_norm > 0:
         raise ValueError(
             f"step_in_backward=True cannot clip (max_norm={max_norm}): clipping scales every "
-            f"chunk by the whole gradient's norm, known only once backward has ended. Set "
-            f"max_norm=0, or step_in_backward=False"
+            f"chunk by the whole gradient's norm, known only once backward has ended. Turn "
+            f"clipping off (max_norm=0; Lightning: gradient_clip_val=None; the HF Trainer: "
+            f"max_grad_norm=0), or use step_in_backward=False"
         )
     if isinstance(grad_scaler, DynamicGradScaler):
         raise ValueError(
