@@ -22,18 +22,8 @@ from shardwise.engine.build import (
     gemini_manager_for,
 )
 from shardwise.engine.config import EngineConfig
-from shardwise.engine.module_at_rest import (
-    ModuleState,
-    empty_parameters,
-    give_whole_values,
-    release_parameters,
-    write_whole_values,
-)
-from shardwise.engine.state_dict import (
-    gather_full_grads,
-    gather_full_state_dict,
-    load_full_state_dict,
-)
+from shardwise.engine.module_at_rest import ModuleAtRest, ModuleState
+from shardwise.engine.state_dict import gather_full_grads, load_full_state_dict
 from shardwise.gemini import GeminiManager
 from shardwise.prepare.ignore import is_ignored, keep_ignored_local
 from shardwise.prepare.meta_init import MetaMaterializer, has_meta_tensors
@@ -142,7 +132,7 @@ class ZeroModel(nn.Module):
         )
         self._hooks.add(self.module.register_forward_hook(self._after_forward, always_call=True))
         # See [Note: a module at rest] in engine/module_at_rest.py.
-        self._module_state = ModuleState.SHARDED
+        self._at_rest = ModuleAtRest()
         if config.stage == 3:
             self._ensure_packed()
 
@@ -188,6 +178,11 @@ class ZeroModel(nn.Module):
     def param_gather(self) -> DeferredParamGather | None:
         """The deferred gathers of updated parameters (`overlap_param_gather`), if any."""
         return self._runtime.param_gather if self._runtime is not None else None
+
+    @property
+    def _packed_chunk_manager(self) -> ChunkManager | None:
+        """The chunks, or None while the parameters are not packed yet (without packing)."""
+        return self._chunk_manager if self._to_pack is None else None
 
     def _ensure_packed(self) -> None:
         chunk_manager, self._to_pack = self._to_pack, None
@@ -371,8 +366,7 @@ class ZeroModel(nn.Module):
     def _before_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self._module_state is ModuleState.WHOLE:
-            self.shard_module()  # the module's values, as the user left them, are computed with
+        self._at_rest.shard_before_computing(self._packed_chunk_manager)
         self._ensure_packed()
         assert self._runtime is not None
         # Deferred gathers are waited for first in compiled code: see [Note: a model compiled
@@ -438,7 +432,7 @@ class ZeroModel(nn.Module):
     def module_state(self) -> ModuleState:
         """Whether the module's sharded parameters are empty (SHARDED) or hold their whole
         values (WHOLE, after `gather_module`)."""
-        return self._module_state
+        return self._at_rest.state
 
     def gather_module(self) -> None:
         """Give the module's sharded parameters their whole values (fp32, in host memory, on
@@ -446,30 +440,13 @@ class ZeroModel(nn.Module):
         `state_dict()`, `torch.save`, reading or changing a weight in place. The engine shards
         them again, taking the values the module holds then, at its next forward or at
         `shard_module()`. A collective; stage 3 only."""
-        if self.stage != 3:
-            raise ValueError(
-                f"gather_module() gathers stage 3's sharded parameters; at stage {self.stage} "
-                f"the module's parameters already hold their whole values"
-            )
-        if self._module_state is not ModuleState.SHARDED:
-            raise ValueError(
-                "gather_module() on a module that already holds its whole values: it would "
-                "overwrite them with the shards; call shard_module() first"
-            )
-        give_whole_values(self.chunk_manager)
-        self._module_state = ModuleState.WHOLE
+        self._at_rest.gather(self._packed_chunk_manager, stage=self.stage)
 
     def shard_module(self) -> None:
         """Write the whole values the module's parameters hold (after `gather_module`, and
         whatever was done to them in place since) into this rank's shards, and empty the
         parameters again. Local to each rank: every rank must hold the same values."""
-        if self._module_state is not ModuleState.WHOLE:
-            raise ValueError(
-                "shard_module() on a module whose parameters are already sharded; it follows "
-                "gather_module()"
-            )
-        empty_parameters(self.chunk_manager)
-        self._module_state = ModuleState.SHARDED
+        self._at_rest.shard(self._packed_chunk_manager)
 
     def release_module(self) -> nn.Module:
         """Hand the module back unwrapped, so that a new engine can wrap it: every parameter a
@@ -478,18 +455,8 @@ class ZeroModel(nn.Module):
         module were replaced after wrapping (a framework hook rebuilding them), which this
         engine's chunks cannot take in. This engine, and an optimizer wrapped over it, can no
         longer be used. A collective."""
-        if self._module_state is ModuleState.RELEASED:
-            raise ValueError("release_module() on a module already released")
-        if self._module_state is ModuleState.WHOLE:
-            self.shard_module()  # the module's values are the truth: into the shards first
-        self.wait_param_gathers()
-        if self._to_pack is None:  # packed (see [Note: packed once the bucket size is known])
-            release_parameters(self._chunk_manager)
-            self._chunk_manager.memory.drain()
-        self._remove_hooks()
-        self._hooks.remove()
+        self._at_rest.release(self._packed_chunk_manager, self._runtime, self._hooks)
         object.__setattr__(self.module, _WRAPPED_MARK, False)
-        self._module_state = ModuleState.RELEASED
         return self.module
 
     # ---- state -------------------------------------------------------------------------------
@@ -506,9 +473,7 @@ class ZeroModel(nn.Module):
         rank must call it. With `only_rank_0`, ranks other than 0 get an empty dict."""
         if keep_vars:
             raise ValueError("keep_vars=True cannot be honoured: parameters are sharded views")
-        if self._module_state is ModuleState.WHOLE:
-            write_whole_values(self.chunk_manager)  # the module's values are the truth
-        state = gather_full_state_dict(self.module, self.chunk_manager, only_rank_0=only_rank_0)
+        state = self._at_rest.state_dict(self.module, self.chunk_manager, only_rank_0=only_rank_0)
         if destination is None:
             return {prefix + key: value for key, value in state.items()}
         for key, value in state.items():
@@ -522,13 +487,9 @@ class ZeroModel(nn.Module):
         the same dict and keeps its own slice. Returns (missing_keys, unexpected_keys)."""
         if assign:
             raise ValueError("assign=True cannot be honoured: parameters are views of chunks")
-        if self._module_state is ModuleState.SHARDED:
+        # A whole module is loaded through its shards, and keeps holding its (new) whole values.
+        with self._at_rest.sharded(self._packed_chunk_manager, stage=self.stage):
             return load_full_state_dict(self.module, self.chunk_manager, state_dict, strict=strict)
-        self.shard_module()
-        try:
-            return load_full_state_dict(self.module, self.chunk_manager, state_dict, strict=strict)
-        finally:
-            self.gather_module()  # the module keeps holding its (new) whole values
 
     def full_grads(self, only_rank_0: bool = False) -> dict[str, torch.Tensor | None]:
         """The gradients the next `step()` would use, whole: each trainable parameter's

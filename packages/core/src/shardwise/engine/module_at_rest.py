@@ -14,20 +14,32 @@ the module's values are the truth, whatever the user does to them in place: befo
 computes again, `empty_parameters` writes them into this rank's shards (fp32 master and
 payload, a local copy) and makes the parameters sharded faces again. Chunks that keep their
 payload gathered are left alone: their parameters are views of it already.
+
+`ZeroModel` holds a `ModuleAtRest`, which knows which of those states the module is in and
+moves it between them; the model's `gather_module`, `shard_module`, `release_module` and its
+state dicts delegate to it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.distributed import ReduceOp
 
 from shardwise import comm
 from shardwise.chunk import Chunk, ChunkManager
 from shardwise.chunk.parameters import empty_face, whole_face
-from shardwise.engine.state_dict import gather_parameters
+from shardwise.engine.state_dict import gather_full_state_dict, gather_parameters
+
+if TYPE_CHECKING:
+    from shardwise.runtime.hooks import HookSet
+    from shardwise.runtime.runtime import Runtime
 
 
 class ModuleState(Enum):
@@ -44,6 +56,95 @@ class ModuleState(Enum):
     """Handed back (`ZeroModel.release_module`): every parameter is a plain parameter holding
     its whole fp32 values in host memory, the module carries no hook of the engine, and the
     engine no longer computes with it; a new engine may wrap it."""
+
+
+class ModuleAtRest:
+    """Which `ModuleState` a wrapped module is in, and the verbs that move it between them
+    (see [Note: a module at rest]). Each verb takes the model's chunk manager, or None while
+    the parameters are not packed yet (stages 1 and 2: see [Note: packed once the bucket size
+    is known] in engine/model.py), so that a verb refused, or with nothing to do, never packs
+    them; only stage 3, packed when it is wrapped, is ever whole."""
+
+    def __init__(self) -> None:
+        self._state = ModuleState.SHARDED
+
+    @property
+    def state(self) -> ModuleState:
+        return self._state
+
+    def gather(self, chunk_manager: ChunkManager | None, *, stage: int) -> None:
+        """SHARDED -> WHOLE (`ZeroModel.gather_module`). A collective; stage 3 only."""
+        if stage != 3:
+            raise ValueError(
+                f"gather_module() gathers stage 3's sharded parameters; at stage {stage} "
+                f"the module's parameters already hold their whole values"
+            )
+        if self._state is not ModuleState.SHARDED:
+            raise ValueError(
+                "gather_module() on a module that already holds its whole values: it would "
+                "overwrite them with the shards; call shard_module() first"
+            )
+        assert chunk_manager is not None  # stage 3 is packed when it is wrapped
+        give_whole_values(chunk_manager)
+        self._state = ModuleState.WHOLE
+
+    def shard(self, chunk_manager: ChunkManager | None) -> None:
+        """WHOLE -> SHARDED (`ZeroModel.shard_module`). Local to each rank."""
+        if self._state is not ModuleState.WHOLE:
+            raise ValueError(
+                "shard_module() on a module whose parameters are already sharded; it follows "
+                "gather_module()"
+            )
+        assert chunk_manager is not None  # only stage 3, packed when wrapped, is whole
+        empty_parameters(chunk_manager)
+        self._state = ModuleState.SHARDED
+
+    def shard_before_computing(self, chunk_manager: ChunkManager | None) -> None:
+        """Shard a module left whole: its values, as the user left them, are computed with."""
+        if self._state is ModuleState.WHOLE:
+            self.shard(chunk_manager)
+
+    @contextmanager
+    def sharded(self, chunk_manager: ChunkManager | None, *, stage: int) -> Iterator[None]:
+        """Shard a whole module for what runs inside (writing into the shards), and give it its
+        whole values again after, the new ones; a sharded module stays as it is."""
+        if self._state is ModuleState.SHARDED:
+            yield
+            return
+        self.shard(chunk_manager)
+        try:
+            yield
+        finally:
+            self.gather(chunk_manager, stage=stage)
+
+    def state_dict(
+        self, module: nn.Module, chunk_manager: ChunkManager, *, only_rank_0: bool
+    ) -> dict[str, Any]:
+        """The whole model state (`ZeroModel.state_dict`), from the module's values where it
+        holds them: those are the truth. A collective."""
+        if self._state is ModuleState.WHOLE:
+            write_whole_values(chunk_manager)
+        return gather_full_state_dict(module, chunk_manager, only_rank_0=only_rank_0)
+
+    def release(
+        self, chunk_manager: ChunkManager | None, runtime: Runtime | None, hooks: HookSet
+    ) -> None:
+        """-> RELEASED (`ZeroModel.release_module`): every parameter a plain one holding its
+        whole values, the chunks' host buffers freed and every hook of the engine (`hooks`,
+        `runtime`'s among them) removed. A collective."""
+        if self._state is ModuleState.RELEASED:
+            raise ValueError("release_module() on a module already released")
+        if self._state is ModuleState.WHOLE:
+            self.shard(chunk_manager)  # the module's values are the truth: into the shards first
+        if runtime is not None:
+            runtime.wait_param_gathers()
+        if chunk_manager is not None:
+            release_parameters(chunk_manager)
+            chunk_manager.memory.drain()
+        if runtime is not None:
+            runtime.close()
+        hooks.remove()
+        self._state = ModuleState.RELEASED
 
 
 def whole_copy_bytes(chunk_manager: ChunkManager) -> int:
