@@ -139,8 +139,8 @@ def test_unclipped_evaluation_is_bit_identical(seen: dict[str, Any], stage: int)
     assert run["eval_loss"][0] == plain["plain_eval_loss"][0]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_unclipped_accumulation_is_bit_identical(seen: dict[str, Any], stage: int) -> None:
+@pytest.mark.parametrize("stage", [1, 2, 3, "3early"])
+def test_unclipped_accumulation_is_bit_identical(seen: dict[str, Any], stage: int | str) -> None:
     # 3 micro-batches per step, the epoch ending on a step of 1 (the Trainer syncs there
     # too): every micro-batch but a step's last runs under the model's no_sync(), so each rank
     # sums its gradients as DDP does and the last backward reduces the sum once. fp32 and
@@ -151,6 +151,9 @@ def test_unclipped_accumulation_is_bit_identical(seen: dict[str, Any], stage: in
     run = runs[f"stage{stage}"]
     assert run["loss"] == plain["loss"], (run, plain)
     assert run["max_weight_diff"] == 0.0, run
+    if stage == "3early":  # chunks stepped during each step's last backward
+        counts = runs["stepped_in_backward"]
+        assert len(counts) == 6 and all(count > 0 for count in counts), counts
 
 
 def test_evaluation_leaves_nothing_behind(seen: dict[str, Any]) -> None:

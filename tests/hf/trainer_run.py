@@ -40,6 +40,7 @@ from transformers import (
     TrainerCallback,
 )
 
+from shardwise import EngineConfig, Overlap
 from shardwise_hf import ShardwiseCallback
 
 
@@ -380,14 +381,36 @@ class _TrainingBytes(TrainerCallback):
         self.snapshot = self.engine.model.comm_stats.snapshot()
 
 
+class SteppedInBackward(TrainerCallback):
+    """How many chunks stepped during backward at each optimizer step (step_in_backward)."""
+
+    def __init__(self, engine: ShardwiseCallback) -> None:
+        self.engine = engine
+        self.counts: list[int] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.engine.optimizer is not None
+        self.counts.append(self.engine.optimizer.last_stepped_in_backward)
+
+
 def accumulation_runs(out: Path) -> dict[str, Any]:
     """The Llama model under the plain Trainer and under ShardwiseCallback at stages 1-3 with
     3 micro-batches per step (an epoch is 4 per rank: every other step ends it early, on its
-    remainder), unclipped: the losses and the final weights of each."""
+    remainder), unclipped: the losses and the final weights of each; and stage 3 with its
+    chunks stepping during backward (engine_config's `Overlap(step_in_backward=True)`)."""
     seen: dict[str, Any] = {}
     weights: dict[str, dict[str, torch.Tensor]] = {}
-    for stage in (None, 1, 2, 3):
-        callback = ShardwiseCallback(zero_stage=stage) if stage is not None else None
+    early = EngineConfig(
+        stage=3, device=torch.device("cpu"), overlap=Overlap(step_in_backward=True)
+    )
+    for stage in (None, 1, 2, 3, "3early"):
+        callback = None
+        probes: list[TrainerCallback] = []
+        if stage == "3early":
+            callback = ShardwiseCallback(zero_stage=3, engine_config=early)
+            probes = [SteppedInBackward(callback)]
+        elif stage is not None:
+            callback = ShardwiseCallback(zero_stage=stage)
         trainer = Trainer(
             model=build("llama"),
             args=arguments(
@@ -396,10 +419,12 @@ def accumulation_runs(out: Path) -> dict[str, Any]:
                 gradient_accumulation_steps=3,
             ),
             train_dataset=dataset(),
-            callbacks=[callback] if callback is not None else [],
+            callbacks=[callback, *probes] if callback is not None else [],
         )
         trainer.train()
         name = f"stage{stage}" if stage is not None else "plain"
+        if probes:
+            seen["stepped_in_backward"] = probes[0].counts
         if callback is not None:
             assert callback.model is not None
             state = callback.model.state_dict(only_rank_0=False)
