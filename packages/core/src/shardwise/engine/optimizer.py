@@ -57,8 +57,8 @@ from shardwise.engine.model import ZeroModel
 from shardwise.engine.optimizer_checks import check_optimizer_arguments, check_step_in_backward
 from shardwise.engine.optimizer_registry import (
     check_no_optimizer_yet,
-    optimizer_of,
     register_optimizer,
+    registered_optimizer,
     unregister_optimizer,
 )
 from shardwise.engine.shard_views import bind_shard_views
@@ -450,6 +450,12 @@ class ZeroOptimizer:
     def __repr__(self) -> str:
         name = type(self.optim).__name__
         return f"ZeroOptimizer(stage={self.model.stage}, optim={name}, scale={self.loss_scale})"
+
+
+def optimizer_of(model: ZeroModel) -> ZeroOptimizer | None:
+    """The optimizer wrapped over `model`, while it is alive and not closed."""
+    found = registered_optimizer(model)
+    return found if isinstance(found, ZeroOptimizer) else None
 
 
 def grad_scaler_for(model: ZeroModel, loss_scale: LossScaleConfig) -> GradScaler:
