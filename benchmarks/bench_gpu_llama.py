@@ -345,6 +345,9 @@ def once(args: argparse.Namespace) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
         record["device_after_wrap_gib"] = round(torch.cuda.memory_allocated() / GIB, 2)
+        # The wrap's own peak (torch's allocator, from outside the engine): each chunk placed
+        # as it closes keeps it near what stays on the device.
+        record["device_wrap_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     record["wrap_s"] = round(time.perf_counter() - started, 2)
     record["host_rss_after_wrap_gib"] = round(_status_gib("VmRSS"), 2)
     save("wrapped")

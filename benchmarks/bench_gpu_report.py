@@ -139,7 +139,7 @@ def run_lines(run: dict[str, Any]) -> list[str]:
         "",
         "| engine | outcome (phase reached) | wrap s | first step s | later step s | first / "
         "later | tokens/s | MFU (6N) | host peak GiB (VmHWM / sampled (at start)) | planner "
-        f"host GiB | device peak GiB | vs {run['reference']} | loss, first -> last |",
+        f"host GiB | device peak GiB (of the wrap) | vs {run['reference']} | loss, first -> last |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for engine, a in run["attempts"].items():
@@ -171,7 +171,8 @@ def _row(engine: str, a: dict[str, Any], ratio: float | None) -> str:
         "" if mfu is None else f"{mfu:.1%}",
         "" if hwm is None else f"{hwm:.1f} / {sampled:.1f} ({a.get('host_rss_start_gib')})",
         "" if planned is None else _gib(planned / GIB),
-        _gib(a.get("device_max_allocated_gib")),
+        _gib(a.get("device_max_allocated_gib"))
+        + (f" ({_gib(a['device_wrap_peak_gib'])})" if a.get("device_wrap_peak_gib") else ""),
         "" if ratio is None else str(ratio),
         " -> ".join(str(loss) for loss in losses[:1] + losses[1:][-1:]),
     ]
