@@ -15,14 +15,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from pytorch_lightning import LightningModule, Trainer
+from pytorch_lightning import Trainer
 from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
-from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
@@ -37,7 +35,7 @@ from shardwise import (
 )
 from shardwise.amp import LossScaleConfig
 from shardwise.comm.quantize import DEFAULT_QUANT_BLOCK_NUMEL
-from shardwise.engine.module_at_rest import ModuleState, agree_to_gather, whole_copy_bytes
+from shardwise.engine.module_at_rest import ModuleState
 from shardwise.engine.optimizer import optimizer_of
 from shardwise.engine.refine import Parts
 from shardwise.engine.wrap import wrap_model, wrap_optimizer
@@ -45,8 +43,10 @@ from shardwise_lightning.checkpoint_io import StreamingCheckpointIO
 from shardwise_lightning.checkpoint_paths import remove_sharded_checkpoint
 from shardwise_lightning.checkpoints import STATE_DICT_TYPES, Checkpoints, StateDictType
 from shardwise_lightning.engine_settings import strategy_settings
+from shardwise_lightning.module_after_run import hand_back_whole_module, run_finished
 from shardwise_lightning.namespace import check_namespaces, describe
 from shardwise_lightning.precision import ShardwisePrecision, as_shardwise_precision
+from shardwise_lightning.rank0_rng import rank0_rng_states, set_rng_states
 from shardwise_lightning.trainer_checks import (
     check_all_managed,
     check_trainer,
@@ -206,12 +206,12 @@ class ShardwiseStrategyBase(DDPStrategy):
         """Modules built in `configure_model` keep only this rank's slice of each parameter
         (`ZeroInitContext`); every rank builds from rank 0's random state, so the values are
         those the same code gives unsharded."""
-        states = _rank0_rng_states(self.root_device)
+        states = rank0_rng_states(self.root_device)
         context = ZeroInitContext(
             target_device=self.root_device, shard_strategy=TensorShardStrategy()
         )
         with context:
-            _set_rng_states(states, self.root_device)  # after the context's own seeding
+            set_rng_states(states, self.root_device)  # after the context's own seeding
             yield
 
     @contextmanager
@@ -245,7 +245,7 @@ class ShardwiseStrategyBase(DDPStrategy):
             fn = self.lightning_module.trainer.state.fn
             self._check_all_managed(f"at the start of {getattr(fn, 'value', fn)}")
             if engine.module_state is ModuleState.WHOLE:
-                # See [Note: the module after a run]: the values the module holds now.
+                # The values it holds now: see [Note: the module after a run] (module_after_run.py)
                 engine.shard_module()
             return engine
         self._zero_model = wrap_model(model, self.engine_config(self.root_device))
@@ -430,71 +430,20 @@ class ShardwiseStrategyBase(DDPStrategy):
 
     # ---- end -----------------------------------------------------------------------------------
 
-    # [Note: the module after a run]
-    # Users treat the LightningModule as theirs again once trainer.fit (or validate, test,
-    # predict) returns: `model.state_dict()`, `torch.save`, reading a weight, often on rank 0
-    # only. Lightning's own strategies hand it back whole (moved to CPU). Ours keep parameters
-    # in chunks, where a sharded parameter holds no element, so a module left as it is would
-    # save empty tensors without a word. At the end of every run that finished, teardown
-    # therefore gives the module its whole fp32 values in host memory, on every rank
-    # (`ZeroModel.gather_module`: one all-gather; see [Note: a module at rest] in
-    # shardwise/engine/module_at_rest.py). The engine keeps its chunks and optimizer state, so
-    # `trainer.save_checkpoint` still works after fit, and the next run of the same module
-    # shards the values the module holds then (changed in place or by load_state_dict). A run
-    # that raised skips the gather: another rank may never reach that collective.
-
     def teardown(self) -> None:
         """Release the plugins and, after a run that finished, give the LightningModule its
-        whole parameters (see [Note: the module after a run]). The engine keeps the module's
-        chunks, so a later fit/validate/test/predict of the same Trainer reuses it."""
+        whole parameters (`hand_back_whole_module`). The engine keeps the module's chunks, so a
+        later fit/validate/test/predict of the same Trainer reuses it."""
         assert self.cluster_environment is not None and self.accelerator is not None
+        finished = run_finished(self.lightning_module)
         if self._recorder is not None:  # the fit ends here: so does its run on the dashboard
-            ended = _run_finished(self.lightning_module)
-            self._recorder.finish(error=None if ended else "the fit did not finish")
+            self._recorder.finish(error=None if finished else "the fit did not finish")
             self._recorder = None
-        engine = self._zero_model
-        if engine is not None and engine.module_state is ModuleState.SHARDED:
-            # Every rank says whether its run finished, a rank whose run raised included, so
-            # no rank waits in a gather another will not join.
-            finished, room = agree_to_gather(
-                engine.chunk_manager, ready=_run_finished(self.lightning_module)
-            )
-            if finished and room:
-                engine.gather_module()
-            elif finished:
-                gib = whole_copy_bytes(engine.chunk_manager) / 2**30
-                rank_zero_warn(
-                    f"the LightningModule keeps its parameters sharded after this run (empty "
-                    f"outside the engine): a whole fp32 copy, {gib:.1f} GiB per rank, would not "
-                    f"fit in this host's memory. Take its weights with "
-                    f"{self._checkpoints.whole_state_call()}, called on every rank (rank 0 gets "
-                    f"them), or trainer.save_checkpoint(path)"
-                )
+        whole_state_call = self._checkpoints.whole_state_call()  # named if it stays sharded
+        hand_back_whole_module(
+            self._zero_model, finished=finished, whole_state_call=whole_state_call
+        )
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-
-def _run_finished(module: LightningModule | None) -> bool:
-    """Whether the run tearing down finished (Lightning marks a run that raised INTERRUPTED
-    before its teardown, and sets FINISHED only after it)."""
-    # `_trainer`, as Lightning's own strategies read it at teardown: the `trainer` property
-    # raises when an error came before the module was attached to the Trainer.
-    trainer = getattr(module, "_trainer", None)
-    return trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-
-
-def _rank0_rng_states(device: torch.device) -> list[torch.Tensor]:
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    if dist.is_initialized():
-        dist.broadcast_object_list(states, src=0)
-    return states
-
-
-def _set_rng_states(states: list[torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)

@@ -16,7 +16,7 @@ the same configuration, rebuilt layers included (`ShardwiseStrategyBase.load_mod
 and the checkpoint loads into that one (`Checkpoints.load_model_state`); when fitting,
 configure_optimizers runs again, over the new parameters. Costs one whole copy of the module per
 rank while it is rewrapped, as the end of a run does (see [Note: the module after a run] in
-base.py).
+module_after_run.py).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ class Checkpoints:
         collective); with "sharded" this rank's shards, without a copy or a collective."""
         if self.state_dict_type == "sharded":
             if engine.module_state is ModuleState.WHOLE:
-                # See [Note: the module after a run] in base.py: the values the module holds
-                # now.
+                # See [Note: the module after a run] in module_after_run.py: the values the
+                # module holds now.
                 write_whole_values(engine.chunk_manager)
             return sharded_checkpoint.sharded_state_dict(engine)
         state = engine.state_dict(only_rank_0=rank_zero_only)
@@ -155,10 +155,10 @@ class Checkpoints:
             )
             return
         if engine.module_state is ModuleState.WHOLE:
-            # Saved after a run (see [Note: the module after a run] in base.py): the checkpoint
-            # reads the shards, so they take the values the module holds first; it keeps them
-            # (a local copy, where sharding the module and gathering it again would free and
-            # rebuild a whole copy of it, with a collective).
+            # Saved after a run (see [Note: the module after a run] in module_after_run.py): the
+            # checkpoint reads the shards, so they take the values the module holds first; it
+            # keeps them (a local copy, where sharding the module and gathering it again would
+            # free and rebuild a whole copy of it, with a collective).
             write_whole_values(engine.chunk_manager)
         saved_optimizer = optimizer if "optimizer_states" in checkpoint else None
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
