@@ -1,5 +1,5 @@
 """Optimizer offload: every mode bit-identical to the same run without it, and its copies
-counted (see [Note: offload at stages 1 and 2] in engine/model.py).
+counted (see [Note: offload at stages 1 and 2] in engine/packing.py).
 
 At stages 1 and 2 (ColossalAI's `cpu_offload`) the fp32 masters, reduced gradients and
 optimizer state live in host memory and the step runs there; on a CPU host the two pools are

@@ -224,7 +224,7 @@ class Placement:
     and 2, whose payloads stay gathered on the device, it is where the optimizer side lives:
     "cuda" (the device) or "cpu" (host memory: fp32 masters, reduced gradients and optimizer
     state, ColossalAI's `cpu_offload`; see [Note: offload at stages 1 and 2] in
-    engine/model.py)."""
+    engine/packing.py)."""
 
     policy: PlacementPolicy = field(default_factory=DevicePlacement)
     """The placement policy, validated when built (`gemini.placement_policy(name, ...)`)."""

@@ -15,19 +15,13 @@ from shardwise import comm
 from shardwise.chunk import ChunkManager
 from shardwise.chunk.manager import ChunkPlacer
 from shardwise.comm import CommStats
-from shardwise.engine.build import (
-    averages_in_backward,
-    build_runtime,
-    chunk_manager_for,
-    gemini_manager_for,
-)
+from shardwise.engine.build import chunk_manager_for
 from shardwise.engine.config import EngineConfig
 from shardwise.engine.module_at_rest import ModuleAtRest, ModuleState
+from shardwise.engine.packing import Packing, place_buffers
 from shardwise.engine.state_dict import gather_full_grads, load_full_state_dict
 from shardwise.gemini import GeminiManager
-from shardwise.prepare.ignore import is_ignored, keep_ignored_local
 from shardwise.prepare.meta_init import MetaMaterializer, has_meta_tensors
-from shardwise.prepare.slicing import sliced, unslice, whole_numel
 from shardwise.runtime.gather_scheduler import GatherScheduler
 from shardwise.runtime.grad_reducer import GradReducer
 from shardwise.runtime.hooks import HookSet
@@ -61,7 +55,7 @@ class ZeroModel(nn.Module):
         gemini_manager: stage 3's placement of chunks in device and host memory, over
             `chunk_manager`; without one every buffer stays on the device (stages 1-2 make
             their own when `config` offloads the optimizer side: see [Note: offload at stages
-            1 and 2]).
+            1 and 2] in engine/packing.py).
     """
 
     def __init__(
@@ -88,36 +82,30 @@ class ZeroModel(nn.Module):
         object.__setattr__(module, _WRAPPED_MARK, True)
         comm.destroy_default_group_at_exit()  # see [Note: gloo at exit] in comm/lifecycle.py
         # See [Note: meta-device models] in prepare/meta_init.py.
-        self._meta = (
+        meta = (
             MetaMaterializer(module, config.device, config.param_init_fn)
             if has_meta_tensors(module)
             else None
         )
         self.module = module
-        if self._meta is None:
-            _place_buffers(module, config.device)
-        self.config = config
+        if meta is None:
+            place_buffers(module, config.device)
         self._dtypes = config.precision.chunk_dtypes()
         if chunk_manager is None:
             chunk_manager = chunk_manager_for(config, CommStats())
         elif chunk_manager.chunks:
             raise ValueError("chunk_manager already holds chunks; pass a fresh ChunkManager")
         self.comm_stats = chunk_manager.stats
-        self.gemini_manager = gemini_manager
         # Stage 3's gather schedule records the modules it ran; the pass checks compare them.
-        self._trail = VisitTrail() if config.stage == 3 else None
+        trail = VisitTrail() if config.stage == 3 else None
         self.rank_sync = RankSync(
             self.comm_stats,
             config.topology.process_group,
             check_passes=config.stage == 3,
-            trail=self._trail,
+            trail=trail,
         )
-        # See [Note: packed once the bucket size is known].
-        self._to_pack: ChunkManager | None = chunk_manager
         self._compiled_as_a_whole = False  # see [Note: a model compiled as a whole]
         self._compiled_parts: bool | None = None
-        # Built once the parameters are packed (`_install_hooks`).
-        self._runtime: Runtime | None = None
         # Every hook of this engine on the module and its tensors (see [Note: one owner of an
         # engine's hooks] in runtime/hooks.py). See [Note: the inner module works on its own]:
         # the root's two hold this model strongly, as the module needs its engine while it
@@ -131,18 +119,23 @@ class ZeroModel(nn.Module):
             )
         )
         self._hooks.add(self.module.register_forward_hook(self._after_forward, always_call=True))
+        # The parameters go into the chunks through `_register_parameters`, which a subclass
+        # may override. See [Note: packed once the bucket size is known] in engine/packing.py.
+        self._packing = Packing(
+            module,
+            config,
+            chunk_manager,
+            gemini_manager,
+            meta=meta,
+            rank_sync=self.rank_sync,
+            trail=trail,
+            hooks=self._hooks,
+            register=self._register_parameters,
+        )
         # See [Note: a module at rest] in engine/module_at_rest.py.
         self._at_rest = ModuleAtRest()
         if config.stage == 3:
-            self._ensure_packed()
-
-    # [Note: packed once the bucket size is known]
-    # At stages 1 and 2 a chunk is a gradient bucket, whose size the seed API gives to the
-    # optimizer wrapper (`optim_config["reduce_bucket_size"]`), after the model is wrapped. So
-    # those stages pack the parameters into chunks only when something first needs the chunks
-    # (the optimizer wrapper, having set the size; a forward; a state dict), as ColossalAI's
-    # low-level ZeRO flattens them in its optimizer: the model is packed once, never held
-    # twice. Stage 3 packs at once: its chunk size is in the model's own configuration.
+            self._packing.ensure_packed()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ZeroModel:
         # A copy of the wrapped module (an EMA model, say) reaches the engine through the
@@ -151,17 +144,25 @@ class ZeroModel(nn.Module):
         return self
 
     @property
+    def config(self) -> EngineConfig:
+        """Stage, dtypes, chunk size and process group (`configure_reduction` replaces it)."""
+        return self._packing.config
+
+    @property
+    def gemini_manager(self) -> GeminiManager | None:
+        """The placement of chunks in device and host memory, if any (at stages 1 and 2 with
+        offload, made at each packing)."""
+        return self._packing.gemini_manager
+
+    @property
     def chunk_manager(self) -> ChunkManager:
         """The chunks holding the parameters (packing them first, at stages 1 and 2)."""
-        self._ensure_packed()
-        return self._chunk_manager
+        return self._packing.chunk_manager
 
     @property
     def runtime(self) -> Runtime:
         """What runs the passes (packing the parameters first, at stages 1 and 2)."""
-        self._ensure_packed()
-        assert self._runtime is not None
-        return self._runtime
+        return self._packing.runtime
 
     @property
     def reducer(self) -> GradReducer:
@@ -180,77 +181,14 @@ class ZeroModel(nn.Module):
         return self._runtime.param_gather if self._runtime is not None else None
 
     @property
+    def _runtime(self) -> Runtime | None:
+        """The runtime, or None while the parameters are not packed yet (without packing)."""
+        return self._packing.built_runtime
+
+    @property
     def _packed_chunk_manager(self) -> ChunkManager | None:
         """The chunks, or None while the parameters are not packed yet (without packing)."""
-        return self._chunk_manager if self._to_pack is None else None
-
-    def _ensure_packed(self) -> None:
-        chunk_manager, self._to_pack = self._to_pack, None
-        if chunk_manager is None:
-            return
-        if self._meta is None:
-            self._sync_buffers()
-            self._pack(chunk_manager)
-        else:
-            self._pack(chunk_manager)
-            self._meta.finish()
-            self.module.to(self.config.device)
-            self._sync_buffers()
-            self._meta = None  # every tensor has storage now; a later re-pack needs none
-
-    def _pack(self, chunk_manager: ChunkManager) -> None:
-        """Move the parameters into chunks and hook the module (stage 3) and gradients."""
-        self._pack_chunks(chunk_manager, values_agree=False)
-        self._install_hooks()
-
-    # [Note: offload at stages 1 and 2]
-    # ColossalAI's `cpu_offload` for low-level ZeRO: the payloads stay gathered on the device
-    # (they are the parameters forward and backward use), and each chunk's optimizer side
-    # lives in host memory: its fp32 master, its reduced gradient shard and, through the views
-    # the optimizer steps, its state. Each bucket's reduced gradient is copied to the host as
-    # its reduction completes, while backward goes on (stage 2's reduce-scatters, stage 1's
-    # all-reduces; stage 1 keeps `.grad` viewing the averaged buffer on the device); the
-    # optimizer steps on the host, chunk by chunk, and each chunk's updated values are copied
-    # back into its payload before its all-gather. The memory manager ("cpu" placement) places
-    # the chunks and counts the copies (`bytes_moved()`).
-
-    def _pack_chunks(self, chunk_manager: ChunkManager, *, values_agree: bool) -> None:
-        self._chunk_manager = chunk_manager
-        if self.config.offloads_optimizer:
-            # See [Note: offload at stages 1 and 2]; a new manager for each packing.
-            self.gemini_manager = gemini_manager_for(self.config, chunk_manager)
-        gemini = self.gemini_manager
-        self._register_parameters(
-            chunk_manager,
-            gemini.sharded_fraction if gemini is not None else 1.0,
-            values_agree=values_agree,
-            placer=gemini,
-        )
-        if self.config.stage == 1:
-            # See [Note: stage 1 averages in backward] in chunk/grads.py.
-            average = averages_in_backward(1, chunk_manager.dtypes, chunk_manager.topology)
-            for chunk in chunk_manager.trainable_chunks():
-                if average:
-                    chunk.keep_averaged_grads()
-                else:
-                    chunk.share_grad_shard_with_full()
-
-    def _install_hooks(self) -> None:
-        """The gather schedule (stage 3), deferred parameter gathers and gradient reduction,
-        as the config says: a runtime of their own, their hooks a part of the model's."""
-        self._runtime = build_runtime(
-            self.module,
-            self.config,
-            self._chunk_manager,
-            self.gemini_manager,
-            rank_sync=self.rank_sync,
-            trail=self._trail,
-            hooks=self._hooks.part(),
-        )
-
-    def _remove_hooks(self) -> None:
-        if self._runtime is not None:
-            self._runtime.close()
+        return self._packing.packed_chunk_manager
 
     def _register_parameters(
         self,
@@ -260,67 +198,26 @@ class ZeroModel(nn.Module):
         values_agree: bool,
         placer: ChunkPlacer | None,
     ) -> None:
-        """Pack the module's parameters into chunks, in `named_parameters()` order. A parameter
-        built in a ZeroInitContext is made whole only just before it is packed, and each chunk
-        is sharded as soon as it is full, so the whole model never exists on one rank (see
-        [Note: packing one chunk at a time] in chunk/manager.py). Parameters marked by
-        `set_params_to_ignore` stay out of the chunks (see [Note: ignored parameters])."""
-        stats, group = self.comm_stats, self.config.topology.process_group
-
-        meta = self._meta
-
-        def make_whole(param: nn.Parameter) -> None:
-            if meta is not None:
-                meta.before_packing(param)
-            elif sliced(param):
-                unslice(param, stats, group)
-
-        named = list(self.module.named_parameters())
-        keep_ignored_local(
-            [p for _, p in named], self._dtypes.compute, self.config.device, make_whole
-        )
-        chunk_manager.register(
-            [(name, p) for name, p in named if not is_ignored(p)],
-            sharded_fraction=sharded_fraction,
-            numel_of=whole_numel,
-            make_whole=make_whole,
-            values_agree=values_agree,
-            placer=placer,
+        """Pack the module's parameters into `chunk_manager` (see
+        `Packing.register_parameters`); called once per packing, a subclass's way to pack
+        them otherwise."""
+        self._packing.register_parameters(
+            chunk_manager, sharded_fraction, values_agree=values_agree, placer=placer
         )
 
     def configure_reduction(self, config: EngineConfig) -> None:
         """Stages 1 and 2, before the first step: `config` with the bucket size and overlap
         settings the optimizer wrapper learnt (`front_door.with_optim_config`); the parameters
-        are packed with them (see [Note: packed once the bucket size is known]). A model
-        already packed (used before its optimizer was wrapped) has its hooks rebuilt, and is
-        re-packed for a new chunk (bucket) size without broadcasting (every rank already holds
-        rank 0's values), holding the parameters twice while it runs."""
-        if self.stage == 3:
-            raise ValueError("stage 3 chunks are fixed at wrap time (gemini_config)")
-        repack = config.chunk_size_numel != self.config.chunk_size_numel
-        self.config = config
-        if self._to_pack is not None:  # see [Note: packed once the bucket size is known]
-            if repack:
-                self._to_pack = chunk_manager_for(self.config, self.comm_stats)
-            self._ensure_packed()
-            return
-        # The model was used before its optimizer was wrapped: its chunks are rebuilt.
-        self._remove_hooks()
-        if repack:
-            self._pack_chunks(chunk_manager_for(self.config, self.comm_stats), values_agree=True)
-        self._install_hooks()
+        are packed with them (see [Note: packed once the bucket size is known] in
+        engine/packing.py). A model already packed (used before its optimizer was wrapped) has
+        its hooks rebuilt, and is re-packed for a new chunk (bucket) size without broadcasting
+        (every rank already holds rank 0's values), holding the parameters twice while it
+        runs."""
+        self._packing.configure_reduction(config)
 
     @property
     def stage(self) -> int:
         return self.config.stage
-
-    def _sync_buffers(self) -> None:
-        """Start every rank from rank 0's buffers, in the compute dtype."""
-        compute = self._dtypes.compute
-        for buffer in self.module.buffers():
-            if buffer.is_floating_point() and buffer.dtype != compute:
-                buffer.data = buffer.data.to(compute)
-            comm.broadcast(buffer.data, 0, self.comm_stats, self.config.topology.process_group)
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -367,11 +264,9 @@ class ZeroModel(nn.Module):
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self._at_rest.shard_before_computing(self._packed_chunk_manager)
-        self._ensure_packed()
-        assert self._runtime is not None
         # Deferred gathers are waited for first in compiled code: see [Note: a model compiled
         # as a whole].
-        self._runtime.before_forward(wait_param_gathers=self._holds_compiled_code())
+        self.runtime.before_forward(wait_param_gathers=self._holds_compiled_code())
         compute = self._dtypes.compute
         if compute != torch.float32:
             args, kwargs = tree_map(lambda x: _cast_floating(x, compute), (args, kwargs))
@@ -380,8 +275,9 @@ class ZeroModel(nn.Module):
     @torch._dynamo.disable  # type: ignore[untyped-decorator]
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         # Runs when the forward raised too (always_call): chunks are released either way.
-        assert self._runtime is not None
-        self._runtime.after_forward(output)
+        runtime = self._runtime
+        assert runtime is not None
+        runtime.after_forward(output)
         if self.config.force_outputs_fp32:
             output = tree_map(lambda x: _cast_floating(x, torch.float32), output)
         return output
@@ -518,16 +414,6 @@ class ZeroModel(nn.Module):
     def extra_repr(self) -> str:
         manager = self.chunk_manager
         return f"stage={self.stage}, chunks={len(manager.chunks)} ({manager.chunk_size_reason})"
-
-
-def _place_buffers(module: nn.Module, device: torch.device) -> None:
-    """Move `module`'s buffers to the compute device. Its parameters are copied there as each
-    chunk is packed (and freed where they were), so a model built in host memory is never
-    whole on the device beside its chunks."""
-    for submodule in module.modules():
-        for name, buffer in submodule._buffers.items():
-            if buffer is not None and buffer.device != device:
-                submodule._buffers[name] = buffer.to(device)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

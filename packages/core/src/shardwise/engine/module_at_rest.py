@@ -62,7 +62,7 @@ class ModuleAtRest:
     """Which `ModuleState` a wrapped module is in, and the verbs that move it between them
     (see [Note: a module at rest]). Each verb takes the model's chunk manager, or None while
     the parameters are not packed yet (stages 1 and 2: see [Note: packed once the bucket size
-    is known] in engine/model.py), so that a verb refused, or with nothing to do, never packs
+    is known] in engine/packing.py), so that a verb refused, or with nothing to do, never packs
     them; only stage 3, packed when it is wrapped, is ever whole."""
 
     def __init__(self) -> None:

@@ -24,7 +24,7 @@ def model_parts(
     """What `ZeroModel(module, ...)` is built from: at stage 3 the config with its chunk size
     settled (searched over `module`'s parameters when not given), the empty chunk manager and
     the memory manager; at stages 1-2 the config alone, the model packing its chunks when
-    first needed (see [Note: packed once the bucket size is known] in engine/model.py)."""
+    first needed (see [Note: packed once the bucket size is known] in engine/packing.py)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(config, EngineConfig):

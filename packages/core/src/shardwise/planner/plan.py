@@ -375,7 +375,7 @@ def _offloaded_low_level(
     state: StateBytes, stage: int, psi_padded: int, n: int, sizes: dict[str, int]
 ) -> tuple[StateBytes, StateBytes]:
     """Stages 1-2 with `cpu_offload` (see [Note: offload at stages 1 and 2] in
-    engine/model.py): parameters (and stage 1's whole gradient) stay on the device; the fp32
+    engine/packing.py): parameters (and stage 1's whole gradient) stay on the device; the fp32
     master (always apart from the parameters then), the fp32 gradient shard and the optimizer
     state move to the host."""
     shard = psi_padded / n

@@ -91,7 +91,7 @@ def zero_optim_wrapper(
             `Overlap`) and `cpu_offload`
             (bool, default False: fp32 masters, reduced gradients and optimizer state in host
             memory, the step on the host; see [Note: offload at stages 1 and 2] in
-            engine/model.py).
+            engine/packing.py).
         warn_after_skipped_steps: warn when this many steps in a row were skipped for inf or
             nan gradients with no loss scale left to lower (see `ZeroOptimizer`).
         loss_scale: the seven scaler settings as one `LossScaleConfig`; the separate
@@ -108,7 +108,7 @@ def zero_optim_wrapper(
     loss_scale = loss_scale_from(zero_optim_wrapper, locals(), loss_scale)
     if model.stage < 3 or optim_config:
         # Stages 1-2 pack their chunks now, with this bucket size (see [Note: packed once the
-        # bucket size is known] in engine/model.py); stage 3 refuses optim_config there.
+        # bucket size is known] in engine/packing.py); stage 3 refuses optim_config there.
         configured = front_door.with_optim_config(model.config, optim_config)
         if model.stage < 3:
             model.configure_reduction(configured)

@@ -43,7 +43,7 @@ class LowLevelZeroPlugin(ZeroPluginBase):
             stage 1 in fp32, where `.grad` shows the average after backward, as under DDP).
         overlap_allgather: let the all-gather of updated parameters run into the next forward.
         cpu_offload: fp32 masters, reduced gradients and optimizer state in host memory, the
-            step on the host (see [Note: offload at stages 1 and 2] in engine/model.py).
+            step on the host (see [Note: offload at stages 1 and 2] in engine/packing.py).
         master_weights, use_fp8: refused unless at their defaults.
         fp8_communication: reduce gradients in fp8 with blockwise scales, and gather the
             updated parameters in fp8 after the step (see [Note: quantized gathers] and

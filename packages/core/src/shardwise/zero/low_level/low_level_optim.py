@@ -70,7 +70,7 @@ class LowLevelZeroOptimizer(ZeroOptimizerWrapper):
         overlap_communication: reduce each bucket in the background of backward.
         partition_grad: stage 2 when True, else stage 1.
         cpu_offload: fp32 masters, reduced gradients and optimizer state in host memory, the
-            step on the host (see [Note: offload at stages 1 and 2] in engine/model.py).
+            step on the host (see [Note: offload at stages 1 and 2] in engine/packing.py).
         dp_process_group: the group to shard over (None: the default group).
         extra_dp_group: refused unless None (LowLevelZeroPlugin's `extra_dp_size` replicates).
         forced_dtype: the dtype the parameters are cast to and computed in (None: theirs).
