@@ -12,7 +12,8 @@ block `torch.compile`d before wrapping), `+telemetry` (stream telemetry to a fil
 (parameters gathered and gradients reduced in that quantized format), `+wholestep` (the
 optimizer steps every shard in one call, as before the step went chunk by chunk: the
 reference of that change), `+pool` (stages 1-3 with `host_buffer_pool=True`: the chunk-sized
-buffers a step frees kept for the next ones) and `-rs`, `-a2a`,
+buffers a step frees kept for the next ones), `+early` (stage 3 with `step_in_backward=True`:
+each chunk steps during backward as its gradient is reduced) and `-rs`, `-a2a`,
 `-ar` (shardwise's gradient_reduction: gloo's reduce-scatter, all-to-all, all-reduce).
 `zero3-disk` is stage 3 with "cpu" placement and every master and optimizer state on the disk
 tier (under `$SHARDWISE_BENCH_DISK_DIR`, else the system's temporary directory).
@@ -83,6 +84,7 @@ class EngineSpec:
     whole_step: bool = False
     wire: str = "dtype"
     pool: bool = False
+    early: bool = False
 
     @property
     def name(self) -> str:
@@ -93,6 +95,7 @@ class EngineSpec:
             + ("" if self.wire == "dtype" else f"+{self.wire}")
             + ("+wholestep" if self.whole_step else "")
             + ("+pool" if self.pool else "")
+            + ("+early" if self.early else "")
             + ("+compile" if self.compiled else "")
             + ("+defaults" if self.defaults else "")
             + ("+telemetry" if self.telemetry else "")
@@ -115,6 +118,8 @@ class EngineSpec:
         name = name.removesuffix("+defaults")
         compiled = name.endswith("+compile")
         name = name.removesuffix("+compile")
+        early = name.endswith("+early")
+        name = name.removesuffix("+early")
         pool = name.endswith("+pool")
         name = name.removesuffix("+pool")
         whole_step = name.endswith("+wholestep")
@@ -141,6 +146,7 @@ class EngineSpec:
             whole_step,
             wire,
             pool,
+            early,
         )
         if spec.name != original:
             raise ValueError(f"cannot parse engine name {original!r} (read as {spec.name!r})")
@@ -200,16 +206,31 @@ def build(spec: EngineSpec, model: GPT, chunk_mib: float = 8.0) -> tuple[Step, C
     return _zero_step(spec, model, chunk_mib)
 
 
-def whole_step(self: Any, coef: float, grads: list[torch.Tensor]) -> None:
+def whole_step(
+    self: Any,
+    coef: float,
+    grads: list[torch.Tensor | None],
+    got_grad: list[bool],
+    stepped_early: set[int],
+) -> None:
     """The optimizer step as it was before it went chunk by chunk (see [Note: the step, chunk
     by chunk] in engine/optimizer.py): one inner step over every shard, then every publish."""
     from shardwise.optim import HybridAdam
+
+    assert not stepped_early, "+wholestep steps nothing during backward"
+    read: list[torch.Tensor] = [
+        grad if grad is not None else chunk.grads.for_step()
+        for chunk, grad in zip(self._chunks, grads, strict=True)
+    ]
+    for chunk, grad in zip(self._chunks, read, strict=True):
+        for view, begin, end, position in self._slots[chunk.chunk_id]:
+            view.grad = grad[begin:end] if got_grad[position] else None
 
     if isinstance(self.optim, HybridAdam):
         self.optim.step(grad_scale=1.0 / coef)
     else:
         if coef != 1.0:
-            torch._foreach_mul_(grads, coef)
+            torch._foreach_mul_(read, coef)
         self.optim.step()
     for chunk in self._chunks:
         chunk.publish_master(wait=not self.model.config.defers_param_gather)
@@ -246,6 +267,7 @@ def _zero_step(spec: EngineSpec, model: GPT, chunk_mib: float) -> tuple[Step, Co
             if stage < 3
             else None
         ),
+        step_in_backward=spec.early or None,
     )
     if spec.whole_step:
         zero_optimizer._step_chunk_by_chunk = types.MethodType(  # type: ignore[method-assign]
