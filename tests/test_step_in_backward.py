@@ -251,3 +251,56 @@ def test_the_engine_config_turns_it_on_for_every_front_door() -> None:
     assert all(n > 0 for n in run_ranks(_from_the_engine_config, 2))
     with pytest.raises(ValueError, match="step_in_backward applies to stage 3"):
         EngineConfig(stage=2, device=CPU, overlap=Overlap(step_in_backward=True))
+
+
+def _llama_with_checkpointing(reentrant: bool, early: bool) -> dict[str, Any]:
+    """A Hugging Face Llama under activation checkpointing, as users run large models."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            use_cache=False,
+        )
+    )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    wrapped = zero_model_wrapper(
+        model, 3, {"device": CPU, "chunk_size_numel": 20_000, "placement_policy": "cpu"}
+    )
+    optimizer = zero_optim_wrapper(wrapped, adamw(model.parameters()), step_in_backward=early)
+    losses, stepped = [], []
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        ids = torch.randint(0, 128, (2, 16), generator=generator)
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        optimizer.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().clone())
+        stepped.append(optimizer.last_stepped_in_backward)
+    return {"losses": losses, "stepped": stepped, "state": wrapped.state_dict(only_rank_0=False)}
+
+
+def _checkpointed_pair(reentrant: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _llama_with_checkpointing(reentrant, False), _llama_with_checkpointing(reentrant, True)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_steps_during_the_outer_backward(reentrant: bool) -> None:
+    # Reentrant checkpointing runs a backward inside the backward for each block: chunks
+    # reduced there step at the outer pass's next hook, as any other.
+    for after, during in run_ranks(_checkpointed_pair, 2, reentrant):
+        for old, new in zip(after["losses"], during["losses"], strict=True):
+            assert torch.equal(old, new)
+        for name, value in after["state"].items():
+            assert torch.equal(value, during["state"][name]), name
+        assert after["stepped"] == [0] * STEPS
+        assert all(n > 0 for n in during["stepped"]), during["stepped"]
