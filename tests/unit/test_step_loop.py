@@ -60,6 +60,7 @@ class FakeChunk:
 
     def __init__(self, log: list[str], chunk_id: int, tier: SideTier) -> None:
         self.log, self.chunk_id, self.tier = log, chunk_id, tier
+        self.device = torch.device("cpu")  # where the agreement's all-reduce travels
         self.optim_side_resident = tier is IN_MEMORY
         chunk = self
 

@@ -304,8 +304,15 @@ class Chunk:
                 )
             if disk is None:
                 raise ValueError("a move to the disk tier needs its DiskPool")
-            if self.master is self.payload.shard:
-                # The payload stays in memory; the master on disk is a copy of its own.
+            if (
+                self.master is self.payload.shard
+                or not _owns_its_storage(self.master)
+                or self.context.memory.is_pinned(self.master)
+            ):
+                # The payload stays in memory, or the master is a buffer of the pinned pool
+                # (registered with the device, and of its size class): the disk tier frees
+                # what it writes, so the master on disk is a copy of its own, in plain memory
+                # of exactly its size.
                 self.master = self.master.clone()
                 self.optimizer_state.follow(self.master)
             tier = OnDisk(disk, self.chunk_id, self.side_tensors, self.placement.count_disk)
@@ -468,3 +475,11 @@ class Chunk:
             f"Chunk(id={self.chunk_id}, tensors={len(self.tensors)}, numel={self.numel}, "
             f"padded={self.padded_numel}, state={self.payload.state.value})"
         )
+
+
+def _owns_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is the whole of its storage (freeing one frees the other only)."""
+    return (
+        tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )

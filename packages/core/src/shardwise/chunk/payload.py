@@ -301,6 +301,9 @@ class Payload:
             self.release()  # a gathered copy left from a forward without backward is stale now
         if master is not self.shard:
             if chunk.placement.optim_memory is chunk.placement.payload:
+                if chunk.placement.payload is not Pool.DEVICE:
+                    # A gather's upload of this host shard may still be reading it.
+                    chunk.context.memory.before_host_write(self.shard)
                 self.shard.copy_(master)
             else:
                 self._copy_across(master)

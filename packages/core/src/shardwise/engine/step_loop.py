@@ -132,7 +132,7 @@ def _step_and_agree(
     # What the chunks written out held is free now: back to the system (see [Note: freed
     # memory goes back] in memory/pages.py).
     give_back_freed_memory()
-    failures = _agree(failure, stats, group)
+    failures = _agree(failure, stats, group, work[0].device)
     if not failures:
         for chunk in work:
             chunk.tier.commit()
@@ -156,10 +156,13 @@ def _outcome(future: Future[None], what: str) -> str | None:
     return None if error is None else f"{what}: {error}"
 
 
-def _agree(failure: str | None, stats: CommStats, group: ProcessGroup | None) -> list[str]:
+def _agree(
+    failure: str | None, stats: CommStats, group: ProcessGroup | None, device: torch.device
+) -> list[str]:
     """Every rank's failure, "rank r, <what>", the same list on every rank (empty when none
-    failed). One small all-reduce; the messages travel only after a failure."""
-    flag = torch.tensor([0.0 if failure is None else 1.0])
+    failed). One small all-reduce, on the chunks' compute `device` (NCCL moves device tensors
+    only); the messages travel only after a failure."""
+    flag = torch.tensor([0.0 if failure is None else 1.0], device=device)
     comm.all_reduce(flag, stats, group, op=ReduceOp.MAX)
     if flag.item() == 0:
         return []

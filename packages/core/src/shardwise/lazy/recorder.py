@@ -402,6 +402,8 @@ def _snapshot(device: torch.device, generator: torch.Generator | None) -> Random
         if device.type == "cpu":
             generator = torch.default_generator
         elif device.type == "cuda":
+            # The generators exist once CUDA is initialised (torch's get_rng_state does so too).
+            torch.cuda.init()
             index = device.index if device.index is not None else torch.cuda.current_device()
             generator = torch.cuda.default_generators[index]
         else:

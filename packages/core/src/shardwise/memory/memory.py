@@ -163,7 +163,11 @@ class Memory:
         done = streams.record(side)
         for buffer in (tensor, target):
             self.hold_until(buffer, side, done)
-        return PendingCopy(target, done, keep=(tensor,))
+        # A device source is kept from reuse by its stream record (hold_until); a host one
+        # outside the pool must stay alive until the copy has read it. Keeping a device
+        # source too held every reduced gradient on the device until the step read it.
+        keep = () if tensor.device.type == "cuda" else (tensor,)
+        return PendingCopy(target, done, keep=keep)
 
     def hold_until(self, buffer: torch.Tensor, stream: Any, done: Any) -> None:
         """Keep `buffer`, used on side `stream`, from reuse until that use's `done` event."""
@@ -171,7 +175,17 @@ class Memory:
             if buffer.untyped_storage().size():
                 buffer.record_stream(stream)
         elif self.pinned is not None and self.pinned.owns(buffer):
-            self.pinned.note_copy(buffer, done.query)
+            self.pinned.note_copy(buffer, done.query, done.synchronize)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a buffer of the pinned pool (which alone may free it)."""
+        return self.pinned is not None and self.pinned.owns(tensor)
+
+    def before_host_write(self, tensor: torch.Tensor) -> None:
+        """The host is about to write `tensor`: wait for a copy still reading it on a side
+        stream (a gather's upload of a host shard), if it is one of the pool's buffers."""
+        if self.pinned is not None and self.pinned.owns(tensor):
+            self.pinned.wait_for_copy(tensor)
 
     def __repr__(self) -> str:
         kinds = [

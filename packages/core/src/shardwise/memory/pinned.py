@@ -18,10 +18,17 @@ in has completed (its event). Free buffers are kept for the next buffer of their
 `spare_limit_bytes` in all; `drain()` unpins and frees them. Pinning is an injected `Pinner`:
 on a host without CUDA the tests give a fake one that counts, so the pool's logic (classes,
 reuse, use counts, limits, events) runs on every machine.
+
+A pool that is dropped (its model collected) unpins every buffer it pinned, in use or not: the
+memory is freed without `cudaHostUnregister` otherwise, and the allocator hands the same
+addresses to the next model, whose registration CUDA then refuses as already registered. An
+empty buffer is never pinned (CUDA refuses a registration of zero bytes): the empty gradient
+shard a chunk starts with is a plain tensor.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +71,8 @@ class _Buffer:
     storage: torch.UntypedStorage
     # Whether the last copy that read or wrote it has completed (None: no copy pending).
     copy_done: Callable[[], bool] | None = field(default=None)
+    # Waits for that copy (None: nothing to wait for).
+    wait_copy: Callable[[], None] | None = field(default=None)
 
 
 class PinnedBuffers:
@@ -89,6 +98,8 @@ class PinnedBuffers:
         self._by_storage: dict[int, _Buffer] = {}
         self.pins = 0  # memory pinned, counted per buffer (for tests and reports)
         self.reused = 0  # buffers handed out again
+        # Unpins what is left when the pool is dropped; holds the buffers, not the pool.
+        weakref.finalize(self, _unpin_all, pinner, self._buffers)
 
     def keep_room_for(self, buffer_bytes: list[int]) -> None:
         """Keep up to two of the largest of `buffer_bytes` free between uses."""
@@ -97,8 +108,10 @@ class PinnedBuffers:
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D host tensor of `numel` elements over pinned memory: a free buffer of its size
-        class if there is one, else a new one, pinned now."""
+        class if there is one, else a new one, pinned now (none for no elements)."""
         tensor = torch.empty(0, dtype=dtype)
+        if numel == 0:
+            return tensor  # nothing to pin, and CUDA refuses to pin zero bytes
         nbytes = numel * tensor.element_size()
         buffer = self._free_buffer(nbytes)
         if buffer is None:
@@ -114,15 +127,29 @@ class PinnedBuffers:
             self._by_storage[storage.data_ptr()] = buffer
         else:
             self.reused += 1
-        buffer.copy_done = None
+        buffer.copy_done = buffer.wait_copy = None
         return tensor.set_(buffer.storage, 0, (numel,), (1,))
 
-    def note_copy(self, tensor: torch.Tensor, done: Callable[[], bool]) -> None:
-        """`tensor` (from this pool) takes part in a copy that `done()` says has completed:
-        its buffer is not handed out again before."""
+    def note_copy(
+        self,
+        tensor: torch.Tensor,
+        done: Callable[[], bool],
+        wait: Callable[[], None] | None = None,
+    ) -> None:
+        """`tensor` (from this pool) takes part in a copy that `done()` says has completed
+        (and `wait()` waits for): its buffer is not handed out again before."""
         buffer = self._by_storage.get(tensor.untyped_storage().data_ptr())
         if buffer is not None:
-            buffer.copy_done = done
+            buffer.copy_done, buffer.wait_copy = done, wait
+
+    def wait_for_copy(self, tensor: torch.Tensor) -> None:
+        """Before the host writes `tensor` (from this pool): wait for the last copy that read
+        it, which may still be running on a device's stream."""
+        buffer = self._by_storage.get(tensor.untyped_storage().data_ptr())
+        if buffer is None or buffer.copy_done is None or buffer.copy_done():
+            return
+        if buffer.wait_copy is not None:
+            buffer.wait_copy()
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._by_storage
@@ -169,6 +196,14 @@ class PinnedBuffers:
             del self._buffers[nbytes]
         del self._by_storage[buffer.storage.data_ptr()]
         self._pinner.unpin(buffer.storage)
+
+
+def _unpin_all(pinner: Pinner, buffers: dict[int, list[_Buffer]]) -> None:
+    """A dropped pool's buffers, unpinned (see [Note: pinned buffers, pooled])."""
+    for group in buffers.values():
+        for buffer in group:
+            pinner.unpin(buffer.storage)
+    buffers.clear()
 
 
 def _free(buffer: _Buffer) -> bool:
