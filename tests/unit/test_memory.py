@@ -22,6 +22,7 @@ class CountingPinner:
         self.unpins = 0
 
     def pin(self, storage: torch.UntypedStorage) -> None:
+        assert storage.nbytes() > 0, "cudaHostRegister refuses zero bytes"
         assert storage.data_ptr() not in self.pinned, "pinned twice"
         self.pinned[storage.data_ptr()] = storage.nbytes()
         self.pins += 1
@@ -133,3 +134,38 @@ def test_memory_refuses_a_host_buffer_pool_for_a_cuda_device() -> None:
 
     with pytest.raises(ValueError, match="serves a CPU device"):
         Memory(torch.device("cuda", 0), pooled=BufferPool(0))
+
+
+def test_an_empty_buffer_is_not_pinned() -> None:
+    pinner = CountingPinner()
+    pool = PinnedBuffers(pinner)
+    empty = pool.empty(0, torch.float32)
+    assert empty.numel() == 0 and empty.dtype == torch.float32
+    assert pinner.pins == 0 and not pool.owns(empty)
+
+
+def test_a_dropped_pool_unpins_every_buffer_in_use_or_not() -> None:
+    # Else the memory is freed still registered, and the allocator hands its addresses to
+    # the next model, whose registration CUDA refuses.
+    pinner = CountingPinner()
+    pool = PinnedBuffers(pinner, spare_limit_bytes=64 * MB)
+    in_use = pool.empty(1000, torch.float32)
+    free = pool.empty(5000, torch.float32)
+    del free
+    assert pinner.pins == 2 and pinner.unpins == 0
+    del pool
+    assert pinner.unpins == 2 and not pinner.pinned
+    in_use.fill_(1.0)  # a tensor still viewing it keeps its (now pageable) memory
+
+
+def test_the_host_waits_for_a_copy_still_reading_a_buffer_before_writing_it() -> None:
+    pool = PinnedBuffers(CountingPinner())
+    buffer = pool.empty(1000, torch.float32)
+    waited: list[str] = []
+    memory = Memory(torch.device("cpu"), pinned=pool)
+    pool.note_copy(buffer, lambda: False, lambda: waited.append("copy"))
+    memory.before_host_write(buffer)
+    assert waited == ["copy"]
+    pool.note_copy(buffer, lambda: True, lambda: waited.append("done already"))
+    memory.before_host_write(buffer)
+    assert waited == ["copy"]  # a completed copy is not waited for
