@@ -6,6 +6,7 @@ overlap, which fails as marked (benchmarks/RESULTS.md, "GPU: first contact")."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -141,8 +142,18 @@ def test_host_shards_are_pinned_and_their_copies_overlap_compute() -> None:
 
 
 def _train_with_streams(
-    stage: int, options: dict[str, Any], optim_config: dict[str, Any] | None, streams: bool
+    stage: int,
+    options: dict[str, Any],
+    optim_config: dict[str, Any] | None,
+    streams: bool,
+    early: bool = False,
 ) -> list[float]:
+    # Kernels that could differ run to run (cuBLAS's split reductions, atomics) would break
+    # the comparison whatever the streams do: deterministic ones in both runs (the workspace
+    # setting is read when cuBLAS starts, in this rank's fresh process; an op with no
+    # deterministic kernel warns rather than fails).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if not streams:
         import shardwise.engine.build as build
         from shardwise.memory import Memory, PinnedBuffers, Streams
@@ -165,9 +176,15 @@ def _train_with_streams(
         config["chunk_size_numel"] = CHUNK
     wrapped = zero_model_wrapper(model, stage, config)
     optimizer = zero_optim_wrapper(
-        wrapped, HybridAdam(model.parameters(), lr=1e-3), optim_config=optim_config
+        wrapped,
+        HybridAdam(model.parameters(), lr=1e-3),
+        optim_config=optim_config,
+        step_in_backward=early or None,
     )
-    return _losses(wrapped, optimizer, "cuda")
+    losses = _losses(wrapped, optimizer, "cuda")
+    if early:  # the chunks did step during backward, on autograd's device thread
+        assert optimizer.last_stepped_in_backward > 0
+    return losses
 
 
 @pytest.mark.parametrize(
@@ -189,6 +206,19 @@ def test_side_streams_change_no_number(
         run_ranks(_train_with_streams, 1, stage, options, optim_config, streams, backend="nccl")
         for streams in (True, False)
     ]
+    assert runs[0] == runs[1]
+
+
+def test_chunks_stepping_during_backward_change_no_number_on_cuda() -> None:
+    """Stage 3, every side in host memory, side streams on: each chunk's host step during
+    backward (inside autograd's hooks, on its device thread) against the step after it."""
+    runs = [
+        run_ranks(
+            _train_with_streams, 1, 3, {"placement_policy": "cpu"}, None, True, early,
+            backend="nccl",
+        )
+        for early in (False, True)
+    ]  # fmt: skip
     assert runs[0] == runs[1]
 
 
