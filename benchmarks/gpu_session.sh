@@ -3,6 +3,8 @@
 # repository root on the GPU machine:
 #
 #   bash benchmarks/gpu_session.sh all      OUT [--smoke]
+#       Ask for an H200 (the device tool's kind nvidia-h200): the 10.8B Llama's model state
+#       is 194 GB at 18 bytes a parameter, more than an H100's 80 GB and 125 GiB of host hold.
 #       THE call of a lent session, at most 9 minutes: each part under a `timeout` of its own,
 #       within what is left of the call's deadline (530 s; GPU_SESSION_SECONDS=... sets
 #       another), so a hang cannot eat the rest; in order of value (budget in seconds):
@@ -16,7 +18,8 @@
 #         llama-10.8b-ckpt   the 10.8B Llama, checkpointing, "auto" defaults: 1 warm-up and
 #                            2 timed steps                                                160
 #         llama-10.8b        the same without checkpointing, 1 + 1 steps          what is left
-#         largest            a 16.4B Llama (4096 x 80), checkpointing, "auto"     what is left
+#         largest            the largest 4096-wide Llama the memory holds at 18 bytes a
+#                            parameter (at most 16.4B), checkpointing, "auto"     what is left
 #         report             bench_gpu.py report: OUT/RESULTS-gpu.md, the block for
 #                            benchmarks/RESULTS.md (15 s kept for it)
 #       --smoke runs the same wiring on tiny models on any machine (on a CPU: the copies
@@ -158,8 +161,17 @@ torch.cuda.is_available() and torch.cuda.get_device_name())'" || status=1
     part llama-10.8b $bench_gpu llama $smoke --model 10.8b --engines shardwise-auto \
         --warmup 1 --steps 1 --timeouts 145 --budget $((b - 5)) \
         --out "$out/llama-10.8b.json" || status=1
+    # The largest Llama of width 4096 whose model state fits this machine's device and host
+    # memory together at the engine's 18 bytes a parameter (bf16 payload, fp32 master, fp32
+    # gradient shard, Adam's two moments) less 24 GB (activations with checkpointing, the
+    # working set, CUDA's context, the pools): 67 layers (13.8B) on an H200 and 125 GiB, 50
+    # (10.4B) on an H100; at most 80 (16.4B, 295 GB of state: past both).
+    layers=$("$python" -c 'import os, torch
+device = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+print(max(2, min(80, int(((device + host - 24e9) / 18 - 0.262e9) / 0.2024e9))))' || echo 80)
     budget 300
-    part largest $bench_gpu llama $smoke --model 4096x80 --engines shardwise-auto \
+    part largest $bench_gpu llama $smoke --model "4096x$layers" --engines shardwise-auto \
         --checkpointing --warmup 1 --steps 1 --timeouts 295 --budget $((b - 5)) \
         --out "$out/largest.json" || status=1
     reserve=0
