@@ -304,3 +304,24 @@ def test_activation_checkpointing_steps_during_the_outer_backward(reentrant: boo
             assert torch.equal(value, during["state"][name]), name
         assert after["stepped"] == [0] * STEPS
         assert all(n > 0 for n in during["stepped"]), during["stepped"]
+
+
+def _skipping_a_batch_after_backward() -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapped, model = _wrapped("cpu")
+    optimizer = zero_optim_wrapper(wrapped, adamw(model.parameters()), step_in_backward=True)
+    idx, targets = batch_slice(0, 0, rank, world)
+    optimizer.backward(wrapped(idx, targets))
+    for group in optimizer.param_groups:  # a schedule moving on without this batch's step
+        group["lr"] = 1e-3
+    with pytest.warns(RuntimeWarning, match="zero_grad\\(\\) without step\\(\\)") as said:
+        optimizer.zero_grad()
+    idx, targets = batch_slice(1, 0, rank, world)
+    optimizer.backward(wrapped(idx, targets))
+    optimizer.step()  # the chunks stepped before zero_grad() are forgotten, not refused
+    return [str(warning.message) for warning in said]
+
+
+def test_zero_grad_without_step_says_the_chunks_that_stepped_keep_their_step() -> None:
+    for said in run_ranks(_skipping_a_batch_after_backward, 2):
+        assert any("keep that step" in message for message in said), said

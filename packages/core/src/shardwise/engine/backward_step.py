@@ -87,6 +87,13 @@ class StepsInBackward:
             )
         return stepped
 
+    def forget(self) -> set[int]:
+        """At `zero_grad()` without `step()`: the chunks stepped during backward, forgotten
+        (they keep their step; nothing is compared, nothing else will step)."""
+        stepped, self.stepped = self.stepped, set()
+        self._hyperparameters = None
+        return stepped
+
 
 def _hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [

@@ -396,7 +396,7 @@ class ZeroOptimizer:
         forgotten with them (see [Note: the phase of the pass] in runtime/phase.py)."""
         self._parts.runtime.forget()
         if self._in_backward is not None and self._in_backward.stepped:
-            stepped = self._in_backward.take(self.optim.param_groups)
+            stepped = self._in_backward.forget()
             warnings.warn(
                 f"zero_grad() without step(): {len(stepped)} chunks had stepped during "
                 f"backward already (step_in_backward=True) and keep that step",
