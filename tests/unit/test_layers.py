@@ -25,6 +25,7 @@ LAYERS = [
     ("zero",),
     ("checkpoint_io",),
     ("booster",),
+    ("commands",),
     ("cli",),
 ]
 RANK = {package: level for level, packages in enumerate(LAYERS) for package in packages}
