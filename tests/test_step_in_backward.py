@@ -200,6 +200,8 @@ def _refusals() -> list[str]:
     for stage, kwargs, config in (
         (2, {}, {}),
         (3, {"max_norm": 1.0}, {}),
+        # Every chunk kept gathered: nothing could step during backward.
+        (3, {}, {"placement_policy": "static", "shard_param_frac": 0.0}),
         (
             3,
             {},
@@ -225,7 +227,8 @@ def test_what_needs_the_whole_gradient_is_refused() -> None:
     (said,) = run_ranks(_refusals, 1)
     assert "at stage 2" in said[0]
     assert "cannot clip (max_norm=1.0)" in said[1]
-    assert "fp16 loss scaling" in said[2]
+    assert "no chunk can step during backward" in said[2]
+    assert "fp16 loss scaling" in said[3]
 
 
 def _from_the_engine_config() -> int:

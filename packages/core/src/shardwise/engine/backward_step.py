@@ -40,12 +40,17 @@ class StepsInBackward:
         self._hyperparameters: list[dict[str, Any]] | None = None
 
     @staticmethod
+    def could_step(chunk: Chunk) -> bool:
+        """Whether `chunk` is of a kind that can step during backward at all: sharded, its
+        optimizer side in memory."""
+        return not chunk.keep_gathered and not chunk.tier.fallible
+
+    @staticmethod
     def may_step(chunk: Chunk) -> bool:
         """Whether `chunk`, just reduced, can step now (see [Note: the optimizer steps during
         backward])."""
         return (
-            not chunk.keep_gathered
-            and not chunk.tier.fallible
+            StepsInBackward.could_step(chunk)
             and not chunk.in_use
             and len(chunk.grads.received) == len(chunk.tensors)
         )

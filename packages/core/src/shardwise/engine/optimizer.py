@@ -153,6 +153,15 @@ class ZeroOptimizer:
             comm.rank(model.config.topology.process_group),
         )
         # See [Note: the optimizer steps during backward] in engine/backward_step.py.
+        if step_in_backward and not any(StepsInBackward.could_step(c) for c in self._chunks):
+            if self.disk is not None:
+                release_disk(self._disk_chunks, self.disk)
+            raise ValueError(
+                "step_in_backward=True, but no chunk can step during backward: every chunk "
+                "keeps its parameters gathered (shard_param_frac < 1 keeps the rest gathered) "
+                "or has its optimizer side on the disk tier. Shard the chunks, keep their "
+                "sides in memory, or use step_in_backward=False"
+            )
         self._in_backward = StepsInBackward() if step_in_backward else None
         # How many chunks stepped during the backward passes of the last step (this rank).
         self.last_stepped_in_backward = 0
