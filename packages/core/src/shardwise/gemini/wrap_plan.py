@@ -108,32 +108,6 @@ class WrapPlan:
         return payload, Pool.HOST
 
 
-def wrap_split(
-    chunks: list[Chunk],
-    budget: int,
-    margin_ratio: float | None,
-    *,
-    activation_bytes: int | None = None,
-) -> tuple[set[int], set[int]]:
-    """The packed chunks (by `id`) whose payload shard and whose optimizer side start in host
-    memory under `WrapPlan`, room kept for `activation_bytes` (None: a share of the budget)."""
-    plan = WrapPlan(
-        [PlannedChunk(c, c.numel) for c in chunks],
-        budget,
-        margin_ratio,
-        activation_bytes=activation_bytes,
-    )
-    host_payload: set[int] = set()
-    host_optim: set[int] = set()
-    for chunk in chunks:
-        payload, optim = plan.pools(chunk)
-        if payload is Pool.HOST:
-            host_payload.add(id(chunk))
-        if optim is Pool.HOST and chunk.requires_grad:
-            host_optim.add(id(chunk))
-    return host_payload, host_optim
-
-
 def wrap_side_bytes(chunk: Chunk) -> int:
     """Device bytes `chunk`'s optimizer side will take beside its shard once a step ran: the
     fp32 master (none when the shard itself is fp32), the fp32 gradient shard and Adam's two
@@ -157,5 +131,4 @@ __all__ = [
     "WRAP_ACTIVATION_SHARE",
     "WrapPlan",
     "wrap_side_bytes",
-    "wrap_split",
 ]
