@@ -25,7 +25,7 @@ LAYERS = [
     ("zero",),
     ("checkpoint_io",),
     ("booster",),
-    ("commands",),
+    ("subcommands",),
     ("cli",),
 ]
 RANK = {package: level for level, packages in enumerate(LAYERS) for package in packages}

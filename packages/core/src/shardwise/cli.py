@@ -1,7 +1,7 @@
 """The `shardwise` command: `shardwise plan ...` predicts memory and recommends a configuration;
 `shardwise consolidate SRC DST` writes a sharded checkpoint as one file.
 
-This module builds the parser and dispatches; each sub-command lives in shardwise/commands/.
+This module builds the parser and dispatches; each sub-command lives in shardwise/subcommands/.
 Nothing it imports imports torch, so that `shardwise --version` and `--help` answer at once.
 """
 
@@ -11,10 +11,10 @@ import argparse
 import importlib.metadata
 import sys
 
-from shardwise.commands import consolidate, plan
+from shardwise.subcommands import consolidate, plan
 
 # The command line's value readers stay importable from here, where they were first public.
-from shardwise.commands.arguments import count, size_in_bytes, size_in_bytes_or_zero
+from shardwise.subcommands.arguments import count, size_in_bytes, size_in_bytes_or_zero
 
 __all__ = ["count", "main", "size_in_bytes", "size_in_bytes_or_zero"]
 

@@ -8,8 +8,8 @@ import argparse
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from shardwise.commands.arguments import DTYPES, gb
-from shardwise.commands.plan_model import MODEL_FORM, one_line
+from shardwise.subcommands.arguments import DTYPES, gb
+from shardwise.subcommands.plan_model import MODEL_FORM, one_line
 
 if TYPE_CHECKING:
     from torch import nn

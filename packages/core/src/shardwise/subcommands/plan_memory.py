@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shardwise.commands.arguments import gb
+from shardwise.subcommands.arguments import gb
 
 
 def memory_per_rank(args: argparse.Namespace) -> tuple[int, int, int | None, str | None]:

@@ -9,20 +9,20 @@ import argparse
 import json
 import sys
 
-from shardwise.commands.arguments import (
+from shardwise.subcommands.arguments import (
     DTYPES,
     count,
     positive_int,
     size_in_bytes,
     size_in_bytes_or_zero,
 )
-from shardwise.commands.plan_activations import (
+from shardwise.subcommands.plan_activations import (
     check_activation_options,
     estimated_activations,
     given_activations,
 )
-from shardwise.commands.plan_memory import memory_per_rank
-from shardwise.commands.plan_model import MODEL_FORM, meta_model, model_spec
+from shardwise.subcommands.plan_memory import memory_per_rank
+from shardwise.subcommands.plan_model import MODEL_FORM, meta_model, model_spec
 
 _EPILOG = """\
 sizes carry a unit: 80GB, 80GiB, 512MiB, 1.5TB (B, KB, MB, GB, TB, KiB, MiB, GiB,
